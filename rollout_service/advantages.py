@@ -1,0 +1,48 @@
+"""Group-normalised advantages, as TRL's GRPOTrainer computes them.
+
+advantage_i = (r_i - mean(r_group)) / (std + 1e-4), where std is the unbiased standard
+deviation of the group (``scale_rewards="group"``), of recent rewards across groups
+(``"batch"``, a sliding window since groups stream in one at a time), or 1 (``"none"``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from rollout_service.types import AdvantageScaling
+
+EPS = 1e-4
+
+
+class AdvantageComputer:
+    """Stateful only for batch scaling, which needs the spread of recent rewards."""
+
+    def __init__(self, scaling: AdvantageScaling, batch_window: int = 1024) -> None:
+        self.scaling = scaling
+        self._recent: deque[float] = deque(maxlen=batch_window)
+
+    def __call__(self, rewards: list[float]) -> list[float]:
+        if len(rewards) < 2:
+            raise ValueError("group advantages need at least 2 rewards")
+        mean = statistics.fmean(rewards)
+        if self.scaling is AdvantageScaling.GROUP:
+            scale = statistics.stdev(rewards) + EPS
+        elif self.scaling is AdvantageScaling.BATCH:
+            self._recent.extend(rewards)
+            scale = statistics.stdev(self._recent) + EPS
+        else:
+            scale = 1.0
+        return [(r - mean) / scale for r in rewards]
+
+
+def weighted_total(components: dict[str, list[float]], weights: dict[str, float], size: int) -> list[float]:
+    """Weighted sum over reward functions ignoring NaN (a function that returned None), like
+    TRL's nansum; a sample where every function returned None gets NaN."""
+    totals: list[float] = []
+    for i in range(size):
+        values = [(components[name][i], weights[name]) for name in components]
+        present = [v * w for v, w in values if not math.isnan(v)]
+        totals.append(math.fsum(present) if present else math.nan)
+    return totals

@@ -1,0 +1,138 @@
+"""Assembles a running service from settings: vLLM servers (managed or given), tokenizer,
+engine pool, scheduler, gRPC server, metrics endpoint; and takes them down in reverse.
+
+``running_service`` is the one lifetime: an async context manager that shuts everything
+down in ``finally`` (health NOT_SERVING first, then the gRPC server with a grace period,
+then runs, engines and the managed vLLM server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+
+from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
+from rollout_service.engine.managed import ManagedVLLMServer
+from rollout_service.engine.pool import EnginePool
+from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.errors import StartupError
+from rollout_service.metrics import ServiceMetrics, start_metrics_server
+from rollout_service.prompts import PromptRenderer
+from rollout_service.rewards import RewardRegistry
+from rollout_service.server import start_grpc_server
+from rollout_service.service import RolloutService, ServiceInfo
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class RunningService:
+    service: RolloutService
+    grpc_port: int
+    metrics_port: int | None
+    engine_urls: list[str]
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+async def describe_model(url: str, timeout_s: float = 10.0) -> tuple[str, int | None]:
+    """Name and context length of the model a vLLM server serves (GET /v1/models)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/v1/models") as resp:
+        resp.raise_for_status()
+        model = (await resp.json())["data"][0]
+    return model["id"], model.get("max_model_len")
+
+
+async def resolve_model(urls: list[str], settings: EngineSettings) -> tuple[str, int]:
+    """Ask the servers what they serve. A service whose servers are not up yet (containers
+    start in any order) still starts when the model is configured; requests then fail,
+    are counted, and succeed once a server answers."""
+    for url in urls:
+        try:
+            model, max_model_len = await describe_model(url)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("vLLM server %s does not answer /v1/models: %s", url, exc)
+            continue
+        return settings.model or model, settings.max_model_len or max_model_len or DEFAULT_MAX_MODEL_LEN
+    if settings.model is None:
+        raise StartupError(
+            f"no vLLM server answered ({', '.join(urls)}); start one, or set engine.model (and "
+            "engine.tokenizer) so the service can start before its servers"
+        )
+    return settings.model, settings.max_model_len or DEFAULT_MAX_MODEL_LEN
+
+
+def load_tokenizer(name_or_path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+@contextlib.asynccontextmanager
+async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningService]:
+    engine_settings = settings.engine
+    async with contextlib.AsyncExitStack() as stack:
+        urls = list(engine_settings.urls)
+        tokenizer_path = engine_settings.tokenizer
+        if not urls:
+            assert engine_settings.managed is not None
+            managed_settings = engine_settings.managed
+            if managed_settings.model == DEFAULT_MODEL_DIR:  # the embedded default: build it if missing
+                from rollout_service.tiny_model import build_tiny_model
+
+                await asyncio.to_thread(build_tiny_model, managed_settings.model)
+            managed = ManagedVLLMServer(managed_settings, served_model_name=engine_settings.model)
+            await asyncio.to_thread(managed.start)
+            stack.push_async_callback(asyncio.to_thread, managed.stop)
+            urls = [managed.url]
+            tokenizer_path = tokenizer_path or str(managed_settings.model)
+        model, max_model_len = await resolve_model(urls, engine_settings)
+        tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path or engine_settings.model or model)
+
+        metrics = ServiceMetrics()
+        max_inflight = settings.scheduler.max_inflight
+        pool = EnginePool([VLLMServerClient(url, model, engine_settings, metrics, max_inflight) for url in urls])
+        await pool.start()
+        stack.push_async_callback(pool.close)
+
+        rewards = RewardRegistry()
+        for module in settings.reward_modules:
+            rewards.load_module(module)
+        service = RolloutService(
+            engine=pool,
+            renderer=PromptRenderer(tokenizer, max_model_len),
+            rewards=rewards,
+            metrics=metrics,
+            settings=settings.scheduler,
+            info=ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight),
+        )
+        stack.push_async_callback(service.close)
+
+        metrics_port = None
+        if settings.metrics_port is not None:
+            runner, metrics_port = await start_metrics_server(metrics, settings.host, settings.metrics_port)
+            stack.push_async_callback(runner.cleanup)
+
+        server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port)
+
+        async def stop_grpc() -> None:
+            await health.enter_graceful_shutdown()
+            await server.stop(SHUTDOWN_GRACE_S)
+
+        stack.push_async_callback(stop_grpc)
+        logger.info(
+            "rollout service on %s:%d (model %s, %d slots, engines %s, metrics port %s)",
+            settings.host, grpc_port, model, max_inflight, urls, metrics_port,
+        )  # fmt: skip
+        yield RunningService(service, grpc_port, metrics_port, urls)

@@ -1,0 +1,110 @@
+"""``rollout-service``: serve, or build the tiny model. Configuration errors print one line
+that says what to change and exit with status 2, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.logging import RichHandler
+
+from rollout_service.config import ServiceSettings, load_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(message)s", datefmt="[%X]", handlers=[RichHandler(show_path=False)]
+    )
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def settings_from_cli(config: Path | None, overrides: dict[str, Any]) -> ServiceSettings:
+    try:
+        return load_settings(config, **overrides)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        _fail(f"invalid configuration: {problems}")
+    raise AssertionError("unreachable")
+
+
+async def serve_until_signalled(settings: ServiceSettings) -> None:
+    from rollout_service.app import running_service
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with running_service(settings):
+        await stop.wait()
+        logging.getLogger(__name__).info("shutting down")
+
+
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option(help="YAML settings file")] = None,
+    host: Annotated[str | None, typer.Option(help="gRPC bind address")] = None,
+    port: Annotated[int | None, typer.Option(help="gRPC port")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port")] = None,
+    vllm_url: Annotated[
+        list[str] | None, typer.Option(help="A running vLLM server (repeat for several); default: managed")
+    ] = None,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint for the managed vLLM server")] = None,
+    max_inflight: Annotated[int | None, typer.Option(help="Slots: episodes generating at once")] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING, ...")] = None,
+) -> None:
+    """Run the rollout service until SIGINT/SIGTERM."""
+    overrides: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "metrics_port": metrics_port,
+        "log_level": log_level,
+    }
+    settings = settings_from_cli(config, overrides)
+    if vllm_url:
+        settings.engine.urls = vllm_url
+        settings.engine.managed = None
+    if model is not None:
+        if settings.engine.managed is None:
+            _fail("--model sets the managed server's checkpoint; it cannot be combined with --vllm-url")
+        settings.engine.managed.model = model
+    if max_inflight is not None:
+        if max_inflight < 1:
+            _fail(f"--max-inflight is {max_inflight}; it must be >= 1")
+        settings.scheduler.max_inflight = max_inflight
+    setup_logging(settings.log_level)
+    import uvloop
+
+    from rollout_service.errors import StartupError
+
+    try:
+        uvloop.run(serve_until_signalled(settings))
+    except StartupError as exc:
+        _fail(str(exc))
+
+
+@app.command("build-tiny-model")
+def build_tiny_model_command(
+    output_dir: Annotated[Path, typer.Argument(help="Where to write the checkpoint")] = Path("models/tiny-qwen2"),
+) -> None:
+    """Build the tiny Qwen2 model and tokenizer of the embedded default (no download)."""
+    from rollout_service.tiny_model import build_tiny_model
+
+    setup_logging("INFO")
+    typer.echo(build_tiny_model(output_dir))
+
+
+if __name__ == "__main__":
+    app()

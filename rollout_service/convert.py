@@ -1,0 +1,190 @@
+"""Translation between rollout.v1 messages and the service's dataclasses, in one place."""
+
+from __future__ import annotations
+
+from rollout_service import __version__
+from rollout_service.api import rollout_pb2 as pb
+from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED
+from rollout_service.errors import InvalidArgument
+from rollout_service.prompts import PromptSpec
+from rollout_service.runs import Run, RunSpec
+from rollout_service.types import AdvantageScaling, SamplingParams, ScoredGroup
+
+_SCALING_FROM_PB = {
+    pb.ADVANTAGE_SCALING_UNSPECIFIED: AdvantageScaling.GROUP,
+    pb.ADVANTAGE_SCALING_GROUP: AdvantageScaling.GROUP,
+    pb.ADVANTAGE_SCALING_BATCH: AdvantageScaling.BATCH,
+    pb.ADVANTAGE_SCALING_NONE: AdvantageScaling.NONE,
+}
+_SCALING_TO_PB = {
+    AdvantageScaling.GROUP: pb.ADVANTAGE_SCALING_GROUP,
+    AdvantageScaling.BATCH: pb.ADVANTAGE_SCALING_BATCH,
+    AdvantageScaling.NONE: pb.ADVANTAGE_SCALING_NONE,
+}
+_STATE_TO_PB = {
+    "running": pb.RUN_STATE_RUNNING,
+    "stopped": pb.RUN_STATE_STOPPED,
+    "failed": pb.RUN_STATE_FAILED,
+}
+_FINISH_TO_PB = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+ACK_FROM_PB = {
+    pb.ACK_STATUS_UNSPECIFIED: ACK_TRAINED,
+    pb.ACK_STATUS_TRAINED: ACK_TRAINED,
+    pb.ACK_STATUS_DROPPED_STALE: ACK_DROPPED_STALE,
+}
+
+DEFAULT_MAX_TOKENS = 64
+
+
+def prompt_from_pb(prompt: pb.Prompt) -> PromptSpec:
+    kind = prompt.WhichOneof("content")
+    metadata = dict(prompt.metadata)
+    if kind == "messages":
+        return PromptSpec(
+            messages=[{"role": m.role, "content": m.content} for m in prompt.messages.messages],
+            metadata=metadata,
+        )
+    if kind == "text":
+        return PromptSpec(text=prompt.text, metadata=metadata)
+    if kind == "token_ids":
+        return PromptSpec(token_ids=list(prompt.token_ids.ids), metadata=metadata)
+    raise InvalidArgument("a prompt has none of messages, text or token_ids set")
+
+
+def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        stop=tuple(s.stop),
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
+    source = spec.prompt_source.WhichOneof("source")
+    if source is None:
+        raise InvalidArgument("prompt_source is not set; choose dataset, prompts or submitted")
+    if spec.scale_rewards not in _SCALING_FROM_PB:
+        raise InvalidArgument(f"scale_rewards {spec.scale_rewards} is not a known AdvantageScaling value")
+    return RunSpec(
+        source_kind=source,
+        dataset=spec.prompt_source.dataset,
+        prompts=tuple(prompt_from_pb(p) for p in spec.prompt_source.prompts.prompts),
+        sampling=sampling_from_pb(spec.sampling),
+        group_size=spec.group_size,
+        rewards=tuple((r.name, r.weight if r.HasField("weight") else 1.0) for r in spec.reward_functions),
+        max_staleness=spec.max_staleness,
+        max_inflight=spec.max_inflight,
+        max_buffered_groups=spec.max_buffered_groups,
+        scale_rewards=_SCALING_FROM_PB[spec.scale_rewards],
+        display_name=spec.display_name,
+    )
+
+
+def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
+    s = spec.sampling
+    out = pb.RunSpec(
+        sampling=pb.SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop=list(s.stop),
+        ),
+        group_size=spec.group_size,
+        reward_functions=[pb.RewardFunctionSpec(name=n, weight=w) for n, w in spec.rewards],
+        max_staleness=spec.max_staleness,
+        max_inflight=spec.max_inflight,
+        max_buffered_groups=spec.max_buffered_groups,
+        scale_rewards=_SCALING_TO_PB[spec.scale_rewards],
+        display_name=spec.display_name,
+    )
+    if s.seed is not None:
+        out.sampling.seed = s.seed
+    if spec.source_kind == "dataset":
+        out.prompt_source.dataset = spec.dataset
+    elif spec.source_kind == "submitted":
+        out.prompt_source.submitted.SetInParent()
+    else:
+        out.prompt_source.prompts.SetInParent()  # the prompts themselves are not echoed back
+    return out
+
+
+def run_stats_to_pb(run: Run) -> pb.RunStats:
+    c, b = run.counters, run.broker
+    return pb.RunStats(
+        groups_started=c.groups_started,
+        groups_scored=c.groups_scored,
+        groups_dropped=c.groups_dropped,
+        groups_trained=b.ack_counts[ACK_TRAINED],
+        groups_dropped_stale=b.ack_counts[ACK_DROPPED_STALE],
+        groups_buffered=len(b.buffered),
+        groups_leased=b.num_leased,
+        tokens_generated=c.tokens_generated,
+        slots_busy=c.slots_busy,
+    )
+
+
+def run_to_pb(run: Run) -> pb.Run:
+    return pb.Run(
+        run_id=run.run_id,
+        spec=run_spec_to_pb(run.spec),
+        state=_STATE_TO_PB[run.state],
+        policy_version=run.policy_version,
+        stats=run_stats_to_pb(run),
+        error=run.error,
+        max_inflight=run.max_inflight,
+        max_buffered_groups=run.broker.max_buffered,
+    )
+
+
+def group_to_pb(group: ScoredGroup) -> pb.Group:
+    samples = []
+    for i, episode in enumerate(group.episodes):
+        samples.append(
+            pb.Sample(
+                prompt_token_ids=group.prompt.token_ids,
+                completion_token_ids=episode.completion_ids,
+                completion_logprobs=episode.logprobs,
+                completion_mask=episode.mask,
+                reward=group.rewards[i],
+                reward_components=[
+                    pb.RewardComponent(name=name, value=values[i], weight=group.reward_weights[name])
+                    for name, values in group.reward_components.items()
+                ],
+                advantage=group.advantages[i],
+                policy_version_first=episode.policy_version_first,
+                policy_version_last=episode.policy_version_last,
+                finish_reason=_FINISH_TO_PB[episode.finish_reason],
+                completion_text=episode.text,
+            )
+        )
+    return pb.Group(
+        group_id=group.group_id,
+        run_id=group.run_id,
+        prompt_index=group.prompt.index,
+        prompt_text=group.prompt.text,
+        samples=samples,
+        policy_version=group.policy_version,
+        generation_seconds=group.generation_seconds,
+        metadata=group.prompt.metadata,
+    )
+
+
+def server_info_to_pb(service) -> pb.GetServerInfoResponse:  # type: ignore[no-untyped-def]
+    from rollout_service.prompts import BUILTIN_DATASETS
+
+    return pb.GetServerInfoResponse(
+        service_version=__version__,
+        model=service.info.model,
+        engine_urls=service.info.engine_urls,
+        max_inflight=service.info.max_inflight,
+        reward_functions=service.rewards.names(),
+        datasets=sorted(BUILTIN_DATASETS),
+    )

@@ -1,0 +1,142 @@
+"""Launch a local vLLM server as a subprocess, wait until it is healthy, stop it cleanly.
+
+Used by the service for the embedded default and by the test suite (one server per
+session). The server runs in its own process group, so stopping it ends vLLM's engine and
+worker processes too, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rollout_service.config import ManagedServerSettings
+from rollout_service.errors import StartupError
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ManagedServerError(StartupError):
+    """The managed server did not come up; the message names the log to read."""
+
+
+class ManagedVLLMServer:
+    """A vLLM OpenAI-compatible server owned by this process."""
+
+    def __init__(self, settings: ManagedServerSettings, served_model_name: str | None = None) -> None:
+        self.settings = settings
+        self.port = settings.port or free_port()
+        self.served_model_name = served_model_name or str(settings.model)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = settings.log_file or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        s = self.settings
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(Path(s.model).resolve()),  # vLLM runs in another cwd
+            "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--dtype", s.dtype,
+            "--max-model-len", str(s.max_model_len),
+            # Behaviour logprobs must be those of the distribution actually sampled from.
+            "--logprobs-mode", "processed_logprobs",
+            "--disable-uvicorn-access-log",
+            *s.extra_args,
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # pause/resume and weight-update endpoints
+        if self.settings.device == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.kv_cache_gib))
+        return env
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logger.info("starting vLLM on %s serving %s (log: %s)", self.url, self.settings.model, self.log_path)
+        with open(self.log_path, "ab") as log:
+            # A neutral working directory: a folder named like a vLLM plugin package in the
+            # cwd would shadow the installed one.
+            self._process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                cwd=tempfile.gettempdir(),
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        while time.monotonic() < deadline:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                raise ManagedServerError(
+                    f"vLLM exited with code {self._process.returncode} during start-up; "
+                    f"see {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        logger.info("vLLM is healthy on %s", self.url)
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)  # polling an external process: there is no event to wait on
+        raise ManagedServerError(
+            f"vLLM was not healthy within {self.settings.startup_timeout_s:.0f}s; see {self.log_path}"
+        )
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        pgid = os.getpgid(process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("vLLM did not stop within %.0fs; killing it", timeout_s)
+            os.killpg(pgid, signal.SIGKILL)
+            process.wait(timeout=10)
+        # Reap the rest of the group (engine core, worker) if they outlived the API server.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        logger.info("vLLM on %s stopped", self.url)
+
+    def __enter__(self) -> ManagedVLLMServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

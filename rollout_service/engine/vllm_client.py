@@ -1,0 +1,139 @@
+"""HTTP client of one OpenAI-compatible vLLM server, token ids in and out.
+
+Retries only what can succeed (connection errors, timeouts, 5xx, 429) with exponential
+backoff inside a bounded budget; a 4xx is the request's fault and fails at once. Timeouts
+are per phase (connect, read) per attempt, never one total around retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from rollout_service.config import EngineSettings
+from rollout_service.errors import EngineError
+from rollout_service.metrics import ServiceMetrics
+from rollout_service.types import Completion, FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+
+
+class _Retryable(Exception):
+    pass
+
+
+def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """The /v1/completions request for one completion with behaviour logprobs."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.seed is not None:
+        body["seed"] = params.seed
+    return body
+
+
+def parse_completion(payload: dict[str, Any], server: str) -> Completion:
+    choice = payload["choices"][0]
+    token_ids = list(choice["token_ids"])
+    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    if len(logprobs) != len(token_ids):
+        raise EngineError(server, f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+    reason = choice.get("finish_reason") or "stop"
+    finish: FinishReason = reason if reason in ("stop", "length", "abort") else "stop"
+    return Completion(token_ids, logprobs, finish, choice.get("text") or "", server)
+
+
+class VLLMServerClient:
+    """One server: one aiohttp session whose connection limit is sized to the slots."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        settings: EngineSettings,
+        metrics: ServiceMetrics,
+        max_connections: int,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.settings = settings
+        self.metrics = metrics
+        self.inflight = 0
+        self.consecutive_failures = 0
+        # aiohttp's default cap of 100 connections would silently throttle large runs.
+        self._connector_limit = max(max_connections, 1) + 8
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.settings.connect_timeout_s, sock_read=self.settings.read_timeout_s
+        )
+        connector = aiohttp.TCPConnector(limit=self._connector_limit, limit_per_host=self._connector_limit)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        body = completion_body(self.model, prompt_ids, params)
+        self.inflight += 1
+        self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
+        start = time.perf_counter()
+        try:
+            payload = await self._post_with_retries("/v1/completions", body)
+            completion = parse_completion(payload, self.base_url)
+        except EngineError:
+            self.consecutive_failures += 1
+            self.metrics.request_failures.labels(self.base_url).inc()
+            raise
+        finally:
+            self.inflight -= 1
+            self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
+        self.consecutive_failures = 0
+        self.metrics.request_latency.labels(self.base_url).observe(time.perf_counter() - start)
+        return completion
+
+    async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        attempts = self.settings.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                return await self._post_once(path, body)
+            except _Retryable as exc:
+                if attempt + 1 == attempts:
+                    raise EngineError(self.base_url, f"{exc} (after {attempts} attempts)") from exc
+                delay = min(self.settings.backoff_base_s * 2**attempt, self.settings.backoff_max_s)
+                self.metrics.request_retries.labels(self.base_url).inc()
+                logger.debug("retrying %s%s in %.2fs: %s", self.base_url, path, delay, exc)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _post_once(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._session is None:
+            raise EngineError(self.base_url, "client used before start()")
+        try:
+            async with self._session.post(self.base_url + path, json=body) as resp:
+                if resp.status in _RETRYABLE_STATUS:
+                    raise _Retryable(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                if resp.status >= 400:
+                    raise EngineError(self.base_url, f"HTTP {resp.status}: {(await resp.text())[:500]}")
+                return await resp.json()
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc

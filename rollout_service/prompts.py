@@ -1,0 +1,143 @@
+"""Where a run's prompts come from, and how a prompt becomes token ids.
+
+Prompts are rendered to token ids once, here; from then on the service only moves ids
+(vLLM gets ids, samples carry ids), so nothing is ever re-tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollout_service.errors import InvalidArgument, ResourceExhausted
+from rollout_service.types import PromptItem
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """A prompt as a client gives it: exactly one of messages, text or token ids."""
+
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def _letters() -> list[PromptSpec]:
+    return [
+        PromptSpec(
+            messages=[{"role": "user", "content": f"Write the letter {c} as many times as you can."}],
+            metadata={"target_char": c},
+        )
+        for c in "abcdefghij"
+    ]
+
+
+def _arithmetic() -> list[PromptSpec]:
+    pairs = [(a, b) for a in range(0, 50, 7) for b in range(0, 50, 11)]
+    return [
+        PromptSpec(
+            messages=[{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}],
+            metadata={"answer": str(a + b)},
+        )
+        for a, b in pairs
+    ]
+
+
+BUILTIN_DATASETS = {"letters": _letters, "arithmetic": _arithmetic}
+"""Toy datasets for the embedded default; the names are what RunSpec.prompt_source.dataset takes."""
+
+
+def builtin_dataset(name: str) -> list[PromptSpec]:
+    try:
+        return BUILTIN_DATASETS[name]()
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown dataset {name!r}; built-in datasets: {', '.join(sorted(BUILTIN_DATASETS))}"
+        ) from None
+
+
+class PromptRenderer:
+    """Turns PromptSpecs into token ids with the served model's tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
+
+    def render(self, spec: PromptSpec, max_tokens: int) -> tuple[list[int], str]:
+        forms = [spec.messages is not None, spec.text is not None, spec.token_ids is not None]
+        if sum(forms) != 1:
+            raise InvalidArgument("a prompt needs exactly one of messages, text or token_ids")
+        if spec.messages is not None:
+            if not spec.messages:
+                raise InvalidArgument("a chat prompt needs at least one message")
+            ids = list(
+                self.tokenizer.apply_chat_template(
+                    spec.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        elif spec.text is not None:
+            if not spec.text:
+                raise InvalidArgument("a text prompt must not be empty")
+            ids = self.tokenizer.encode(spec.text, add_special_tokens=False)
+        else:
+            ids = list(spec.token_ids or [])
+            if not ids:
+                raise InvalidArgument("a token-id prompt must not be empty")
+            bad = [i for i in ids if i >= self.vocab_size]
+            if bad:
+                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise InvalidArgument(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
+                f"of {self.max_model_len}; shorten the prompt or lower sampling.max_tokens"
+            )
+        return ids, self.decode(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+class PromptSource(Protocol):
+    """Yields the next prompt of a run; may wait (submitted prompts)."""
+
+    async def next(self) -> PromptItem: ...
+
+
+class CyclingPromptSource:
+    """A fixed list of rendered prompts, cycled forever."""
+
+    def __init__(self, rendered: list[tuple[list[int], str, dict[str, str]]]) -> None:
+        if not rendered:
+            raise InvalidArgument("a prompt list must not be empty")
+        self._cycle = itertools.cycle(rendered)
+        self._count = itertools.count()
+
+    async def next(self) -> PromptItem:
+        ids, text, metadata = next(self._cycle)
+        return PromptItem(next(self._count), ids, text, metadata)
+
+
+class SubmittedPromptSource:
+    """Prompts pushed through SubmitPrompts, in order; a run waits while none are queued."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._queue: asyncio.Queue[PromptItem] = asyncio.Queue(maxsize=capacity)
+        self._count = itertools.count()
+
+    def submit(self, rendered: list[tuple[list[int], str, dict[str, str]]]) -> int:
+        free = self._queue.maxsize - self._queue.qsize()
+        if len(rendered) > free:
+            raise ResourceExhausted(
+                f"{len(rendered)} prompts submitted but only {free} fit in the run's queue; "
+                "submit fewer at a time or wait for the run to consume some"
+            )
+        for ids, text, metadata in rendered:
+            self._queue.put_nowait(PromptItem(next(self._count), ids, text, metadata))
+        return self._queue.qsize()
+
+    async def next(self) -> PromptItem:
+        return await self._queue.get()

@@ -1,0 +1,95 @@
+"""A run: what to generate (validated spec) and its live state (prompts, broker, counters)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollout_service.advantages import AdvantageComputer
+from rollout_service.broker import RunBroker
+from rollout_service.errors import InvalidArgument
+from rollout_service.prompts import PromptSource, PromptSpec
+from rollout_service.types import AdvantageScaling, SamplingParams
+
+PromptSourceKind = Literal["dataset", "prompts", "submitted"]
+RunState = Literal["running", "stopped", "failed"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A run as the client asked for it, defaults filled in; ``validate`` names bad fields."""
+
+    source_kind: PromptSourceKind
+    dataset: str = ""
+    prompts: tuple[PromptSpec, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    group_size: int = 8
+    rewards: tuple[tuple[str, float], ...] = ()
+    max_staleness: int = 1
+    max_inflight: int = 0
+    max_buffered_groups: int = 0
+    scale_rewards: AdvantageScaling = AdvantageScaling.GROUP
+    display_name: str = ""
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            raise InvalidArgument(
+                f"group_size is {self.group_size}; it must be >= 2 so that advantages can be "
+                "normalised within the group"
+            )
+        if self.max_staleness < 0:
+            raise InvalidArgument(f"max_staleness is {self.max_staleness}; it must be >= 0")
+        if not self.rewards:
+            raise InvalidArgument("reward_functions is empty; name at least one reward function")
+        names = [name for name, _ in self.rewards]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"reward_functions names a function twice: {names}")
+        s = self.sampling
+        if s.max_tokens <= 0:
+            raise InvalidArgument("sampling.max_tokens must be > 0")
+        if s.temperature < 0:
+            raise InvalidArgument(f"sampling.temperature is {s.temperature}; it must be >= 0")
+        if not 0 < s.top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p is {s.top_p}; it must be in (0, 1]")
+        if s.top_k < 0:
+            raise InvalidArgument(f"sampling.top_k is {s.top_k}; it must be >= 0 (0 disables)")
+        if self.source_kind == "prompts" and not self.prompts:
+            raise InvalidArgument("prompt_source.prompts is empty; give at least one prompt")
+
+
+@dataclass
+class RunCounters:
+    groups_started: int = 0
+    groups_scored: int = 0
+    groups_dropped: int = 0
+    tokens_generated: int = 0
+    slots_busy: int = 0
+
+
+@dataclass
+class Run:
+    """Live state of one run; the scheduler and the servicer share it."""
+
+    run_id: str
+    spec: RunSpec
+    source: PromptSource
+    broker: RunBroker
+    max_inflight: int
+    advantages: AdvantageComputer
+    policy_version: int = 0
+    state: RunState = "running"
+    error: str = ""
+    counters: RunCounters = field(default_factory=RunCounters)
+    slots: asyncio.Semaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = asyncio.Semaphore(self.max_inflight)
+
+    @staticmethod
+    def new_id() -> str:
+        return f"run-{uuid.uuid4().hex[:12]}"
+
+    def reward_weights(self) -> dict[str, float]:
+        return dict(self.spec.rewards)

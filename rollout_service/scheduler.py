@@ -1,0 +1,238 @@
+"""Slots, groups and streaming group scoring.
+
+Invariants:
+- at most ``max_inflight`` episodes run at once over all runs (and at most a run's own
+  ``max_inflight`` for that run); a freed slot is refilled at once, because each run's
+  feeder is already waiting on the slot semaphore;
+- a group reaches its run's broker exactly once, scored, or is dropped and counted:
+  a failed request, a failed reward or a cancelled member drops the whole group (a group
+  with a missing member would bias its advantages);
+- each group is scored the moment its last member finishes, while generation goes on.
+
+Every task is owned: the scheduler keeps it until it ends, and a feeder that dies marks
+its run failed with the error instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import Any
+
+from rollout_service.advantages import weighted_total
+from rollout_service.engine.protocol import Engine
+from rollout_service.episode import run_single_turn
+from rollout_service.errors import EngineError, RewardError
+from rollout_service.metrics import ServiceMetrics
+from rollout_service.rewards import RewardRegistry, call_reward
+from rollout_service.runs import Run
+from rollout_service.types import EpisodeResult, PromptItem, SamplingParams, ScoredGroup
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        rewards: RewardRegistry,
+        metrics: ServiceMetrics,
+        max_inflight: int,
+        decode: Callable[[list[int]], str],
+        reward_timeout_s: float = 60.0,
+    ) -> None:
+        self.engine = engine
+        self.decode = decode
+        self.rewards = rewards
+        self.metrics = metrics
+        self.max_inflight = max_inflight
+        self.reward_timeout_s = reward_timeout_s
+        self.slots_busy = 0
+        self.max_slots_busy_seen = 0
+        self.engine_failures = 0
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
+        metrics.slots_total.set(max_inflight)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start_run(self, run: Run) -> None:
+        self._tasks[run.run_id] = set()
+        feeder = self._spawn(run, self._feed(run), f"feed-{run.run_id}")
+        feeder.add_done_callback(lambda task: self._feeder_ended(run, task))
+
+    async def stop_run(self, run: Run, timeout_s: float = 10.0) -> None:
+        """Cancel the run's feeder and in-flight groups and close its broker."""
+        tasks = self._tasks.pop(run.run_id, set())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            if pending:
+                logger.warning("run %s: %d tasks did not stop within %.0fs", run.run_id, len(pending), timeout_s)
+        await run.broker.close()
+
+    def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        tasks = self._tasks.setdefault(run.run_id, set())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    def _feeder_ended(self, run: Run, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.error("run %s stopped generating: %s", run.run_id, run.error, exc_info=exc)
+
+    # -- slots ---------------------------------------------------------------------------
+    async def _acquire_slot(self, run: Run) -> None:
+        await run.slots.acquire()
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            run.slots.release()
+            raise
+        self.slots_busy += 1
+        run.counters.slots_busy += 1
+        self.max_slots_busy_seen = max(self.max_slots_busy_seen, self.slots_busy)
+        self.metrics.slots_busy.set(self.slots_busy)
+
+    def _release_slot(self, run: Run) -> None:
+        self.slots_busy -= 1
+        run.counters.slots_busy -= 1
+        self.metrics.slots_busy.set(self.slots_busy)
+        self._slots.release()
+        run.slots.release()
+
+    # -- generation ----------------------------------------------------------------------
+    async def _feed(self, run: Run) -> None:
+        """Start groups for the run while its broker has room, one slot at a time."""
+        while await run.broker.reserve():
+            try:
+                prompt = await run.source.next()
+            except BaseException:
+                await run.broker.unreserve()
+                raise
+            await self._start_group(run, prompt)
+
+    async def _start_group(self, run: Run, prompt: PromptItem) -> None:
+        group_id = f"{run.run_id}/{prompt.index}/{uuid.uuid4().hex[:8]}"
+        run.counters.groups_started += 1
+        self.metrics.groups_started.labels(run.run_id).inc()
+        started = time.monotonic()
+        members: list[asyncio.Task[EpisodeResult]] = []
+        for index in range(run.spec.group_size):
+            if any(m.done() and not m.cancelled() and m.exception() for m in members):
+                break  # the group is already lost; do not spend more slots on it
+            await self._acquire_slot(run)
+            params = _member_params(run.spec.sampling, prompt.index, index, run.spec.group_size)
+            member = self._spawn(run, self._run_member(run, prompt, params, group_id), group_id)
+            # A done-callback, not a finally: it also runs for a task cancelled before it started.
+            member.add_done_callback(lambda _, run=run: self._release_slot(run))
+            members.append(member)
+        self._spawn(run, self._finish_group(run, prompt, group_id, members, started), f"score-{group_id}")
+
+    async def _run_member(self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str) -> EpisodeResult:
+        result = await run_single_turn(
+            self.engine, prompt, params, lambda: run.policy_version, self.decode, affinity=group_id
+        )
+        tokens = sum(result.mask)
+        run.counters.tokens_generated += tokens
+        self.metrics.tokens_generated.labels(run.run_id).inc(tokens)
+        return result
+
+    async def _finish_group(
+        self,
+        run: Run,
+        prompt: PromptItem,
+        group_id: str,
+        members: list[asyncio.Task[EpisodeResult]],
+        started: float,
+    ) -> None:
+        try:
+            done, pending = await asyncio.wait(members, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if t.exception() is not None]
+            if failed or len(members) < run.spec.group_size:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                error = failed[0].exception() if failed else None
+                await self._drop(run, group_id, "engine", error)
+                if isinstance(error, EngineError):
+                    self.engine_failures += 1
+                elif error is not None:
+                    logger.error("group %s failed unexpectedly", group_id, exc_info=error)
+                return
+            episodes = [t.result() for t in members]
+            try:
+                scored = await self._score(run, prompt, group_id, episodes, time.monotonic() - started)
+            except RewardError as exc:
+                await self._drop(run, group_id, "reward", exc)
+                return
+            run.counters.groups_scored += 1
+            self.metrics.groups_scored.labels(run.run_id).inc()
+            await run.broker.put(scored)
+        finally:
+            forget = getattr(self.engine, "forget", None)
+            if forget is not None:
+                forget(group_id)
+
+    async def _drop(self, run: Run, group_id: str, reason: str, error: BaseException | None) -> None:
+        await run.broker.unreserve()
+        run.counters.groups_dropped += 1
+        self.metrics.groups_dropped.labels(run.run_id, reason).inc()
+        logger.warning("dropped group %s (%s): %s", group_id, reason, error)
+
+    async def _score(
+        self, run: Run, prompt: PromptItem, group_id: str, episodes: list[EpisodeResult], seconds: float
+    ) -> ScoredGroup:
+        size = len(episodes)
+        prompts = [prompt.text] * size
+        completions = [e.text for e in episodes]
+        completion_ids = [e.completion_ids for e in episodes]
+        kwargs = {key: [value] * size for key, value in prompt.metadata.items()}
+        names = [name for name, _ in run.spec.rewards]
+        values = await asyncio.gather(
+            *(
+                call_reward(
+                    name,
+                    self.rewards.get(name),
+                    prompts,
+                    completions,
+                    completion_ids,
+                    kwargs,
+                    self.reward_timeout_s,
+                )
+                for name in names
+            )
+        )
+        components = dict(zip(names, values, strict=True))
+        weights = run.reward_weights()
+        totals = weighted_total(components, weights, size)
+        if any(math.isnan(t) for t in totals):
+            raise RewardError("every reward function returned None for a sample of the group")
+        return ScoredGroup(
+            group_id=group_id,
+            run_id=run.run_id,
+            prompt=prompt,
+            episodes=episodes,
+            rewards=totals,
+            reward_components=components,
+            reward_weights=weights,
+            advantages=run.advantages(totals),
+            generation_seconds=seconds,
+        )
+
+
+def _member_params(base: SamplingParams, prompt_index: int, member: int, group_size: int) -> SamplingParams:
+    """A seeded run gets distinct, reproducible seeds per member and prompt occurrence."""
+    if base.seed is None:
+        return base
+    return replace(base, seed=base.seed + prompt_index * group_size + member)

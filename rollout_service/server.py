@@ -1,0 +1,235 @@
+"""The gRPC edge: parse, call the service, map the result. No logic lives here.
+
+Service errors become gRPC status codes in one place (``_edge``); anything unexpected is
+logged with its traceback and answered INTERNAL with a one-line message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rollout_service.api import rollout_pb2 as pb
+from rollout_service.api import rollout_pb2_grpc as pb_grpc
+from rollout_service.convert import (
+    ACK_FROM_PB,
+    group_to_pb,
+    prompt_from_pb,
+    run_spec_from_pb,
+    run_stats_to_pb,
+    run_to_pb,
+    server_info_to_pb,
+)
+from rollout_service.errors import InvalidArgument, ServiceError
+from rollout_service.service import RolloutService
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+SUBSCRIBE_TIMEOUT_S = 30.0
+"""A stream must send its Subscribe within this long."""
+
+T = TypeVar("T")
+
+
+def _edge(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(method)
+    async def wrapper(self: RolloutServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except ServiceError as exc:
+            await context.abort(exc.code, str(exc))
+        except Exception as exc:
+            logger.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class ConsumerSession:
+    """One StreamSamples call: credits in, groups out; the reader runs as its own task.
+
+    Invariant: a group is taken from the broker only while credits are positive, and a taken
+    group is either sent or (if the stream ends first) released back by ``broker.release``.
+    """
+
+    def __init__(self, service: RolloutService, run_id: str, consumer_id: str, credits: int) -> None:
+        self.run = service.get_run(run_id)
+        self.broker = self.run.broker
+        self.consumer_id = consumer_id
+        self.credits = credits
+        self.error: ServiceError | None = None
+        self.client_done = False
+        self._changed = asyncio.Event()
+
+    async def read(self, requests: AsyncIterator[pb.StreamSamplesRequest]) -> None:
+        try:
+            async for message in requests:
+                self._handle(message)
+                self._changed.set()
+        except ServiceError as exc:
+            self.error = exc
+        except grpc.aio.AioRpcError as exc:  # the client went away mid-read
+            logger.debug("consumer %s stream ended: %s", self.consumer_id, exc.code())
+        finally:
+            self.client_done = True
+            self._changed.set()
+
+    def _handle(self, message: pb.StreamSamplesRequest) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "credit":
+            if message.credit.groups == 0:
+                raise InvalidArgument("credit.groups must be > 0")
+            self.credits += message.credit.groups
+        elif kind == "ack":
+            if message.ack.status not in ACK_FROM_PB:
+                raise InvalidArgument(f"ack.status {message.ack.status} is not a known AckStatus")
+            self.broker.ack(self.consumer_id, list(message.ack.group_ids), ACK_FROM_PB[message.ack.status])
+        elif kind == "subscribe":
+            raise InvalidArgument("subscribe may only be the first message of a stream")
+        else:
+            raise InvalidArgument("empty StreamSamplesRequest: set one of subscribe, credit or ack")
+
+    async def next_group(self) -> pb.Group | None:
+        """The next group to send, or None when the stream should end."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.client_done or self.broker.closed:
+                return None
+            self._changed.clear()
+            if self.credits <= 0:
+                await self._changed.wait()
+                continue
+            take = asyncio.ensure_future(self.broker.take(self.consumer_id))
+            changed = asyncio.ensure_future(self._changed.wait())
+            try:
+                await asyncio.wait({take, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # Also when this stream is cancelled: no take may outlive it. A group it
+                # already leased stays leased and the stream's release returns it.
+                changed.cancel()
+                if not take.done():
+                    take.cancel()
+                    await asyncio.gather(take, return_exceptions=True)
+            if not take.cancelled() and (group := take.result()) is not None:
+                self.credits -= 1
+                return group_to_pb(group)
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+
+    @_edge
+    async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return server_info_to_pb(self.service)
+
+    @_edge
+    async def CreateRun(self, request: pb.CreateRunRequest, context) -> pb.CreateRunResponse:  # type: ignore[no-untyped-def]
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec is not set")
+        run = await self.service.create_run(run_spec_from_pb(request.spec))
+        return pb.CreateRunResponse(run=run_to_pb(run))
+
+    @_edge
+    async def GetRun(self, request: pb.GetRunRequest, context) -> pb.GetRunResponse:  # type: ignore[no-untyped-def]
+        return pb.GetRunResponse(run=run_to_pb(self.service.get_run(request.run_id)))
+
+    @_edge
+    async def ListRuns(self, request, context) -> pb.ListRunsResponse:  # type: ignore[no-untyped-def]
+        return pb.ListRunsResponse(runs=[run_to_pb(r) for r in self.service.runs.values()])
+
+    @_edge
+    async def DeleteRun(self, request: pb.DeleteRunRequest, context) -> pb.DeleteRunResponse:  # type: ignore[no-untyped-def]
+        return pb.DeleteRunResponse(run=run_to_pb(await self.service.delete_run(request.run_id)))
+
+    @_edge
+    async def SubmitPrompts(self, request: pb.SubmitPromptsRequest, context) -> pb.SubmitPromptsResponse:  # type: ignore[no-untyped-def]
+        prompts = [prompt_from_pb(p) for p in request.prompts]
+        accepted, queued = self.service.submit_prompts(request.run_id, prompts)
+        return pb.SubmitPromptsResponse(accepted=accepted, queued=queued)
+
+    @_edge
+    async def GetStats(self, request, context) -> pb.GetStatsResponse:  # type: ignore[no-untyped-def]
+        scheduler = self.service.scheduler
+        return pb.GetStatsResponse(
+            slots_busy=scheduler.slots_busy,
+            max_inflight=scheduler.max_inflight,
+            max_slots_busy_seen=scheduler.max_slots_busy_seen,
+            runs={run_id: run_stats_to_pb(run) for run_id, run in self.service.runs.items()},
+            engine_request_failures=scheduler.engine_failures,
+        )
+
+    async def StreamSamples(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.StreamSamplesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamSamplesResponse]:
+        session: ConsumerSession | None = None
+        reader: asyncio.Task[None] | None = None
+        try:
+            subscribe = await self._first_message(request_iterator)
+            session = ConsumerSession(self.service, subscribe.run_id, subscribe.consumer_id, subscribe.initial_credits)
+            session.broker.subscribe(subscribe.consumer_id)
+            reader = asyncio.create_task(session.read(request_iterator), name=f"read-{subscribe.consumer_id}")
+            yield pb.StreamSamplesResponse(
+                subscribed=pb.Subscribed(
+                    run_id=session.run.run_id,
+                    policy_version=session.run.policy_version,
+                    max_staleness=session.run.spec.max_staleness,
+                )
+            )
+            while (group := await session.next_group()) is not None:
+                yield pb.StreamSamplesResponse(group=group)
+        except ServiceError as exc:
+            await context.abort(exc.code, str(exc))
+        finally:
+            if reader is not None:
+                reader.cancel()
+            if session is not None and session.consumer_id in session.broker.leases:
+                returned = await session.broker.release(session.consumer_id)
+                if returned:
+                    logger.info("consumer %s left; %d unacked groups returned", session.consumer_id, returned)
+
+    @staticmethod
+    async def _first_message(requests: AsyncIterator[pb.StreamSamplesRequest]) -> pb.Subscribe:
+        try:
+            first = await asyncio.wait_for(anext(requests), SUBSCRIBE_TIMEOUT_S)
+        except StopAsyncIteration:
+            raise InvalidArgument("the stream closed before sending subscribe") from None
+        except TimeoutError:
+            raise InvalidArgument(f"no subscribe within {SUBSCRIBE_TIMEOUT_S:.0f}s of opening the stream") from None
+        if first.WhichOneof("kind") != "subscribe":
+            raise InvalidArgument("the first StreamSamplesRequest must be subscribe (run_id, consumer_id)")
+        sub = first.subscribe
+        if not sub.run_id:
+            raise InvalidArgument("subscribe.run_id is empty")
+        if not sub.consumer_id:
+            raise InvalidArgument("subscribe.consumer_id is empty; name the consumer, e.g. trainer-rank0")
+        return sub
+
+
+async def start_grpc_server(service: RolloutService, host: str, port: int) -> tuple[grpc.aio.Server, int, Any]:
+    """Start the gRPC server with health and reflection; returns (server, bound port, health)."""
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    pb_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC to {host}:{port}; is the port in use?")
+    await server.start()
+    for name in (SERVICE_NAME, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer

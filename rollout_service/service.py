@@ -1,0 +1,132 @@
+"""The service's core, free of gRPC: runs, their scheduling, prompt submission, statistics.
+
+server.py is a thin edge over this class; tests and the demo can drive it directly too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from rollout_service.advantages import AdvantageComputer
+from rollout_service.broker import RunBroker
+from rollout_service.config import SchedulerSettings
+from rollout_service.engine.protocol import Engine
+from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound
+from rollout_service.metrics import ServiceMetrics
+from rollout_service.prompts import (
+    CyclingPromptSource,
+    PromptRenderer,
+    PromptSource,
+    PromptSpec,
+    SubmittedPromptSource,
+    builtin_dataset,
+)
+from rollout_service.rewards import RewardRegistry
+from rollout_service.runs import Run, RunSpec
+from rollout_service.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceInfo:
+    model: str
+    engine_urls: list[str]
+    max_inflight: int
+
+
+class RolloutService:
+    def __init__(
+        self,
+        engine: Engine,
+        renderer: PromptRenderer,
+        rewards: RewardRegistry,
+        metrics: ServiceMetrics,
+        settings: SchedulerSettings,
+        info: ServiceInfo,
+    ) -> None:
+        self.renderer = renderer
+        self.rewards = rewards
+        self.metrics = metrics
+        self.settings = settings
+        self.info = info
+        self.scheduler = Scheduler(
+            engine, rewards, metrics, settings.max_inflight, renderer.decode, settings.reward_timeout_s
+        )
+        self.runs: dict[str, Run] = {}
+
+    async def create_run(self, spec: RunSpec) -> Run:
+        spec.validate()
+        for name, _ in spec.rewards:
+            self.rewards.get(name)  # raises InvalidArgument naming the registered functions
+        if spec.max_inflight > self.settings.max_inflight:
+            raise InvalidArgument(
+                f"max_inflight {spec.max_inflight} exceeds the service's slot limit "
+                f"{self.settings.max_inflight}; use 0 for the service's limit"
+            )
+        run_id = Run.new_id()
+        max_buffered = spec.max_buffered_groups or self.settings.default_max_buffered_groups
+        run = Run(
+            run_id=run_id,
+            spec=spec,
+            source=self._prompt_source(spec),
+            broker=RunBroker(run_id, max_buffered, self.metrics),
+            max_inflight=spec.max_inflight or self.settings.max_inflight,
+            advantages=AdvantageComputer(spec.scale_rewards),
+        )
+        self.runs[run_id] = run
+        self.scheduler.start_run(run)
+        logger.info("created run %s (%s, G=%d)", run_id, spec.display_name or spec.source_kind, spec.group_size)
+        return run
+
+    def _prompt_source(self, spec: RunSpec) -> PromptSource:
+        if spec.source_kind == "submitted":
+            return SubmittedPromptSource()
+        prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
+        return CyclingPromptSource(self._render(prompts, spec.sampling.max_tokens))
+
+    def _render(self, prompts: list[PromptSpec], max_tokens: int) -> list[tuple[list[int], str, dict[str, str]]]:
+        rendered = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids, text = self.renderer.render(prompt, max_tokens)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"prompt {i}: {exc}") from None
+            rendered.append((ids, text, dict(prompt.metadata)))
+        return rendered
+
+    def get_run(self, run_id: str) -> Run:
+        try:
+            return self.runs[run_id]
+        except KeyError:
+            known = ", ".join(self.runs) or "none"
+            raise NotFound(f"no run {run_id!r}; existing runs: {known}") from None
+
+    async def delete_run(self, run_id: str) -> Run:
+        run = self.get_run(run_id)
+        if run.state == "running":
+            run.state = "stopped"
+        await self.scheduler.stop_run(run)
+        logger.info("stopped run %s", run_id)
+        return run
+
+    def submit_prompts(self, run_id: str, prompts: list[PromptSpec]) -> tuple[int, int]:
+        run = self.get_run(run_id)
+        if not isinstance(run.source, SubmittedPromptSource):
+            raise FailedPrecondition(
+                f"run {run_id} takes its prompts from its {run.spec.source_kind}; "
+                "create the run with prompt_source.submitted to submit prompts"
+            )
+        if run.state != "running":
+            raise FailedPrecondition(f"run {run_id} is {run.state}; submit to a running run")
+        if not prompts:
+            raise InvalidArgument("prompts is empty; submit at least one prompt")
+        queued = run.source.submit(self._render(prompts, run.spec.sampling.max_tokens))
+        return len(prompts), queued
+
+    async def close(self) -> None:
+        for run in list(self.runs.values()):
+            if run.state == "running":
+                run.state = "stopped"
+            await self.scheduler.stop_run(run)

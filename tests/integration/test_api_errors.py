@@ -1,0 +1,130 @@
+"""Bad input gets the right status code and a message that says what to fix."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from rollout_service.api import rollout_pb2 as pb
+from trainer_client.client import RolloutClient, dataset_run_spec
+
+pytestmark = pytest.mark.integration
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+
+
+async def expect_error(call, code: grpc.StatusCode, *fragments: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == code, info.value.details()
+    for fragment in fragments:
+        assert fragment in info.value.details()
+
+
+def letters(**fields) -> pb.RunSpec:
+    return dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8, **fields)
+
+
+async def test_unknown_run(client: RolloutClient) -> None:
+    await expect_error(client.get_run("run-nope"), NOT_FOUND, "no run 'run-nope'")
+    await expect_error(client.delete_run("run-nope"), NOT_FOUND, "no run")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragments"),
+    [
+        (lambda s: setattr(s, "group_size", 1), ["group_size is 1", ">= 2"]),
+        (lambda s: setattr(s, "max_staleness", -1), ["max_staleness is -1", ">= 0"]),
+        (lambda s: s.reward_functions.add(name="nope"), ["unknown reward function 'nope'", "char_fraction"]),
+        (lambda s: s.ClearField("reward_functions"), ["name at least one reward function"]),
+        (lambda s: setattr(s.prompt_source, "dataset", "nope"), ["unknown dataset 'nope'", "letters"]),
+        (lambda s: s.ClearField("prompt_source"), ["prompt_source is not set"]),
+        (lambda s: setattr(s.sampling, "temperature", -1.0), ["sampling.temperature"]),
+        (lambda s: setattr(s.sampling, "max_tokens", 5000), ["exceeds the model's context", "max_tokens"]),
+        (lambda s: setattr(s, "max_inflight", 10_000), ["max_inflight 10000 exceeds"]),
+    ],
+)
+async def test_bad_run_specs_are_invalid_argument(client: RolloutClient, mutate, fragments: list[str]) -> None:
+    spec = letters()
+    mutate(spec)
+    await expect_error(client.create_run(spec), INVALID, *fragments)
+
+
+async def test_bad_prompts(client: RolloutClient) -> None:
+    spec = pb.RunSpec(group_size=2, reward_functions=[pb.RewardFunctionSpec(name="char_fraction")])
+    spec.prompt_source.prompts.prompts.add(token_ids=pb.TokenIds(ids=[5, 10**6]))
+    await expect_error(client.create_run(spec), INVALID, "prompt 0", "outside the vocabulary")
+    spec.prompt_source.submitted.SetInParent()
+    run = await client.create_run(spec)
+    await expect_error(client.submit_prompts(run.run_id, [pb.Prompt()]), INVALID, "none of messages, text")
+    await expect_error(client.submit_prompts(run.run_id, []), INVALID, "at least one prompt")
+    dataset_run = await client.create_run(letters())
+    await expect_error(
+        client.submit_prompts(dataset_run.run_id, [pb.Prompt(text="hi")]),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "prompt_source.submitted",
+    )
+
+
+async def open_stream(client: RolloutClient, *messages: pb.StreamSamplesRequest) -> grpc.aio.AioRpcError:
+    """Send messages on a raw stream and return the error it ends with."""
+
+    async def requests():
+        for message in messages:
+            yield message
+        await asyncio.Event().wait()  # keep the request side open, as a consumer does
+
+    call = client.stub.StreamSamples(requests(), timeout=30)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    return info.value
+
+
+def subscribe(run_id: str, consumer: str = "c") -> pb.StreamSamplesRequest:
+    return pb.StreamSamplesRequest(subscribe=pb.Subscribe(run_id=run_id, consumer_id=consumer))
+
+
+@pytest.mark.parametrize(
+    ("messages", "code", "fragment"),
+    [
+        (lambda r: [pb.StreamSamplesRequest(credit=pb.Credit(groups=1))], INVALID, "first StreamSamplesRequest"),
+        (lambda r: [subscribe("run-nope")], NOT_FOUND, "no run 'run-nope'"),
+        (lambda r: [subscribe(r, consumer="")], INVALID, "consumer_id is empty"),
+        (lambda r: [subscribe(r), pb.StreamSamplesRequest()], INVALID, "empty StreamSamplesRequest"),
+        (lambda r: [subscribe(r), subscribe(r)], INVALID, "only be the first message"),
+        (lambda r: [subscribe(r), pb.StreamSamplesRequest(credit=pb.Credit(groups=0))], INVALID, "credit.groups"),
+        (
+            lambda r: [subscribe(r), pb.StreamSamplesRequest(ack=pb.Ack(group_ids=["g-nope"]))],
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "not leased",
+        ),
+    ],
+)
+async def test_malformed_stream_messages(client: RolloutClient, messages, code, fragment: str) -> None:
+    run = await client.create_run(letters())
+    error = await open_stream(client, *messages(run.run_id))
+    assert error.code() == code, error.details()
+    assert fragment in error.details()
+
+
+async def test_duplicate_consumer_is_refused(client: RolloutClient) -> None:
+    run = await client.create_run(letters())
+    first = client.stream(run.run_id, "same", credits=1)
+    async with asyncio.timeout(60):
+        async for _ in first:
+            break
+    error = await open_stream(client, subscribe(run.run_id, consumer="same"))
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "unique consumer_id" in error.details()
+    await first.aclose()
+
+
+async def test_deleted_run_ends_its_streams_and_refuses_new_ones(client: RolloutClient) -> None:
+    run = await client.create_run(letters())
+    deleted = await client.delete_run(run.run_id)
+    assert deleted.state == pb.RUN_STATE_STOPPED
+    error = await open_stream(client, subscribe(run.run_id))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "create a new run" in error.details()

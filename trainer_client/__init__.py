@@ -1,0 +1,1 @@
+"""Thin trainer client of the rollout service; importable without vLLM."""

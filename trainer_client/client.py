@@ -1,0 +1,135 @@
+"""Async gRPC client of the rollout service: runs, and a credit-based group stream.
+
+``GroupStream`` keeps the request side of StreamSamples open for the stream's lifetime:
+it grants credits and sends acks on the same call, as the protocol requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+import grpc
+
+from rollout_service.api import rollout_pb2 as pb
+from rollout_service.api import rollout_pb2_grpc as pb_grpc
+
+DEFAULT_RPC_TIMEOUT_S = 30.0
+
+
+class GroupStream:
+    """Iterate scored groups of one run; ``ack`` what was trained to release them.
+
+    Credits: ``credits`` groups are granted up front and one more after each ack, so at
+    most ``credits`` groups are ever unacked on this consumer.
+    """
+
+    def __init__(self, stub: pb_grpc.RolloutServiceStub, run_id: str, consumer_id: str, credits: int) -> None:
+        self._outbox: asyncio.Queue[pb.StreamSamplesRequest | None] = asyncio.Queue()
+        self._outbox.put_nowait(
+            pb.StreamSamplesRequest(
+                subscribe=pb.Subscribe(run_id=run_id, consumer_id=consumer_id, initial_credits=credits)
+            )
+        )
+        self._call = stub.StreamSamples(self._requests())
+        self.subscribed: pb.Subscribed | None = None
+
+    async def _requests(self) -> AsyncIterator[pb.StreamSamplesRequest]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    async def __aiter__(self) -> AsyncIterator[pb.Group]:
+        async for response in self._call:
+            if response.WhichOneof("kind") == "subscribed":
+                self.subscribed = response.subscribed
+            else:
+                yield response.group
+
+    def ack(
+        self,
+        group_ids: list[str],
+        status: pb.AckStatus.ValueType = pb.ACK_STATUS_TRAINED,
+        regrant: bool = True,
+    ) -> None:
+        """Ack groups and (by default) grant as many new credits."""
+        self._outbox.put_nowait(pb.StreamSamplesRequest(ack=pb.Ack(group_ids=group_ids, status=status)))
+        if regrant and group_ids:
+            self.grant(len(group_ids))
+
+    def grant(self, groups: int) -> None:
+        self._outbox.put_nowait(pb.StreamSamplesRequest(credit=pb.Credit(groups=groups)))
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """End the stream gracefully: pending acks are delivered first, then the request side
+        closes and the server ends the call (returning any unacked groups to the run)."""
+        self._outbox.put_nowait(None)
+        try:
+            await asyncio.wait_for(self._call.code(), timeout_s)
+        except TimeoutError:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Abandon the stream at once; unsent acks are lost and their groups redelivered."""
+        self._call.cancel()
+
+
+class RolloutClient:
+    """One channel to the service; use as ``async with RolloutClient(target) as client``."""
+
+    def __init__(self, target: str, timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = pb_grpc.RolloutServiceStub(self._channel)
+
+    async def __aenter__(self) -> RolloutClient:
+        await asyncio.wait_for(self._channel.channel_ready(), self.timeout_s)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._channel.close()
+
+    async def server_info(self) -> pb.GetServerInfoResponse:
+        return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s)
+
+    async def create_run(self, spec: pb.RunSpec) -> pb.Run:
+        return (await self.stub.CreateRun(pb.CreateRunRequest(spec=spec), timeout=self.timeout_s)).run
+
+    async def get_run(self, run_id: str) -> pb.Run:
+        return (await self.stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=self.timeout_s)).run
+
+    async def delete_run(self, run_id: str) -> pb.Run:
+        return (await self.stub.DeleteRun(pb.DeleteRunRequest(run_id=run_id), timeout=self.timeout_s)).run
+
+    async def stats(self) -> pb.GetStatsResponse:
+        return await self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+
+    async def submit_prompts(self, run_id: str, prompts: list[pb.Prompt]) -> pb.SubmitPromptsResponse:
+        request = pb.SubmitPromptsRequest(run_id=run_id, prompts=prompts)
+        return await self.stub.SubmitPrompts(request, timeout=self.timeout_s)
+
+    def stream(self, run_id: str, consumer_id: str, credits: int = 4) -> GroupStream:
+        return GroupStream(self.stub, run_id, consumer_id, credits)
+
+
+def dataset_run_spec(
+    dataset: str,
+    rewards: dict[str, float],
+    group_size: int = 8,
+    max_tokens: int = 64,
+    max_staleness: int = 1,
+    **fields: object,
+) -> pb.RunSpec:
+    """A RunSpec over a built-in dataset, for the common case."""
+    spec = pb.RunSpec(
+        group_size=group_size,
+        max_staleness=max_staleness,
+        reward_functions=[pb.RewardFunctionSpec(name=n, weight=w) for n, w in rewards.items()],
+        **fields,  # type: ignore[arg-type]
+    )
+    spec.prompt_source.dataset = dataset
+    spec.sampling.max_tokens = max_tokens
+    return spec
