@@ -1,0 +1,118 @@
+"""The vLLM HTTP client against a local aiohttp server, and the pool's routing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from rollout_service.config import EngineSettings
+from rollout_service.engine.pool import AFFINITY_SLACK, EnginePool
+from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.errors import EngineError
+from rollout_service.metrics import ServiceMetrics
+from rollout_service.types import SamplingParams
+
+OK_BODY = {
+    "choices": [
+        {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "length", "text": "ab"}
+    ]
+}
+
+
+@pytest.fixture
+async def scripted_server() -> AsyncIterator[tuple[str, list[int], list[dict]]]:
+    """Answers /v1/completions with the statuses queued in ``statuses`` (then 200)."""
+    statuses: list[int] = []
+    bodies: list[dict] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        status = statuses.pop(0) if statuses else 200
+        if status != 200:
+            return web.Response(status=status, text=f"scripted {status}")
+        return web.json_response(OK_BODY)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", statuses, bodies
+    await runner.cleanup()
+
+
+async def make_client(url: str, retries: int = 2) -> VLLMServerClient:
+    settings = EngineSettings(urls=[url], max_retries=retries, backoff_base_s=0.01)
+    client = VLLMServerClient(url, "m", settings, ServiceMetrics(), max_connections=4)
+    await client.start()
+    return client
+
+
+async def test_request_body_is_token_ids_with_sampled_logprobs(scripted_server) -> None:
+    url, _, bodies = scripted_server
+    client = await make_client(url)
+    completion = await client.generate([1, 2, 3], SamplingParams(max_tokens=2, seed=7, stop=("x",)))
+    await client.close()
+    assert completion.token_ids == [5, 6] and completion.logprobs == [-0.1, -0.2]
+    assert completion.finish_reason == "length"
+    body = bodies[0]
+    assert body["prompt"] == [1, 2, 3] and body["return_token_ids"] is True and body["logprobs"] == 0
+    assert body["seed"] == 7 and body["stop"] == ["x"] and body["top_k"] == -1
+
+
+async def test_5xx_is_retried_then_succeeds(scripted_server) -> None:
+    url, statuses, bodies = scripted_server
+    statuses.extend([503, 500])
+    client = await make_client(url, retries=2)
+    assert (await client.generate([1], SamplingParams())).token_ids == [5, 6]
+    await client.close()
+    assert len(bodies) == 3
+    assert client.consecutive_failures == 0
+
+
+async def test_retries_are_bounded_and_4xx_is_not_retried(scripted_server) -> None:
+    url, statuses, bodies = scripted_server
+    statuses.extend([503, 503, 503])
+    client = await make_client(url, retries=2)
+    with pytest.raises(EngineError, match="after 3 attempts"):
+        await client.generate([1], SamplingParams())
+    statuses.clear()
+    statuses.append(400)
+    with pytest.raises(EngineError, match="HTTP 400"):
+        await client.generate([1], SamplingParams())
+    await client.close()
+    assert len(bodies) == 4
+    assert client.consecutive_failures == 2
+
+
+def pool_of(loads: list[int], failures: list[int] | None = None) -> EnginePool:
+    clients = []
+    for i, load in enumerate(loads):
+        client = VLLMServerClient(f"http://s{i}", "m", EngineSettings(urls=["x"]), ServiceMetrics(), 4)
+        client.inflight = load
+        client.consecutive_failures = (failures or [0] * len(loads))[i]
+        clients.append(client)
+    return EnginePool(clients)
+
+
+def test_least_loaded_server_is_picked() -> None:
+    pool = pool_of([3, 1, 2])
+    assert pool.pick().base_url == "http://s1"
+
+
+def test_group_members_stick_to_their_server_within_the_slack() -> None:
+    pool = pool_of([0, 0])
+    first = pool.pick("g")
+    first.inflight += AFFINITY_SLACK
+    assert pool.pick("g") is first  # prefix cache beats a small imbalance
+    first.inflight += 1
+    assert pool.pick("g") is not first  # ... but not a large one
+
+
+def test_failing_servers_are_used_only_when_nothing_else_is_left() -> None:
+    assert pool_of([0, 5], failures=[1, 0]).pick().base_url == "http://s1"
+    assert pool_of([0, 5], failures=[1, 1]).pick().base_url == "http://s0"
