@@ -1,0 +1,597 @@
+"""GRPO-family policy losses as pure torch functions, mirroring TRL's ``GRPOTrainer._compute_loss``.
+
+Why pure functions: the trainer consumes groups streamed by the rollout service, so it cannot use
+TRL's trainer loop, but it must optimise exactly the objective TRL users know (same loss types, same
+normalisations, same vLLM mismatch correction, same metric names). Everything here takes per-token
+log-probabilities that were already computed (see :mod:`trainer_client.logprobs`) and returns a scalar
+loss plus detached metrics; there is no model, no optimizer, no distributed call and no host sync.
+
+Formulas follow TRL 1.16 (``trl/trainer/grpo_trainer.py``): the importance-sampling ratio between the
+current and the old trainer policy, at ``"token"`` or ``"sequence"`` (GSPO) level; the per-token loss
+of each ``loss_type``; the off-policy sequence mask (OPSM, DeepSeek-V3.2); the vLLM-vs-trainer
+"truncated importance sampling" correction (computed by TRL in ``_generate_and_score_completions``);
+the k3 KL to a reference policy, optionally importance-weighted (``use_bias_correction_kl``); and the
+loss-type-specific normalisation including TRL's gradient-accumulation scaling.
+
+Shapes: ``B`` completions, ``T`` completion positions (right-padded). ``mask`` is 1 for tokens the
+model generated and 0 for padding *and* for tokens the model did not produce (tool output spliced into
+a multi-turn completion), i.e. TRL's ``completion_mask * tool_mask``. Values at mask-0 positions never
+reach the loss or the gradients, even if they are NaN or infinite.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+VllmImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
+VLLM_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Loss types that share the PPO-style clipped surrogate (and its clip-ratio metrics).
+CLIPPED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Loss types normalised by the number of loss tokens in the global batch (``num_items_in_batch``).
+GLOBAL_TOKEN_NORMALISED: tuple[str, ...] = ("dapo", "cispo", "vespo")
+
+
+class LossConfigWarning(UserWarning):
+    """A legal but probably unintended combination of options (TRL logs the same advice)."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Every knob of the policy loss. Names and defaults are those of TRL 1.16's ``GRPOConfig``."""
+
+    loss_type: LossType = "dapo"
+    """Per-token loss and its normalisation. ``grpo``: clipped surrogate, mean over each sequence's tokens, then
+    mean over sequences (length-biased). ``bnpo``: clipped surrogate, sum over tokens / tokens in the local batch.
+    ``dr_grpo``: clipped surrogate, sum / (B * ``max_completion_length``). ``dapo``: clipped surrogate, sum / tokens
+    in the global batch (``num_items_in_batch``). ``cispo``: REINFORCE on log-probs weighted by the detached IS
+    ratio clipped at ``epsilon_high``, dapo normalisation. ``sapo``: sigmoid-gated soft clipping, grpo
+    normalisation. ``luspo``: clipped surrogate summed per sequence (length-unbiased GSPO), mean over sequences.
+    ``vespo``: REINFORCE weighted by a Gamma function of the sequence IS ratio, dapo normalisation."""
+
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    """``"token"``: one ratio pi/pi_old per token. ``"sequence"`` (GSPO): one ratio per sequence, the exp of the
+    mean per-token log-ratio over its mask-1 tokens."""
+
+    epsilon: float = 0.2
+    """Lower clipping epsilon (TRL's ``epsilon_low``): the ratio is clipped from below at ``1 - epsilon``."""
+
+    epsilon_high: float | None = None
+    """Upper clipping epsilon: clip from above at ``1 + epsilon_high``; ``None`` means ``epsilon``. DAPO uses 0.28.
+    For ``cispo`` it is the absolute cap of the IS weight (ScaleRL's epsilon_max, recommended 5.0)."""
+
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): when set, the unclipped ratio is also clamped from above at ``delta``,
+    bounding the loss of negative-advantage tokens. Should exceed ``1 + epsilon_high``. Clipped loss types only."""
+
+    beta: float = 0.0
+    """KL coefficient towards the reference policy; 0 disables the KL term (no reference log-probs needed)."""
+
+    use_bias_correction_kl: bool = True
+    """Multiply the per-token k3 KL by the (differentiable) IS ratio pi/pi_old, which makes its gradient the
+    unbiased reverse-KL gradient (DeepSeek-V3.2). Changes the gradient even on-policy. Only matters if beta != 0."""
+
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature for tokens with positive advantage."""
+
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for tokens with non-positive advantage."""
+
+    vespo_k_pos: float = 2.0
+    """VESPO power exponent k for non-negative advantages (down-weights sequences with IS ratio < 1)."""
+
+    vespo_lambda_pos: float = 3.0
+    """VESPO decay lambda for non-negative advantages (down-weights sequences with IS ratio > 1)."""
+
+    vespo_k_neg: float = 3.0
+    """VESPO power exponent k for negative advantages."""
+
+    vespo_lambda_neg: float = 2.0
+    """VESPO decay lambda for negative advantages."""
+
+    vllm_importance_sampling_correction: bool = True
+    """Correct the mismatch between the sampler (vLLM) and the trainer by weighting each token's loss with
+    ``exp(old_logps - behaviour_logps)``, truncated or masked (see the mode). Needs ``behaviour_logps``."""
+
+    vllm_importance_sampling_mode: VllmImportanceSamplingMode = "sequence_mask"
+    """``token_truncate``: per-token ratio clamped to [clip_min, clip_max]. ``token_mask``: per-token ratio set to 0
+    outside [clip_min, clip_max]. ``sequence_*``: the same on one ratio per sequence, exp of the *sum* of its
+    per-token log differences, broadcast over its tokens."""
+
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound C_max of the vLLM IS ratio (TRL's former ``vllm_importance_sampling_cap``); ``None``: unbounded."""
+
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound C_min of the vLLM IS ratio; ``None``: unbounded below."""
+
+    off_policy_mask_threshold: float | None = None
+    """OPSM (DeepSeek-V3.2 eq. 9): drop sequences with negative advantage whose mean per-token KL between the
+    behaviour policy and the current policy exceeds this (e.g. 0.5). ``None`` disables it."""
+
+    max_completion_length: int | None = 512
+    """The constant of ``dr_grpo``'s denominator ``B * max_completion_length``. Set it to the sampling ``max_tokens``
+    so the loss scale does not depend on the completions' actual lengths. Unused by other loss types."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"Unknown loss type {self.loss_type!r}; expected one of {LOSS_TYPES}.")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"Unknown importance sampling level {self.importance_sampling_level!r}.")
+        if self.vllm_importance_sampling_mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
+            raise ValueError(
+                f"Unknown vLLM importance sampling mode {self.vllm_importance_sampling_mode!r}; "
+                f"expected one of {VLLM_IMPORTANCE_SAMPLING_MODES}."
+            )
+        clip_min, clip_max = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if clip_min is not None and clip_max is not None and clip_min >= clip_max:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be < clip_max ({clip_max}).")
+        truncating = self.vllm_importance_sampling_mode in ("token_truncate", "sequence_truncate")
+        if self.vllm_importance_sampling_correction and truncating and clip_min is None and clip_max is None:
+            raise ValueError("A *_truncate vLLM importance sampling mode needs clip_min or clip_max.")
+        if (
+            self.loss_type == "vespo"
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):
+            raise ValueError("VESPO needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask'.")
+        if self.loss_type == "dr_grpo" and (self.max_completion_length is None or self.max_completion_length <= 0):
+            raise ValueError("dr_grpo needs a positive max_completion_length.")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            warnings.warn("luspo is meant for importance_sampling_level='sequence'.", LossConfigWarning, stacklevel=3)
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            warnings.warn("vespo computes sequence weights itself; use level 'token'.", LossConfigWarning, stacklevel=3)
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            warnings.warn(
+                f"With importance_sampling_level='sequence', {self.loss_type!r} sums per-token contributions, so each "
+                "sequence is weighted by its length; GSPO proper is loss_type='grpo'.",
+                LossConfigWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def epsilon_low(self) -> float:
+        """Lower clipping epsilon (TRL's name for ``epsilon``)."""
+        return self.epsilon
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        """Upper clipping epsilon after TRL's fallback to ``epsilon``."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """Result of :func:`compute_loss`.
+
+    ``loss`` is what to backpropagate (already divided for gradient accumulation, as TRL does).
+    ``policy_loss`` is the detached loss before that division (TRL's ``policy_loss``).
+    ``metrics`` are detached 0-d tensors over the *local* batch, keyed by TRL's metric names where TRL has one;
+    they are left on device so reading them does not force a host sync.
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` [B, T] with mask-0 positions replaced by 0.
+
+    TRL multiplies by the mask, which lets NaN/inf at padding leak into the loss (0 * inf = NaN) and makes the
+    sign of zero depend on padding values. Selecting instead makes padding exactly irrelevant, with zero gradient.
+    """
+    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def sequence_token_counts(mask: torch.Tensor) -> torch.Tensor:
+    """Number of mask-1 tokens per sequence, at least 1 so empty rows do not divide by zero: [B, T] -> [B]."""
+    return mask.sum(-1).clamp(min=1.0)
+
+
+def log_importance_weights(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: ImportanceSamplingLevel
+) -> torch.Tensor:
+    """log(pi_theta / pi_old): [B, T] at token level, [B, 1] at sequence level (GSPO: mean over mask-1 tokens)."""
+    log_ratio = logps - old_logps
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / sequence_token_counts(mask)).unsqueeze(-1)
+    raise ValueError(f"Unknown importance sampling level {level!r}.")
+
+
+def vllm_importance_sampling_ratio(
+    old_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: VllmImportanceSamplingMode,
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """Truncated/masked importance ratio pi_old_trainer / pi_vllm correcting the sampler-trainer mismatch.
+
+    Shapes: ``old_logps``, ``behaviour_logps``, ``mask`` [B, T]; returns [B, T] for ``token_*`` modes and [B, 1]
+    for ``sequence_*`` modes (exp of the summed log difference). Behaviour log-probs vLLM could not provide are NaN
+    and get ratio 1 (no correction) rather than poisoning the loss. The ratio carries no gradient, as in TRL where
+    it is computed under ``no_grad`` when the batch is generated. Mask-0 positions get ratio 1.
+    """
+    diff = zero_masked(old_logps.detach() - behaviour_logps.detach(), mask)
+    diff = torch.nan_to_num(diff, nan=0.0)
+    if mode in ("sequence_truncate", "sequence_mask"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    elif mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"Unknown vLLM importance sampling mode {mode!r}.")
+    ratio = torch.exp(diff)
+    if mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lower = clip_min if clip_min is not None else -math.inf
+    upper = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < lower) | (ratio > upper), 0.0)
+
+
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """OPSM keep-mask [B, 1] (1 keep, 0 drop), TRL's ``get_off_policy_mask``.
+
+    A sequence is dropped iff its advantage is negative AND the mean over its mask-1 tokens of
+    ``behaviour_logps - logps`` (a sample estimate of KL(pi_behaviour || pi_theta)) exceeds ``threshold``: learning
+    to avoid a sample that the current policy would no longer produce is mostly noise. NaN behaviour log-probs
+    count as zero KL. ``advantages`` is [B, 1] (or [B, T]); the others [B, T]. Carries no gradient.
+    """
+    kl = torch.nan_to_num(zero_masked(behaviour_logps.detach() - logps.detach(), mask), nan=0.0)
+    avg_seq_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    keep = (advantages >= 0) | (avg_seq_kl <= threshold)
+    return keep.to(dtype=mask.dtype)
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(r) - r - 1 with r = ref - logps. [B, T] -> [B, T].
+
+    Non-negative and unbiased for samples from pi_theta, with lower variance than -r (Schulman's k3).
+    """
+    log_ref_ratio = ref_logps - logps
+    return torch.exp(log_ref_ratio) - log_ref_ratio - 1
+
+
+def clipped_surrogate_loss(
+    coef_1: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped objective, negated: -min(r A, clip(r, 1-eps_low, 1+eps_high) A).
+
+    ``coef_1`` is the ratio r ([B, T] or [B, 1]), ``advantages`` [B, 1] or [B, T]. With ``delta`` the unclipped
+    branch is also capped at ``delta`` (INTELLECT-2), so a huge ratio on a negative-advantage token cannot blow up
+    the loss. Returns the per-token loss and the (possibly delta-capped) ratio, which TRL's clip metrics use.
+    """
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    return -torch.min(coef_1 * advantages, coef_2 * advantages), coef_1
+
+
+def cispo_loss(
+    coef_1: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor, epsilon_high: float
+) -> torch.Tensor:
+    """CISPO (MiniMax-M1): -sg(min(r, eps_high)) A log pi. Clips the weight, not the update, so every token keeps a
+    gradient. ``coef_1`` [B, T] or [B, 1]; ``logps`` [B, T]; returns [B, T]."""
+    return -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * logps
+
+
+def sapo_loss(
+    coef_1: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float
+) -> torch.Tensor:
+    """SAPO: -(4/tau) sigmoid(tau (r - 1)) A, a smooth gate whose gradient at r = 1 equals the unclipped one and
+    fades off-policy; tau is ``temperature_pos`` where A > 0, else ``temperature_neg``."""
+    temperatures = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    return -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
+
+
+@torch.no_grad()
+def vespo_gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio_per_token: torch.Tensor,
+    mask: torch.Tensor,
+    importance_sampling_ratio: torch.Tensor | None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's detached weight phi(w) = e^lambda w^k e^(-lambda w) of the sequence ratio w, [B, 1].
+
+    w = exp(sum of clamped per-token log(pi/pi_old) + sum of log vLLM IS ratios), computed in log space and
+    clamped to [log 1e-8, 20] exactly as TRL's ``get_gamma_weights``; phi(1) = 1. ``log_ratio_per_token`` and
+    ``mask`` [B, T], ``importance_sampling_ratio`` [B, T] (token modes) or None, ``advantages`` [B, 1].
+    """
+    lower_clamp = math.log(1e-8)
+    log_ratio_clamped = torch.clamp(log_ratio_per_token, -20.0, 20.0)
+    seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        log_is_ratio = torch.clamp(torch.log(importance_sampling_ratio), lower_clamp, 20.0)
+        seq_log_ratio = seq_log_ratio + torch.sum(log_is_ratio, dim=-1, keepdim=True)
+    log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+    w_seq = torch.exp(log_w_seq)
+    is_nonneg_adv = advantages >= 0
+    k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+    lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+    log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: LossType,
+    *,
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    gradient_accumulation_steps: int = 1,
+    num_processes: int = 1,
+    steps_per_generation: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce the per-token loss [B, T] (or [B, 1]) to a scalar with ``loss_type``'s normalisation.
+
+    Returns ``(loss, policy_loss)``: ``loss`` is scaled for gradient accumulation so that summing the micro-batch
+    gradients of one optimizer step gives TRL's gradient; ``policy_loss`` is the detached value before that scaling.
+
+    - grpo, sapo: mean over each sequence's mask-1 tokens, then over sequences; / gradient_accumulation_steps.
+    - bnpo: sum / mask-1 tokens of this micro-batch; / gradient_accumulation_steps.
+    - dr_grpo: sum / (B * max_completion_length); / gradient_accumulation_steps.
+    - luspo: per-sequence sums, mean over sequences; / gradient_accumulation_steps.
+    - dapo, cispo, vespo: sum / (num_items_in_batch / num_processes * gradient_accumulation_steps /
+      steps_per_generation). ``num_items_in_batch`` is TRL's: mask-1 tokens of the whole *generation* batch summed
+      over all processes; the factor turns it into the per-process token count of one optimizer step, so that after
+      DDP's gradient averaging every token of the step weighs the same. ``None`` falls back to this micro-batch's
+      token count (single process, no accumulation). For evaluation pass gradient_accumulation_steps =
+      steps_per_generation = 1, as TRL does in eval mode.
+    """
+    masked = per_token_loss * mask
+    if loss_type in ("grpo", "sapo"):
+        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = masked.sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("dr_grpo needs max_completion_length.")
+        loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)
+    elif loss_type == "luspo":
+        loss = masked.sum(-1).mean()
+    elif loss_type in GLOBAL_TOKEN_NORMALISED:
+        items = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        items = torch.as_tensor(items, dtype=per_token_loss.dtype, device=per_token_loss.device)
+        normalizer = items.clamp(min=1.0) / num_processes
+        normalizer = normalizer * gradient_accumulation_steps / steps_per_generation
+        loss = masked.sum() / normalizer
+        return loss, loss.detach()
+    else:
+        raise ValueError(f"Unknown loss type {loss_type!r}.")
+    return loss / gradient_accumulation_steps, loss.detach()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Metrics (detached, local batch)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over mask-1 tokens of [B, T] values; [B, 1] (sequence-level) values are averaged over sequences.
+
+    TRL's ``global_masked_mean`` on one process.
+    """
+    if values.shape[-1] == 1:
+        return values.float().mean()
+    return (values * mask).sum().float() / mask.sum().float().clamp(min=1.0)
+
+
+def masked_sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of [B, T] values over mask-1 tokens, NaN for empty rows; [B, 1] values pass through: [B]."""
+    if values.shape[-1] == 1:
+        return values.squeeze(-1)
+    return (values * mask).sum(-1) / mask.sum(-1)
+
+
+def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
+    finite = values[~torch.isnan(values)]
+    if finite.numel() == 0:
+        return torch.tensor(math.nan, dtype=values.dtype, device=values.device)
+    return finite.max() if largest else finite.min()
+
+
+def _min_mean_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if values.numel() == 0:
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        return zero, zero, zero
+    return values.min(), values.mean(), values.max()
+
+
+def sampling_metrics(
+    old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """TRL's ``sampling/*`` metrics of the vLLM mismatch: |old - behaviour| over mask-1 non-NaN tokens, and the
+    final (truncated/masked) IS ratio over mask-1 tokens (token modes) or sequences (sequence modes). Plus the
+    fraction of those ratios set to zero by a ``*_mask`` mode (or ``0`` for truncate modes)."""
+    keep = mask.bool()
+    delta = torch.abs(old_logps.detach() - behaviour_logps.detach())[keep]
+    delta = delta[~torch.isnan(delta)]
+    zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
+    flat_ratio = is_ratio.flatten() if is_ratio.shape[-1] == 1 else is_ratio[keep]
+    ratio_min, ratio_mean, ratio_max = _min_mean_max(flat_ratio)
+    masked = (flat_ratio == 0).float().mean() if flat_ratio.numel() else zero
+    return {
+        "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
+        "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else zero,
+        "sampling/importance_sampling_ratio/min": ratio_min,
+        "sampling/importance_sampling_ratio/mean": ratio_mean,
+        "sampling/importance_sampling_ratio/max": ratio_max,
+        "sampling/importance_sampling_masked_fraction": masked,
+    }
+
+
+def clip_metrics(
+    coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, torch.Tensor]:
+    """TRL's ``clip_ratio/*``: fraction of tokens whose clipped branch is active (low: r < 1-eps_low with A < 0,
+    high: r > 1+eps_high with A > 0), and the min/max over sequences of the per-sequence fractions."""
+    low = ((coef_1 < 1 - epsilon_low) & (advantages < 0)).float()
+    high = ((coef_1 > 1 + epsilon_high) & (advantages > 0)).float()
+    region = torch.maximum(low, high)
+    return {
+        "clip_ratio/low_mean": masked_mean(low, mask),
+        "clip_ratio/high_mean": masked_mean(high, mask),
+        "clip_ratio/region_mean": masked_mean(region, mask),
+        "clip_ratio/low_min": _nan_extreme(masked_sequence_means(low, mask), largest=False),
+        "clip_ratio/high_max": _nan_extreme(masked_sequence_means(high, mask), largest=True),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The loss
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def compute_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    behaviour_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    gradient_accumulation_steps: int = 1,
+    num_processes: int = 1,
+    steps_per_generation: int = 1,
+) -> LossOutput:
+    """The GRPO-family loss of one micro-batch, as TRL's ``GRPOTrainer._compute_loss`` computes it.
+
+    Args:
+        logps: [B, T] log pi_theta of the completion tokens under the model being trained (requires grad).
+        old_logps: [B, T] log-probs under the trainer's weights *before* this optimizer step's updates (the policy
+            that the clipping trust region is centred on). ``None`` means on-policy (one gradient step per batch):
+            ``logps.detach()`` is used, as TRL does.
+        behaviour_logps: [B, T] log-probs reported by vLLM for the sampled tokens (the behaviour policy; NaN where
+            unavailable). Required when ``config.vllm_importance_sampling_correction``; also preferred by OPSM.
+        advantages: [B] (or [B, T]) advantages of each completion.
+        completion_mask: [B, T] 1 for tokens the model generated, 0 for padding and tool output.
+        config: the loss options.
+        ref_logps: [B, T] reference-model log-probs; required iff ``config.beta != 0``.
+        num_items_in_batch: dapo/cispo/vespo only: mask-1 tokens of the generation batch over all processes.
+        gradient_accumulation_steps, num_processes, steps_per_generation: TRL's normalisation factors
+            (see :func:`aggregate_loss`); all 1 for a single process stepping the optimizer every micro-batch.
+
+    Per-token loss pipeline (order as TRL): policy loss of ``loss_type`` -> x OPSM keep-mask -> x vLLM IS ratio
+    (not for vespo, which folds it into its weights) -> + beta * KL -> ``aggregate_loss``.
+    """
+    mask = completion_mask.to(logps.dtype)
+    logps = zero_masked(logps, mask)
+    old_logps = logps.detach() if old_logps is None else zero_masked(old_logps.detach(), mask)
+    if behaviour_logps is not None:
+        behaviour_logps = zero_masked(behaviour_logps.detach(), mask)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    advantages = advantages.to(logps.dtype)
+    metrics: dict[str, torch.Tensor] = {}
+
+    is_ratio = None
+    if config.vllm_importance_sampling_correction:
+        if behaviour_logps is None:
+            raise ValueError(
+                "vllm_importance_sampling_correction needs behaviour_logps (the sampler's log-probs); pass them "
+                "or disable the correction."
+            )
+        is_ratio = vllm_importance_sampling_ratio(
+            old_logps,
+            behaviour_logps,
+            mask,
+            config.vllm_importance_sampling_mode,
+            config.vllm_importance_sampling_clip_min,
+            config.vllm_importance_sampling_clip_max,
+        )
+        metrics.update(sampling_metrics(old_logps, behaviour_logps, mask, is_ratio))
+
+    keep = None
+    if config.off_policy_mask_threshold is not None:
+        # The behaviour policy sees both sources of off-policyness: optimizer drift and the vLLM mismatch.
+        sampler_logps = behaviour_logps if behaviour_logps is not None else old_logps
+        keep = off_policy_sequence_mask(advantages, logps, sampler_logps, mask, config.off_policy_mask_threshold)
+        metrics["opsm/dropped_fraction"] = 1.0 - keep.float().mean()
+
+    log_ratio = logps - old_logps
+    coef_1 = torch.exp(log_importance_weights(logps, old_logps, mask, config.importance_sampling_level))
+
+    per_token_kl = None
+    if config.beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs ref_logps.")
+        per_token_kl = k3_kl(logps, zero_masked(ref_logps.detach(), mask))
+        if config.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    eps_low, eps_high = config.epsilon_low, config.resolved_epsilon_high
+    if config.loss_type == "cispo":
+        per_token_loss = cispo_loss(coef_1, advantages, logps, eps_high)
+        metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float(), mask)
+    elif config.loss_type in CLIPPED_LOSS_TYPES:
+        per_token_loss, capped_coef_1 = clipped_surrogate_loss(coef_1, advantages, eps_low, eps_high, config.delta)
+        metrics.update(clip_metrics(capped_coef_1, advantages, mask, eps_low, eps_high))
+    elif config.loss_type == "sapo":
+        per_token_loss = sapo_loss(coef_1, advantages, config.sapo_temperature_pos, config.sapo_temperature_neg)
+    elif config.loss_type == "vespo":
+        phi_seq = vespo_gamma_weights(
+            advantages,
+            log_ratio,
+            mask,
+            is_ratio,
+            config.vespo_k_pos,
+            config.vespo_lambda_pos,
+            config.vespo_k_neg,
+            config.vespo_lambda_neg,
+        )
+        per_token_loss = -phi_seq * advantages * logps
+        metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq, mask)
+    else:
+        raise ValueError(f"Unknown loss type {config.loss_type!r}.")
+
+    if keep is not None:
+        per_token_loss = per_token_loss * keep
+    if is_ratio is not None and config.loss_type != "vespo":
+        per_token_loss = per_token_loss * is_ratio
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + config.beta * per_token_kl
+        metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
+
+    loss, policy_loss = aggregate_loss(
+        per_token_loss,
+        mask,
+        config.loss_type,
+        max_completion_length=config.max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        num_processes=num_processes,
+        steps_per_generation=steps_per_generation,
+    )
+    metrics["policy_loss"] = policy_loss
+    return LossOutput(loss=loss, policy_loss=policy_loss, metrics={k: v.detach() for k, v in metrics.items()})
