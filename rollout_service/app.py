@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
+from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
@@ -26,6 +27,7 @@ from rollout_service.prompts import PromptRenderer
 from rollout_service.rewards import RewardRegistry
 from rollout_service.server import start_grpc_server
 from rollout_service.service import RolloutService, ServiceInfo
+from rollout_service.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,11 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
         await pool.start()
         stack.push_async_callback(pool.close)
 
+        controls = [VLLMControlClient(url, engine_settings.connect_timeout_s) for url in urls]
+        for control in controls:
+            await control.start()
+            stack.push_async_callback(control.close)
+
         rewards = RewardRegistry()
         for module in settings.reward_modules:
             rewards.load_module(module)
@@ -118,6 +125,8 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             info=ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight),
         )
         stack.push_async_callback(service.close)
+        service.weight_sync = WeightSyncCoordinator(controls, settings.weight_sync, service.set_policy_version)
+        stack.push_async_callback(service.weight_sync.close)
 
         metrics_port = None
         if settings.metrics_port is not None:

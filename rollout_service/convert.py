@@ -9,6 +9,7 @@ from rollout_service.errors import InvalidArgument
 from rollout_service.prompts import PromptSpec
 from rollout_service.runs import Run, RunSpec
 from rollout_service.types import AdvantageScaling, SamplingParams, ScoredGroup
+from rollout_service.weight_sync import TensorSpec
 
 _SCALING_FROM_PB = {
     pb.ADVANTAGE_SCALING_UNSPECIFIED: AdvantageScaling.GROUP,
@@ -38,6 +39,15 @@ ACK_FROM_PB = {
 }
 
 DEFAULT_MAX_TOKENS = 64
+PAUSE_MODE_FROM_PB = {
+    pb.PAUSE_MODE_KEEP: "keep",
+    pb.PAUSE_MODE_ABORT: "abort",
+    pb.PAUSE_MODE_WAIT: "wait",
+}
+
+
+def tensors_from_pb(tensors: list[pb.TensorMeta]) -> list[TensorSpec]:
+    return [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in tensors]
 
 
 def prompt_from_pb(prompt: pb.Prompt) -> PromptSpec:

@@ -20,15 +20,18 @@ from rollout_service.api import rollout_pb2 as pb
 from rollout_service.api import rollout_pb2_grpc as pb_grpc
 from rollout_service.convert import (
     ACK_FROM_PB,
+    PAUSE_MODE_FROM_PB,
     group_to_pb,
     prompt_from_pb,
     run_spec_from_pb,
     run_stats_to_pb,
     run_to_pb,
     server_info_to_pb,
+    tensors_from_pb,
 )
-from rollout_service.errors import InvalidArgument, ServiceError
+from rollout_service.errors import FailedPrecondition, InvalidArgument, ServiceError
 from rollout_service.service import RolloutService
+from rollout_service.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +171,41 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             runs={run_id: run_stats_to_pb(run) for run_id, run in self.service.runs.items()},
             engine_request_failures=scheduler.engine_failures,
         )
+
+    @_edge
+    async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:  # type: ignore[no-untyped-def]
+        sync = self.service.require_weight_sync(request.run_id)
+        if request.pause_mode == pb.PAUSE_MODE_UNSPECIFIED:
+            mode = sync.settings.pause_mode
+        elif request.pause_mode in PAUSE_MODE_FROM_PB:
+            mode = PAUSE_MODE_FROM_PB[request.pause_mode]
+        else:
+            raise InvalidArgument(f"pause_mode {request.pause_mode} is not a known PauseMode")
+        ticket = await sync.begin(
+            request.run_id, request.trainer_address, request.trainer_port, tensors_from_pb(request.tensors), mode
+        )
+        return pb.BeginWeightUpdateResponse(
+            update_id=ticket.update_id,
+            join_group=ticket.join_group,
+            group_world_size=ticket.group_world_size,
+            backend=ticket.backend,
+            policy_version=ticket.policy_version,
+        )
+
+    @_edge
+    async def CommitWeightUpdate(self, request: pb.CommitWeightUpdateRequest, context) -> pb.CommitWeightUpdateResponse:  # type: ignore[no-untyped-def]
+        version, seconds = await self._weight_sync().commit(request.update_id)
+        return pb.CommitWeightUpdateResponse(policy_version=version, seconds=seconds)
+
+    @_edge
+    async def AbortWeightUpdate(self, request: pb.AbortWeightUpdateRequest, context) -> pb.AbortWeightUpdateResponse:  # type: ignore[no-untyped-def]
+        version = await self._weight_sync().abort(request.update_id, request.reason)
+        return pb.AbortWeightUpdateResponse(policy_version=version)
+
+    def _weight_sync(self) -> WeightSyncCoordinator:
+        if self.service.weight_sync is None:
+            raise FailedPrecondition("this service was started without weight sync")
+        return self.service.weight_sync
 
     async def StreamSamples(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamSamplesRequest], context: grpc.aio.ServicerContext

@@ -25,6 +25,7 @@ from rollout_service.prompts import (
 from rollout_service.rewards import RewardRegistry
 from rollout_service.runs import Run, RunSpec
 from rollout_service.scheduler import Scheduler
+from rollout_service.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,15 @@ class RolloutService:
             engine, rewards, metrics, settings.max_inflight, renderer.decode, settings.reward_timeout_s
         )
         self.runs: dict[str, Run] = {}
+        self.policy_version = 0
+        self.weight_sync: WeightSyncCoordinator | None = None
+
+    def set_policy_version(self, version: int) -> None:
+        """The servers now hold weights of this version. Runs share the base weights, so
+        every run's samples are judged against it (per-run adapters are a later step)."""
+        self.policy_version = version
+        for run in self.runs.values():
+            run.policy_version = version
 
     async def create_run(self, spec: RunSpec) -> Run:
         spec.validate()
@@ -74,6 +84,7 @@ class RolloutService:
             broker=RunBroker(run_id, max_buffered, self.metrics),
             max_inflight=spec.max_inflight or self.settings.max_inflight,
             advantages=AdvantageComputer(spec.scale_rewards),
+            policy_version=self.policy_version,
         )
         self.runs[run_id] = run
         self.scheduler.start_run(run)
@@ -124,6 +135,14 @@ class RolloutService:
             raise InvalidArgument("prompts is empty; submit at least one prompt")
         queued = run.source.submit(self._render(prompts, run.spec.sampling.max_tokens))
         return len(prompts), queued
+
+    def require_weight_sync(self, run_id: str) -> WeightSyncCoordinator:
+        run = self.get_run(run_id)
+        if run.state != "running":
+            raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
+        if self.weight_sync is None:
+            raise FailedPrecondition("this service was started without weight sync")
+        return self.weight_sync
 
     async def close(self) -> None:
         for run in list(self.runs.values()):

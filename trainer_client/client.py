@@ -111,6 +111,32 @@ class RolloutClient:
         request = pb.SubmitPromptsRequest(run_id=run_id, prompts=prompts)
         return await self.stub.SubmitPrompts(request, timeout=self.timeout_s)
 
+    async def begin_weight_update(
+        self,
+        run_id: str,
+        trainer_address: str,
+        trainer_port: int,
+        tensors: list[pb.TensorMeta],
+        pause_mode: pb.PauseMode.ValueType = pb.PAUSE_MODE_UNSPECIFIED,
+    ) -> pb.BeginWeightUpdateResponse:
+        request = pb.BeginWeightUpdateRequest(
+            run_id=run_id,
+            trainer_address=trainer_address,
+            trainer_port=trainer_port,
+            tensors=tensors,
+            pause_mode=pause_mode,
+        )
+        return await self.stub.BeginWeightUpdate(request, timeout=self.timeout_s)
+
+    async def commit_weight_update(self, update_id: str, timeout_s: float) -> pb.CommitWeightUpdateResponse:
+        """Waits for every server to receive and apply the weights: give it the transfer timeout."""
+        request = pb.CommitWeightUpdateRequest(update_id=update_id)
+        return await self.stub.CommitWeightUpdate(request, timeout=timeout_s)
+
+    async def abort_weight_update(self, update_id: str, reason: str) -> pb.AbortWeightUpdateResponse:
+        request = pb.AbortWeightUpdateRequest(update_id=update_id, reason=reason)
+        return await self.stub.AbortWeightUpdate(request, timeout=self.timeout_s)
+
     def stream(self, run_id: str, consumer_id: str, credits: int = 4) -> GroupStream:
         return GroupStream(self.stub, run_id, consumer_id, credits)
 

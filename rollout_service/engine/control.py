@@ -1,0 +1,87 @@
+"""vLLM's control endpoints (pause/resume and the weight-transfer handshake) for one server.
+
+vLLM puts no timeout on these calls (a worker waiting on a dead trainer stalls for as long
+as its process group's timeout while /health still says 200), so every call here carries
+the service's own deadline, and a failure is raised as ``WeightSyncError`` naming the
+server and the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import aiohttp
+
+PauseModeName = Literal["keep", "abort", "wait"]
+
+
+class WeightSyncError(Exception):
+    """A control step failed or timed out on one server."""
+
+    def __init__(self, server: str, step: str, message: str) -> None:
+        super().__init__(f"{server} {step}: {message}")
+        self.server = server
+        self.step = step
+
+
+class VLLMControlClient:
+    """One server's control plane. Requires the server to run with VLLM_SERVER_DEV_MODE=1."""
+
+    def __init__(self, base_url: str, connect_timeout_s: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # A fresh connection per call: control calls are rare, and a kept-alive connection
+        # that vLLM closed after an error would make the next call (say, the resume that
+        # must follow a failed update) fail with "connection reset".
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(
+        self, method: str, path: str, timeout_s: float, body: dict[str, Any] | None = None, **params: str
+    ) -> dict[str, Any]:
+        if self._session is None:
+            raise WeightSyncError(self.base_url, path, "control client used before start()")
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._connect_timeout_s)
+        try:
+            async with self._session.request(
+                method, self.base_url + path, json=body, params=params or None, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise WeightSyncError(self.base_url, path, f"HTTP {resp.status}: {text[:500]}")
+                return await resp.json(content_type=None) if text else {}
+        except TimeoutError:
+            raise WeightSyncError(self.base_url, path, f"no answer within {timeout_s:.0f}s") from None
+        except aiohttp.ClientError as exc:
+            raise WeightSyncError(self.base_url, path, f"{type(exc).__name__}: {exc}") from exc
+
+    async def world_size(self, timeout_s: float) -> int:
+        return int((await self._call("GET", "/get_world_size", timeout_s))["world_size"])
+
+    async def pause(self, mode: PauseModeName, timeout_s: float) -> None:
+        await self._call("POST", "/pause", timeout_s, mode=mode)
+
+    async def resume(self, timeout_s: float) -> None:
+        await self._call("POST", "/resume", timeout_s)
+
+    async def init_weight_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None:
+        await self._call("POST", "/init_weight_transfer_engine", timeout_s, {"init_info": init_info})
+
+    async def start_weight_update(self, timeout_s: float) -> None:
+        await self._call("POST", "/start_weight_update", timeout_s)
+
+    async def update_weights(self, update_info: dict[str, Any], timeout_s: float) -> None:
+        await self._call("POST", "/update_weights", timeout_s, {"update_info": update_info})
+
+    async def finish_weight_update(self, version: str, timeout_s: float) -> None:
+        await self._call("POST", "/finish_weight_update", timeout_s, {"weight_version": version})
+
+    async def reset_prefix_cache(self, timeout_s: float) -> None:
+        await self._call("POST", "/reset_prefix_cache", timeout_s)

