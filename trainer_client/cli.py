@@ -1,0 +1,89 @@
+"""``rollout-trainer``: train a policy on a rollout service's stream.
+
+The trainer loads the same checkpoint the service's vLLM servers serve, consumes a run
+(created here unless --run-id names one), and pushes its weights back every
+--weight-sync-steps. Bad options print one line that says what to change (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.logging import RichHandler
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+def _rewards(specs: list[str]) -> dict[str, float]:
+    rewards: dict[str, float] = {}
+    for spec in specs:
+        name, _, weight = spec.partition("=")
+        try:
+            rewards[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise typer.BadParameter(f"--reward {spec!r}: the weight after '=' must be a number") from None
+    return rewards
+
+
+@app.command()
+def main(
+    target: Annotated[str, typer.Option(help="The rollout service, host:port")] = "127.0.0.1:50051",
+    model: Annotated[Path, typer.Option(help="Checkpoint the service's vLLM serves")] = Path("models/tiny-qwen2"),
+    run_id: Annotated[str | None, typer.Option(help="Consume this existing run instead of creating one")] = None,
+    dataset: Annotated[str, typer.Option(help="Built-in dataset of the run")] = "repeat_a",
+    reward: Annotated[list[str] | None, typer.Option(help="NAME[=WEIGHT], repeatable")] = None,
+    group_size: Annotated[int, typer.Option(help="Completions per prompt (G)")] = 8,
+    groups_per_step: Annotated[int, typer.Option(help="Groups per optimizer step")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per completion")] = 32,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps")] = 60,
+    learning_rate: Annotated[float, typer.Option()] = 5e-3,
+    max_staleness: Annotated[int, typer.Option(help="Drop groups older than this many versions")] = 2,
+    weight_sync_steps: Annotated[int, typer.Option(help="Push weights every this many steps")] = 1,
+    loss_type: Annotated[str, typer.Option(help="grpo, bnpo, dr_grpo, dapo, cispo, sapo, ...")] = "dapo",
+    max_buffered_groups: Annotated[int, typer.Option(help="Service-side buffer of the run")] = 8,
+    output_dir: Annotated[Path, typer.Option(help="metrics.jsonl, summary.json, reward_curve.svg")] = Path(
+        "outputs/train"
+    ),
+    log_level: Annotated[str, typer.Option()] = "INFO",
+) -> None:
+    """Train on the service's stream and print the summary as JSON."""
+    logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
+    from trainer_client.train import RunOptions, train
+    from trainer_client.trainer import AsyncGRPOConfig
+
+    if not (model / "config.json").exists():
+        if model != Path("models/tiny-qwen2"):
+            raise typer.BadParameter(f"--model {model} has no config.json; give the checkpoint vLLM serves")
+        from rollout_service.tiny_model import build_tiny_model
+
+        build_tiny_model(model)
+    try:
+        config = AsyncGRPOConfig(
+            output_dir=str(output_dir),
+            max_steps=max_steps,
+            per_device_train_batch_size=groups_per_step * group_size,
+            group_size=group_size,
+            learning_rate=learning_rate,
+            lr_scheduler_type="constant",
+            max_staleness=max_staleness,
+            weight_sync_steps=weight_sync_steps,
+            loss_type=loss_type,
+            max_completion_length=max_tokens,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=False,
+            use_cpu=True,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    options = RunOptions(dataset, _rewards(reward or ["char_fraction"]), max_tokens, max_buffered_groups)
+    summary = train(target, str(model), config, options, run_id=run_id)
+    typer.echo(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,141 @@
+"""Fresh groups for a synchronous training loop, from the service's async stream.
+
+transformers' Trainer is synchronous; the gRPC stream is asyncio. ``GroupFeed`` runs the
+stream on its own event loop in a background thread and hands groups over through a
+bounded queue. Staleness is judged here, at the moment a group is taken for training:
+a group whose oldest token is more than ``max_staleness`` policy versions behind the
+trainer's current version is dropped, counted, and acked as DROPPED_STALE so the service
+knows; every other group is acked as TRAINED once the step that used it has finished.
+Every group the feed receives is therefore either trained or counted as dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rollout_service.api import rollout_pb2 as pb
+from trainer_client.client import GroupStream, RolloutClient
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class FeedCounters:
+    received: int = 0
+    trained: int = 0
+    dropped_stale: int = 0
+
+
+class GroupFeed:
+    """One consumer of one run; use ``with GroupFeed(...) as feed``."""
+
+    def __init__(
+        self, target: str, run_id: str, consumer_id: str, max_staleness: int, credits: int = 16, timeout_s: float = 30.0
+    ) -> None:
+        self.target = target
+        self.run_id = run_id
+        self.consumer_id = consumer_id
+        self.max_staleness = max_staleness
+        self.credits = credits
+        self.timeout_s = timeout_s
+        self.current_version = 0
+        self.min_version = 0
+        self.versions_ahead = 0
+        """Pushes expected between taking a group and training on it (the data loader fetches a
+        batch ahead, so with a push every step a group trains one version later than taken)."""
+        self.counters = FeedCounters()
+        self._groups: queue.Queue[pb.Group | BaseException] = queue.Queue(maxsize=credits)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"feed-{consumer_id}", daemon=True)
+        self._client: RolloutClient | None = None
+        self._stream: GroupStream | None = None
+        self._reader: Future[None] | None = None
+
+    # -- lifetime ------------------------------------------------------------------------
+    def __enter__(self) -> GroupFeed:
+        self._thread.start()
+        self.call(self._open())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(self._close(), timeout_s=self.timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=self.timeout_s)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run a coroutine on the feed's loop (e.g. a weight push) and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s or self.timeout_s)
+
+    @property
+    def client(self) -> RolloutClient:
+        assert self._client is not None, "the feed is not open"
+        return self._client
+
+    async def _open(self) -> None:
+        self._client = await RolloutClient(self.target, self.timeout_s).__aenter__()
+        self._stream = self._client.stream(self.run_id, self.consumer_id, credits=self.credits)
+        self._reader = asyncio.ensure_future(self._read(self._stream))
+
+    async def _read(self, stream: GroupStream) -> None:
+        try:
+            async for group in stream:
+                self.counters.received += 1
+                await asyncio.to_thread(self._groups.put, group)
+        except BaseException as exc:  # the trainer thread must see why the stream ended
+            self._groups.put_nowait(exc)
+            raise
+
+    async def _close(self) -> None:
+        if self._stream is not None:
+            await self._stream.aclose()
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._client is not None:
+            await self._client.__aexit__(None, None, None)
+
+    # -- consumer side (the training thread) ---------------------------------------------
+    def next_fresh_group(self, timeout_s: float = 300.0) -> pb.Group:
+        """The next group within ``max_staleness`` of ``current_version``; stale ones are
+        dropped and acked as such on the way."""
+        while True:
+            item = self._groups.get(timeout=timeout_s)
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"the sample stream of run {self.run_id} ended: {item}") from item
+            if not self.is_fresh(item.policy_version, self.current_version + self.versions_ahead):
+                self.ack_dropped_stale([item.group_id])
+                continue
+            return item
+
+    def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
+        """Within max_staleness of ``at_version`` (default: now) and not older than the
+        trainer's first push (samples of weights this trainer never had are not its policy's)."""
+        at = self.current_version if at_version is None else at_version
+        return policy_version >= self.min_version and at - policy_version <= self.max_staleness
+
+    def ack_trained(self, group_ids: list[str]) -> None:
+        self.counters.trained += len(group_ids)
+        self._ack(group_ids, pb.ACK_STATUS_TRAINED)
+
+    def ack_dropped_stale(self, group_ids: list[str]) -> None:
+        self.counters.dropped_stale += len(group_ids)
+        self._ack(group_ids, pb.ACK_STATUS_DROPPED_STALE)
+
+    def _ack(self, group_ids: list[str], status: pb.AckStatus.ValueType) -> None:
+        stream = self._stream
+        assert stream is not None
+        self._loop.call_soon_threadsafe(stream.ack, group_ids, status)

@@ -1,0 +1,116 @@
+"""One training run against a rollout service: create (or join) a run, train, report.
+
+Used by the ``rollout-trainer`` CLI and by the demo. Writes to the output directory:
+``metrics.jsonl`` (one record per optimizer step: step, policy_version, reward_mean,
+dropped_stale, ...), ``summary.json`` and ``reward_curve.svg``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.stream import GroupFeed
+from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer_client.weight_push import WeightPusher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunOptions:
+    """What to generate when the trainer creates the run itself."""
+
+    dataset: str = "letters"
+    rewards: dict[str, float] = field(default_factory=lambda: {"char_fraction": 1.0})
+    max_tokens: int = 32
+    max_buffered_groups: int = 8
+
+
+async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions) -> str:
+    async with RolloutClient(target) as client:
+        spec = dataset_run_spec(
+            options.dataset,
+            options.rewards,
+            group_size=config.group_size,
+            max_tokens=options.max_tokens,
+            max_staleness=config.max_staleness,
+            max_buffered_groups=options.max_buffered_groups,
+        )
+        spec.sampling.temperature = config.temperature
+        return (await client.create_run(spec)).run_id
+
+
+def train(
+    target: str, model_path: str, config: AsyncGRPOConfig, options: RunOptions, run_id: str | None = None
+) -> dict[str, Any]:
+    """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary."""
+    run_id = run_id or asyncio.run(_create_run(target, config, options))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    output_dir = Path(config.output_dir)
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    with GroupFeed(target, run_id, f"trainer-{run_id}", config.max_staleness, config.effective_stream_credits) as feed:
+        pusher = WeightPusher(feed.client, run_id)
+        try:
+            trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
+            trainer.train()
+        finally:
+            pusher.close()
+        counters = feed.counters
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = summarize(records, run_id, counters.received, counters.trained, counters.dropped_stale)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_reward_curve(records, output_dir / "reward_curve.svg")
+    return summary
+
+
+def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained: int, dropped: int) -> dict[str, Any]:
+    rewards = [r["reward_mean"] for r in records]
+    fifth = max(1, len(rewards) // 5)
+    return {
+        "run_id": run_id,
+        "steps": len(records),
+        "final_policy_version": records[-1]["policy_version"] if records else 0,
+        "reward_first_20pct": statistics.fmean(rewards[:fifth]) if rewards else None,
+        "reward_last_20pct": statistics.fmean(rewards[-fifth:]) if rewards else None,
+        "groups_received": received,
+        "groups_trained": trained,
+        "groups_dropped_stale": dropped,
+        "max_staleness_trained": max((r["max_staleness_trained"] for r in records), default=0),
+    }
+
+
+def write_reward_curve(records: list[dict[str, Any]], path: Path, width: int = 640, height: int = 320) -> None:
+    """A dependency-free SVG line plot of reward_mean per step."""
+    points = [(r["step"], r["reward_mean"]) for r in records if r["reward_mean"] == r["reward_mean"]]
+    if len(points) < 2:
+        return
+    pad = 40
+    (x0, x1), (y0, y1) = (points[0][0], points[-1][0]), (min(p[1] for p in points), max(p[1] for p in points))
+    y1 = y1 if y1 > y0 else y0 + 1e-6
+
+    def xy(step: float, value: float) -> str:
+        x = pad + (step - x0) / max(x1 - x0, 1) * (width - 2 * pad)
+        y = height - pad - (value - y0) / (y1 - y0) * (height - 2 * pad)
+        return f"{x:.1f},{y:.1f}"
+
+    polyline = " ".join(xy(s, v) for s, v in points)
+    path.write_text(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
+        f'<rect width="100%" height="100%" fill="white"/>'
+        f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{polyline}"/>'
+        f'<text x="{pad}" y="20" font-family="sans-serif" font-size="14">reward_mean per step</text>'
+        f'<text x="{pad}" y="{height - 10}" font-family="sans-serif" font-size="12">step {x0} .. {x1}</text>'
+        f'<text x="5" y="{pad}" font-family="sans-serif" font-size="12">{y1:.3f}</text>'
+        f'<text x="5" y="{height - pad}" font-family="sans-serif" font-size="12">{y0:.3f}</text>'
+        "</svg>\n"
+    )

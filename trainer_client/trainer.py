@@ -1,0 +1,301 @@
+"""``AsyncGRPOTrainer``: a ``transformers.Trainer`` that learns from the rollout service's stream.
+
+Generation never happens here. The train dataset is the service's stream of scored groups
+(``GroupFeed``: stale groups are dropped and acked as such before they reach a batch); the
+loss is the clipped importance-sampled surrogate of ``losses.py`` on log-probs computed in
+chunks; after every ``weight_sync_steps`` optimizer steps the main process pushes its
+weights into vLLM through the service (``WeightPusher``) and the feed's current policy
+version advances, which is what staleness is judged against. Groups used by a step are
+acked as trained when the step ends.
+
+Being a ``Trainer`` subclass, checkpointing, logging integrations (``report_to``),
+accelerate and PEFT come with it. One rank for now: data-parallel ranks would each be a
+consumer of the same run (the broker hands them disjoint groups); that is exercised later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+
+from rollout_service.api import rollout_pb2 as pb
+from trainer_client.logprobs import chunked_completion_logprobs
+from trainer_client.losses import LossConfig, compute_loss
+from trainer_client.stream import GroupFeed
+from trainer_client.weight_push import WeightPusher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class AsyncGRPOConfig(TrainingArguments):
+    """Training arguments plus the stream, weight-sync and loss knobs (names as TRL's)."""
+
+    group_size: int = 8
+    """Completions per prompt (G); the per-device batch must hold whole groups."""
+    max_staleness: int = 1
+    """Groups whose oldest token is more than this many policy versions old are dropped."""
+    weight_sync_steps: int = 1
+    """Push weights into vLLM after every this many optimizer steps."""
+    temperature: float = 1.0
+    """Sampling temperature of the run: log-probs are computed on logits / temperature, as vLLM's."""
+    logprob_chunk_size: int = 1024
+    """Positions per chunk of the log-prob computation (bounds the [chunk, vocab] logits)."""
+    stream_credits: int = 0
+    """Groups the service may send ahead of acks; 0 means two steps' worth (the least that cannot
+    stall: the data loader fetches the next batch before the current step acks its groups)."""
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_cap: float | None = 3.0
+    off_policy_mask_threshold: float | None = None
+    max_completion_length: int = 512
+    remove_unused_columns: bool = False
+    report_to: str | list[str] = field(default="none")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.group_size < 2:
+            raise ValueError(f"group_size is {self.group_size}; it must be >= 2")
+        if self.per_device_train_batch_size % self.group_size:
+            raise ValueError(
+                f"per_device_train_batch_size {self.per_device_train_batch_size} must be a multiple of "
+                f"group_size {self.group_size}, so that every batch holds whole groups"
+            )
+        if self.max_steps <= 0:
+            raise ValueError("max_steps must be > 0: the sample stream has no length")
+        if self.beta != 0:
+            raise ValueError("beta != 0 needs a reference model, which this trainer does not load yet; use beta=0")
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps // self.group_size
+
+    @property
+    def effective_stream_credits(self) -> int:
+        return max(self.stream_credits, 2 * self.groups_per_step)
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            loss_type=self.loss_type,  # type: ignore[arg-type]
+            importance_sampling_level=self.importance_sampling_level,  # type: ignore[arg-type]
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            delta=self.delta,
+            beta=self.beta,
+            vllm_importance_sampling_correction=self.vllm_importance_sampling_correction,
+            vllm_importance_sampling_mode=self.vllm_importance_sampling_mode,  # type: ignore[arg-type]
+            vllm_importance_sampling_clip_max=self.vllm_importance_sampling_cap,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            max_completion_length=self.max_completion_length,
+        )
+
+
+class StreamDataset(IterableDataset):
+    """One item per sample, whole groups in order, fresh groups only."""
+
+    def __init__(self, feed: GroupFeed) -> None:
+        self.feed = feed
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            group = self.feed.next_fresh_group()
+            for sample in group.samples:
+                yield {"group": group, "sample": sample}
+
+
+class GroupCollator:
+    """Left-pads prompts so every completion starts at the same column; right-pads completions.
+
+    Position ids come from the attention mask, so left padding does not shift positions and
+    the trainer's log-probs equal vLLM's for the same tokens.
+    """
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad = pad_token_id
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        samples: list[pb.Sample] = [item["sample"] for item in items]
+        prompt_len = max(len(s.prompt_token_ids) for s in samples)
+        completion_len = max(len(s.completion_token_ids) for s in samples)
+        batch = len(samples)
+        input_ids = torch.full((batch, prompt_len + completion_len), self.pad, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        completion_ids = torch.full((batch, completion_len), self.pad, dtype=torch.long)
+        completion_mask = torch.zeros((batch, completion_len), dtype=torch.float32)
+        behaviour = torch.zeros((batch, completion_len), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            prompt, completion = list(s.prompt_token_ids), list(s.completion_token_ids)
+            start = prompt_len - len(prompt)
+            input_ids[i, start:prompt_len] = torch.tensor(prompt)
+            input_ids[i, prompt_len : prompt_len + len(completion)] = torch.tensor(completion)
+            attention[i, start : prompt_len + len(completion)] = 1
+            completion_ids[i, : len(completion)] = torch.tensor(completion)
+            completion_mask[i, : len(completion)] = torch.tensor(list(s.completion_mask), dtype=torch.float32)
+            behaviour[i, : len(completion)] = torch.tensor(list(s.completion_logprobs))
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "prompt_length": prompt_len,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "behaviour_logps": behaviour,
+            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+            "rewards": [s.reward for s in samples],
+            "staleness_versions": [item["group"].policy_version for item in items],
+            "group_ids": [item["group"].group_id for item in items],
+        }
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The transformer body and the output-embedding weight, so logits can be made in chunks."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model, base.get_output_embeddings().weight
+
+
+class _StepBook:
+    """What the current optimizer step trained on, for acks and per-step metrics."""
+
+    def __init__(self) -> None:
+        self.group_ids: dict[str, None] = {}  # ordered set
+        self.stale_group_ids: dict[str, None] = {}
+        self.rewards: list[float] = []
+        self.staleness: list[int] = []
+        self.loss_metrics: dict[str, list[float]] = {}
+
+
+class AsyncGRPOTrainer(Trainer):
+    def __init__(
+        self, model: PreTrainedModel, args: AsyncGRPOConfig, feed: GroupFeed, pusher: WeightPusher | None, **kwargs: Any
+    ) -> None:
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        super().__init__(
+            model=model, args=args, train_dataset=StreamDataset(feed), data_collator=GroupCollator(pad), **kwargs
+        )
+        self.feed = feed
+        feed.versions_ahead = 1 if pusher is not None and args.weight_sync_steps == 1 else 0
+        self.pusher = pusher
+        self.loss_config = args.loss_config()
+        self.book = _StepBook()
+        self.add_callback(_SyncAndAck(self))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
+        # Judge staleness against the version this step trains at (the data loader fetches a
+        # batch ahead, so the feed's check at fetch time may be one version early): samples
+        # past max_staleness are masked out of the loss and their groups acked as dropped.
+        versions = inputs["staleness_versions"]
+        fresh = [self.feed.is_fresh(v) for v in versions]
+        completion_mask = inputs["completion_mask"] * torch.tensor(fresh, dtype=torch.float32)[:, None].to(
+            inputs["completion_mask"].device
+        )
+        decoder, head = _decoder_and_head(model)
+        hidden = decoder(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"]
+        ).last_hidden_state
+        start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
+        logps = chunked_completion_logprobs(
+            hidden[:, start : start + length],
+            head,
+            inputs["completion_ids"],
+            chunk_size=self.args.logprob_chunk_size,
+            temperature=self.args.temperature,
+        )
+        output = compute_loss(
+            logps,
+            None,
+            inputs["behaviour_logps"],
+            inputs["advantages"],
+            completion_mask,
+            self.loss_config,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+        )
+        for group_id, reward, version, keep in zip(
+            inputs["group_ids"], inputs["rewards"], versions, fresh, strict=True
+        ):
+            if keep:
+                self.book.group_ids.setdefault(group_id, None)
+                self.book.rewards.append(reward)
+                self.book.staleness.append(self.feed.current_version - version)
+            else:
+                self.book.stale_group_ids.setdefault(group_id, None)
+        for name, value in output.metrics.items():
+            self.book.loss_metrics.setdefault(name, []).append(float(value))
+        return output.loss
+
+    def step_record(self, step: int, book: _StepBook) -> dict[str, Any]:
+        counters = self.feed.counters
+        record: dict[str, Any] = {
+            "step": step,
+            "policy_version": self.feed.current_version,
+            "reward_mean": statistics.fmean(book.rewards) if book.rewards else float("nan"),
+            "groups": len(book.group_ids),
+            "max_staleness_trained": max(book.staleness, default=0),
+            "dropped_stale": counters.dropped_stale,
+            "groups_trained": counters.trained,
+            "groups_received": counters.received,
+        }
+        for name, values in book.loss_metrics.items():
+            record[name] = statistics.fmean(values)
+        return record
+
+
+class _SyncAndAck(TrainerCallback):
+    """At the end of each optimizer step: ack its groups, push weights when due, log a record."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        # vLLM may serve other weights than this trainer's checkpoint (an earlier run, a
+        # restarted trainer): push first, so every trained sample comes from this policy's line.
+        self._push(state)
+        self.trainer.feed.min_version = self.trainer.feed.current_version
+        return control
+
+    def _push(self, state) -> None:  # type: ignore[no-untyped-def]
+        trainer = self.trainer
+        if trainer.pusher is None or not state.is_world_process_zero:
+            return
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        named = [(name, param.detach()) for name, param in model.named_parameters()]
+        timeout_s = trainer.pusher.timeout_s + 120
+        trainer.feed.current_version = trainer.feed.call(trainer.pusher.push(named), timeout_s=timeout_s)
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        trainer = self.trainer
+        book, trainer.book = trainer.book, _StepBook()
+        trainer.feed.ack_trained(list(book.group_ids))
+        trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
+        record = trainer.step_record(state.global_step, book)  # at the version trained on
+        config: AsyncGRPOConfig = trainer.args
+        if state.global_step % config.weight_sync_steps == 0:
+            self._push(state)
+        if state.is_world_process_zero:
+            path = Path(args.output_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as out:
+                out.write(json.dumps(record) + "\n")
+        logger.info(
+            "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d",
+            record["step"],
+            record["reward_mean"],
+            record["policy_version"],
+            record["groups"],
+            record["dropped_stale"],
+        )
+        return control
