@@ -58,7 +58,8 @@ def train(
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     output_dir = Path(config.output_dir)
     (output_dir / "metrics.jsonl").unlink(missing_ok=True)
-    with GroupFeed(target, run_id, f"trainer-{run_id}", config.max_staleness, config.effective_stream_credits) as feed:
+    consumer_id = f"trainer-{run_id}-rank{config.process_index}"  # data-parallel ranks get disjoint groups
+    with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
         pusher = WeightPusher(feed.client, run_id)
         try:
             trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
