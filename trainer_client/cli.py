@@ -48,6 +48,9 @@ def main(
     output_dir: Annotated[Path, typer.Option(help="metrics.jsonl, summary.json, reward_curve.svg")] = Path(
         "outputs/train"
     ),
+    trainer_address: Annotated[
+        str, typer.Option(help="Address vLLM's workers reach this trainer at, for the weight transfer")
+    ] = "127.0.0.1",
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Train on the service's stream and print the summary as JSON."""
@@ -81,7 +84,7 @@ def main(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     options = RunOptions(dataset, _rewards(reward or ["char_fraction"]), max_tokens, max_buffered_groups)
-    summary = train(target, str(model), config, options, run_id=run_id)
+    summary = train(target, str(model), config, options, run_id=run_id, trainer_address=trainer_address)
     typer.echo(json.dumps(summary, indent=2))
 
 

@@ -51,16 +51,24 @@ async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions)
 
 
 def train(
-    target: str, model_path: str, config: AsyncGRPOConfig, options: RunOptions, run_id: str | None = None
+    target: str,
+    model_path: str,
+    config: AsyncGRPOConfig,
+    options: RunOptions,
+    run_id: str | None = None,
+    trainer_address: str = "127.0.0.1",
 ) -> dict[str, Any]:
-    """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary."""
+    """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
+
+    ``trainer_address`` is where vLLM's workers reach this process for the weight transfer.
+    """
     run_id = run_id or asyncio.run(_create_run(target, config, options))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     output_dir = Path(config.output_dir)
     (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     consumer_id = f"trainer-{run_id}-rank{config.process_index}"  # data-parallel ranks get disjoint groups
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
-        pusher = WeightPusher(feed.client, run_id)
+        pusher = WeightPusher(feed.client, run_id, trainer_address=trainer_address)
         try:
             trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
             trainer.train()
