@@ -127,6 +127,7 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
         stack.push_async_callback(service.close)
         service.weight_sync = WeightSyncCoordinator(controls, settings.weight_sync, service.set_policy_version)
         stack.push_async_callback(service.weight_sync.close)
+        await service.weight_sync.prefetch_world_sizes()
 
         metrics_port = None
         if settings.metrics_port is not None:

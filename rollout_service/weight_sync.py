@@ -117,6 +117,14 @@ class WeightSyncCoordinator:
         )
         return UpdateTicket(update.update_id, join, 1 + sum(world_sizes), self.settings.backend, self.version)
 
+    async def prefetch_world_sizes(self) -> None:
+        """Best effort at start-up, while the servers are idle: a server busy with its first
+        batch of generation has been seen to take more than 30 s to answer."""
+        try:
+            await self._worker_world_sizes()
+        except FailedPrecondition as exc:
+            logger.info("world sizes not known yet (%s); asking again at the first weight update", exc)
+
     async def _worker_world_sizes(self) -> list[int]:
         if self._world_sizes is None:
             timeout = self.settings.control_timeout_s
