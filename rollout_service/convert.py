@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rollout_service import __version__
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.errors import InvalidArgument
-from rollout_service.prompts import PromptSpec
+from rollout_service.prompts import BUILTIN_DATASETS, PromptSpec
 from rollout_service.runs import Run, RunSpec
 from rollout_service.types import AdvantageScaling, SamplingParams, ScoredGroup
 from rollout_service.weight_sync import TensorSpec
+
+if TYPE_CHECKING:
+    from rollout_service.service import RolloutService
 
 _SCALING_FROM_PB = {
     pb.ADVANTAGE_SCALING_UNSPECIFIED: AdvantageScaling.GROUP,
@@ -187,9 +192,7 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
     )
 
 
-def server_info_to_pb(service) -> pb.GetServerInfoResponse:  # type: ignore[no-untyped-def]
-    from rollout_service.prompts import BUILTIN_DATASETS
-
+def server_info_to_pb(service: RolloutService) -> pb.GetServerInfoResponse:
     return pb.GetServerInfoResponse(
         service_version=__version__,
         model=service.info.model,

@@ -44,12 +44,12 @@ class PromptItem:
 
 @dataclass(frozen=True)
 class Completion:
-    """One vLLM completion, ids and behaviour logprobs exactly as vLLM returned them."""
+    """One vLLM completion, ids and behaviour logprobs exactly as vLLM returned them. No text:
+    vLLM's incremental text holds back a partial UTF-8 tail; the episode decodes the ids."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    text: str
     server: str
 
 

@@ -56,7 +56,7 @@ def parse_completion(payload: dict[str, Any], server: str) -> Completion:
         raise EngineError(server, f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
     reason = choice.get("finish_reason") or "stop"
     finish: FinishReason = reason if reason in ("stop", "length", "abort") else "stop"
-    return Completion(token_ids, logprobs, finish, choice.get("text") or "", server)
+    return Completion(token_ids, logprobs, finish, server)
 
 
 class VLLMServerClient:

@@ -54,7 +54,7 @@ class ScriptedEngine:
             if FAIL_TOKEN in prompt_ids:
                 raise EngineError("scripted", "scripted failure")
             n = params.max_tokens
-            return Completion([7] * n, [-0.5] * n, "length", "a" * (self.calls % 5), "scripted")
+            return Completion([7] * n, [-0.5] * n, "length", "scripted")
         finally:
             self.active -= 1
             self.changed.set()
