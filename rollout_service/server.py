@@ -190,6 +190,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             group_world_size=ticket.group_world_size,
             backend=ticket.backend,
             policy_version=ticket.policy_version,
+            group_epoch=ticket.group_epoch,
         )
 
     @_edge

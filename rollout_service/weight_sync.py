@@ -55,6 +55,7 @@ class UpdateTicket:
     group_world_size: int
     backend: str
     policy_version: int
+    group_epoch: int
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _Update:
     pipeline: asyncio.Task[None] | None = None
     paused: set[str] = field(default_factory=set)
     aborted: str | None = None
+    epoch: int = 0
 
 
 class WeightSyncCoordinator:
@@ -84,6 +86,7 @@ class WeightSyncCoordinator:
         self._current: _Update | None = None
         self._last_aborted: _Update | None = None
         self._group: tuple[str, int] | None = None
+        self._epoch = 0  # numbers the joins: each join's rendezvous keys get their own prefix
         self._world_sizes: list[int] | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -101,6 +104,9 @@ class WeightSyncCoordinator:
             world_sizes = await self._worker_world_sizes()
             join = self._group != (trainer_address, trainer_port)
             update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, time.monotonic())
+            if join:
+                self._epoch += 1
+                update.epoch = self._epoch
             update_info = {
                 "names": [t.name for t in tensors],
                 "dtype_names": [t.dtype for t in tensors],
@@ -115,7 +121,9 @@ class WeightSyncCoordinator:
         logger.info(
             "weight update %s begun for run %s (%d tensors, join=%s)", update.update_id, run_id, len(tensors), join
         )
-        return UpdateTicket(update.update_id, join, 1 + sum(world_sizes), self.settings.backend, self.version)
+        return UpdateTicket(
+            update.update_id, join, 1 + sum(world_sizes), self.settings.backend, self.version, update.epoch
+        )
 
     async def prefetch_world_sizes(self) -> None:
         """Best effort at start-up, while the servers are idle: a server busy with its first
@@ -147,6 +155,7 @@ class WeightSyncCoordinator:
         transfer_s, control_s = self.settings.transfer_timeout_s, self.settings.control_timeout_s
         if join:
             self._group = None
+            epoch = update.epoch
             offsets = [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
             world = 1 + sum(world_sizes)
             await asyncio.gather(
@@ -158,6 +167,7 @@ class WeightSyncCoordinator:
                             "rank_offset": offset,
                             "world_size": world,
                             "timeout_s": transfer_s,
+                            "epoch": epoch,
                         },
                         transfer_s,
                     )

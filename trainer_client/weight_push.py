@@ -63,17 +63,18 @@ class WeightPusher:
         try:
             if ticket.join_group:
                 # First push, or the servers dropped the group (a failure, a service restart):
-                # host a new rendezvous; the old store server is gone once the sender closes.
-                self._close_sender()
-                sender = GlooWeightSender(self.address, self._port, ticket.group_world_size, self.timeout_s)
-                await asyncio.to_thread(sender.connect)
-                self._sender = sender
-            assert self._sender is not None, "the service did not ask to join, but no group is open"
+                # join again through the same store, under this join's epoch.
+                if self._sender is None or self._sender.world_size != ticket.group_world_size:
+                    self._close_sender()
+                    self._sender = GlooWeightSender(self.address, self._port, ticket.group_world_size, self.timeout_s)
+                self._sender.leave()
+                await asyncio.to_thread(self._sender.connect, ticket.group_epoch)
+            assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
             await asyncio.to_thread(self._sender.broadcast, tensors)
             committed = await self.client.commit_weight_update(ticket.update_id, self.timeout_s + 60)
         except BaseException as exc:
-            self._close_sender()
-            self._port = _free_port(self.address)  # a fresh rendezvous for the re-join
+            if self._sender is not None:
+                self._sender.leave()  # frees workers blocked in a receive; the store stays
             with contextlib.suppress(Exception):
                 await self.client.abort_weight_update(ticket.update_id, f"trainer: {type(exc).__name__}: {exc}")
             raise

@@ -87,25 +87,31 @@ class GlooWeightSender:
     def connected(self) -> bool:
         return self._group is not None
 
-    def connect(self) -> None:
-        """Host the rendezvous and join the group as rank 0 (blocks until all workers join)."""
+    def connect(self, epoch: int = 0) -> None:
+        """Join the group as rank 0 (blocks until all workers join).
+
+        The rendezvous store is hosted once and kept across joins; each join's keys live
+        under the prefix of its ``epoch`` (the service numbers the joins), so a re-join after
+        a failure never meets the keys of a previous one and the port is never re-bound.
+        """
         if self._group is not None:
-            raise RuntimeError("already connected; close() first")
-        store = TCPStore(
-            self.master_address,
-            self.master_port,
-            self.world_size,
-            is_master=True,
-            timeout=self.timeout,
-            wait_for_workers=False,
-            # Not multi-tenant: a re-join must get a fresh store server on the port, never the
-            # previous rendezvous' server with its stale keys.
-            multi_tenant=False,
+            raise RuntimeError("already connected; leave() first")
+        if self._store is None:
+            self._store = TCPStore(
+                self.master_address,
+                self.master_port,
+                self.world_size,
+                is_master=True,
+                timeout=self.timeout,
+                wait_for_workers=False,
+                multi_tenant=False,
+            )
+        uri = rendezvous_uri(self.master_address, self.master_port)
+        group = ProcessGroupGloo(
+            PrefixStore(f"{uri}/epoch-{epoch}", self._store), 0, self.world_size, timeout=self.timeout
         )
-        prefix_store = PrefixStore(rendezvous_uri(self.master_address, self.master_port), store)
-        group = ProcessGroupGloo(prefix_store, 0, self.world_size, timeout=self.timeout)
         group._set_sequence_number_for_group()  # the workers wait for rank 0's number
-        self._store, self._group = store, group
+        self._group = group
 
     def broadcast(self, named_tensors: NamedTensors) -> None:
         """Send each tensor from rank 0, in order; must match the announced update_info."""
@@ -114,12 +120,16 @@ class GlooWeightSender:
             payload = tensor.detach().to("cpu").contiguous()
             group.broadcast(payload, 0).wait()
 
-    def close(self) -> None:
-        """Leave the group and stop hosting the store; safe to call twice."""
+    def leave(self) -> None:
+        """Leave the group (the workers' receives fail at once) but keep hosting the store."""
         group, self._group = self._group, None
-        self._store = None
         if group is not None:
             group.shutdown()
+
+    def close(self) -> None:
+        """Leave the group and stop hosting the store; safe to call twice."""
+        self.leave()
+        self._store = None
 
     def _require_group(self) -> ProcessGroupGloo:
         if self._group is None:

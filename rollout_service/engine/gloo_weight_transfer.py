@@ -81,6 +81,9 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    epoch: int = 0
+    """Which join this is: keys of each join live under their own store prefix, so a trainer
+    re-joining through the same long-lived store never meets a previous join's keys."""
 
     def __post_init__(self) -> None:
         if self.rank_offset < 1:
@@ -134,7 +137,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         """Join the trainer's gloo group; a previous group is shut down first, so a
         trainer that re-joins (after a crash, or with a new port) just calls init again."""
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        from torch.distributed import PrefixStore, TCPStore
+        from vllm.distributed.utils import get_tcp_uri, init_gloo_process_group
 
         self.shutdown()
         rank = self._worker_rank(init_info.rank_offset)
@@ -145,14 +149,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             rank,
             init_info.world_size,
         )
-        self._group = stateless_init_torch_distributed_process_group(
-            init_info.master_address,
-            init_info.master_port,
-            rank,
-            init_info.world_size,
-            "gloo",
-            timeout=timedelta(seconds=init_info.timeout_s),
-        )
+        # vLLM's stateless_init_torch_distributed_process_group, with the join's epoch in the
+        # store prefix (see GlooWeightTransferInitInfo.epoch).
+        timeout = timedelta(seconds=init_info.timeout_s)
+        host, port = init_info.master_address, init_info.master_port
+        store = TCPStore(host, port, init_info.world_size, is_master=False, timeout=timeout)
+        prefix_store = PrefixStore(f"{get_tcp_uri(host, port)}/epoch-{init_info.epoch}", store)
+        self._group = init_gloo_process_group(prefix_store, rank, init_info.world_size, timeout)
 
     def _worker_rank(self, rank_offset: int) -> int:
         """Unique rank across data-parallel replicas, after the trainer's ranks."""
@@ -246,9 +249,7 @@ def refresh_vocab_embeddings(model: torch.nn.Module) -> None:
 
 
 def _destroy_group(group: ProcessGroup) -> None:
-    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
     try:
-        stateless_destroy_torch_distributed_process_group(group)
+        group.shutdown()
     except Exception:  # a group with a dead peer may not shut down cleanly; it is dropped anyway
         logger.warning("error while destroying the gloo weight-transfer group", exc_info=True)
