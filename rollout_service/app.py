@@ -95,8 +95,8 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
 
                 await asyncio.to_thread(build_tiny_model, managed_settings.model)
             managed = ManagedVLLMServer(managed_settings, served_model_name=engine_settings.model)
+            stack.push_async_callback(asyncio.to_thread, managed.stop)  # before start: no orphan server
             await asyncio.to_thread(managed.start)
-            stack.push_async_callback(asyncio.to_thread, managed.stop)
             urls = [managed.url]
             tokenizer_path = tokenizer_path or str(managed_settings.model)
         model, max_model_len = await resolve_model(urls, engine_settings)
