@@ -72,7 +72,7 @@ def _compile(nodes: list[ast.stmt], filename: str) -> Any:
 def _load_trl() -> TrlCode:
     trl_dir = _trl_dir()
     if trl_dir is None:
-        pytest.skip("trl (dev dependency) is not installed")
+        pytest.fail("trl (a dev dependency) is not installed: parity with TRL cannot be checked; pip install -e .[dev]")
     trainer_path = trl_dir / "trainer" / "grpo_trainer.py"
     utils_path = trl_dir / "trainer" / "utils.py"
     trainer = _class(ast.parse(trainer_path.read_text()), "GRPOTrainer")
