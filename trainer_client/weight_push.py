@@ -12,27 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Sequence
 
 import torch
 
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient
-from trainer_client.weights import GlooWeightSender
+from trainer_client.weights import GlooWeightSender, dtype_name, free_port
 
 logger = logging.getLogger(__name__)
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
-
-
 def tensor_meta(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[pb.TensorMeta]:
     return [
-        pb.TensorMeta(name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape))
+        pb.TensorMeta(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
         for name, tensor in named_tensors
     ]
 
@@ -54,19 +47,22 @@ class WeightPusher:
         self.timeout_s = transfer_timeout_s
         self.pause_mode = pause_mode
         self._sender: GlooWeightSender | None = None
-        self._port = _free_port(trainer_address)
+        self.port = free_port(trainer_address)
+        """The rendezvous port this trainer hosts for the whole run (joins differ by epoch)."""
 
     async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Send the tensors (HF names, broadcast order) and return the new policy version."""
         tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in named_tensors]
-        ticket = await self._begin(tensors)
+        ticket = await self.client.begin_weight_update(
+            self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode
+        )
         try:
             if ticket.join_group:
                 # First push, or the servers dropped the group (a failure, a service restart):
                 # join again through the same store, under this join's epoch.
                 if self._sender is None or self._sender.world_size != ticket.group_world_size:
-                    self._close_sender()
-                    self._sender = GlooWeightSender(self.address, self._port, ticket.group_world_size, self.timeout_s)
+                    self.close()
+                    self._sender = GlooWeightSender(self.address, self.port, ticket.group_world_size, self.timeout_s)
                 self._sender.leave()
                 await asyncio.to_thread(self._sender.connect, ticket.group_epoch)
             assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
@@ -83,15 +79,7 @@ class WeightPusher:
         )
         return committed.policy_version
 
-    async def _begin(self, tensors: list[tuple[str, torch.Tensor]]) -> pb.BeginWeightUpdateResponse:
-        return await self.client.begin_weight_update(
-            self.run_id, self.address, self._port, tensor_meta(tensors), self.pause_mode
-        )
-
-    def _close_sender(self) -> None:
+    def close(self) -> None:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
-
-    def close(self) -> None:
-        self._close_sender()

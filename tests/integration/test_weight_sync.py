@@ -124,7 +124,7 @@ async def test_trainer_vanishing_mid_update_resumes_on_old_weights(sync_service,
         # The trainer begins an update, then disappears before sending: its group closes
         # as a dead process's would, and it never commits or aborts.
         named = list(perturbed(base_model).named_parameters())
-        ticket = await client.begin_weight_update(run.run_id, pusher.address, pusher._port, tensor_meta(named))
+        ticket = await client.begin_weight_update(run.run_id, pusher.address, pusher.port, tensor_meta(named))
         assert not ticket.join_group
         pusher.close()
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -155,7 +155,7 @@ async def test_trainer_that_never_sends_is_timed_out(sync_service, vllm_server, 
     try:
         await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60)
         named = list(base_model.named_parameters())
-        ticket = await client.begin_weight_update(run.run_id, pusher.address, pusher._port, tensor_meta(named))
+        ticket = await client.begin_weight_update(run.run_id, pusher.address, pusher.port, tensor_meta(named))
         # The trainer keeps its group open but never broadcasts: the service's deadline ends it.
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await client.commit_weight_update(ticket.update_id, timeout_s=60)
