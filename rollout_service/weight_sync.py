@@ -161,14 +161,7 @@ class WeightSyncCoordinator:
             await asyncio.gather(
                 *(
                     server.init_weight_transfer(
-                        {
-                            "master_address": address,
-                            "master_port": port,
-                            "rank_offset": offset,
-                            "world_size": world,
-                            "timeout_s": transfer_s,
-                            "epoch": epoch,
-                        },
+                        init_info(self.settings.backend, address, port, offset, world, transfer_s, epoch),
                         transfer_s,
                     )
                     for server, offset in zip(self.servers, offsets, strict=True)
@@ -314,3 +307,24 @@ def _validate(address: str, port: int, tensors: list[TensorSpec]) -> None:
             )
         if not tensor.name:
             raise InvalidArgument("a tensor has an empty name")
+
+
+def init_info(
+    backend: str, address: str, port: int, rank_offset: int, world_size: int, timeout_s: float, epoch: int
+) -> dict[str, Any]:
+    """The ``/init_weight_transfer_engine`` body for one server.
+
+    vLLM builds the backend's init-info dataclass from these keys and rejects unknown ones,
+    so only this project's gloo engine is sent the extras it understands: the group's
+    timeout and the join epoch that keys its rendezvous (vLLM's nccl rendezvous has no
+    epochs; its trainer hosts a fresh store, on a fresh port, per join).
+    """
+    info: dict[str, Any] = {
+        "master_address": address,
+        "master_port": port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+    }
+    if backend == "gloo":
+        info |= {"timeout_s": timeout_s, "epoch": epoch}
+    return info

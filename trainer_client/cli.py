@@ -3,6 +3,10 @@
 The trainer loads the same checkpoint the service's vLLM servers serve, consumes a run
 (created here unless --run-id names one), and pushes its weights back every
 --weight-sync-steps. Bad options print one line that says what to change (exit 2).
+
+Data parallel: ``torchrun --nproc-per-node N -m trainer_client.cli ...`` (same options on
+every rank; rank 0 creates the run and pushes). LoRA: ``--lora-rank 16`` trains a PEFT
+adapter and pushes the merged weights.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ def main(
     max_staleness: Annotated[int, typer.Option(help="Drop groups older than this many versions")] = 2,
     weight_sync_steps: Annotated[int, typer.Option(help="Push weights every this many steps")] = 1,
     loss_type: Annotated[str, typer.Option(help="grpo, bnpo, dr_grpo, dapo, cispo, sapo, ...")] = "dapo",
+    beta: Annotated[float, typer.Option(help="KL coefficient to the starting policy (0: no reference model)")] = 0.0,
+    lora_rank: Annotated[int, typer.Option(help="Train a LoRA adapter of this rank (0: the full model)")] = 0,
+    lora_alpha: Annotated[int, typer.Option(help="LoRA scaling numerator")] = 32,
+    lora_target_modules: Annotated[str, typer.Option(help="Comma-separated module names to adapt")] = (
+        "q_proj,k_proj,v_proj,o_proj"
+    ),
     max_buffered_groups: Annotated[int, typer.Option(help="Service-side buffer of the run")] = 8,
     output_dir: Annotated[Path, typer.Option(help="metrics.jsonl, summary.json, reward_curve.svg")] = Path(
         "outputs/train"
@@ -55,7 +65,7 @@ def main(
 ) -> None:
     """Train on the service's stream and print the summary as JSON."""
     logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
-    from trainer_client.train import RunOptions, cpu_training_config, train
+    from trainer_client.train import LoraOptions, RunOptions, cpu_training_config, train
 
     if not (model / "config.json").exists():
         if model != Path("models/tiny-qwen2"):
@@ -74,12 +84,18 @@ def main(
             weight_sync_steps=weight_sync_steps,
             loss_type=loss_type,
             max_tokens=max_tokens,
+            beta=beta,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    if lora_rank < 0:
+        raise typer.BadParameter(f"--lora-rank is {lora_rank}; give 0 (full model) or a positive rank")
+    targets = [name.strip() for name in lora_target_modules.split(",") if name.strip()]
+    lora = LoraOptions(lora_rank, lora_alpha, targets) if lora_rank else None
     options = RunOptions(dataset, _rewards(reward or ["char_fraction"]), max_tokens, max_buffered_groups)
-    summary = train(target, str(model), config, options, run_id=run_id, trainer_address=trainer_address)
-    typer.echo(json.dumps(summary, indent=2))
+    summary = train(target, str(model), config, options, run_id=run_id, trainer_address=trainer_address, lora=lora)
+    if config.process_index == 0:
+        typer.echo(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

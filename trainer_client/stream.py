@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_service.api import rollout_pb2 as pb
@@ -32,6 +32,8 @@ class FeedCounters:
     received: int = 0
     trained: int = 0
     dropped_stale: int = 0
+    trained_group_ids: list[str] = field(default_factory=list)
+    """In ack order; what a data-parallel check compares across ranks (disjoint, none twice)."""
 
 
 class GroupFeed:
@@ -48,9 +50,6 @@ class GroupFeed:
         self.timeout_s = timeout_s
         self.current_version = 0
         self.min_version = 0
-        self.versions_ahead = 0
-        """Pushes expected between taking a group and training on it (the data loader fetches a
-        batch ahead, so with a push every step a group trains one version later than taken)."""
         self.counters = FeedCounters()
         self._groups: queue.Queue[pb.Group | BaseException] = queue.Queue(maxsize=credits)
         self._loop = asyncio.new_event_loop()
@@ -116,7 +115,7 @@ class GroupFeed:
             item = self._groups.get(timeout=timeout_s)
             if isinstance(item, BaseException):
                 raise RuntimeError(f"the sample stream of run {self.run_id} ended: {item}") from item
-            if not self.is_fresh(item.policy_version, self.current_version + self.versions_ahead):
+            if not self.is_fresh(item.policy_version):
                 self.ack_dropped_stale([item.group_id])
                 continue
             return item
@@ -129,6 +128,7 @@ class GroupFeed:
 
     def ack_trained(self, group_ids: list[str]) -> None:
         self.counters.trained += len(group_ids)
+        self.counters.trained_group_ids.extend(group_ids)
         self._ack(group_ids, pb.ACK_STATUS_TRAINED)
 
     def ack_dropped_stale(self, group_ids: list[str]) -> None:

@@ -1,8 +1,14 @@
 """One training run against a rollout service: create (or join) a run, train, report.
 
 Used by the ``rollout-trainer`` CLI and by the demo. Writes to the output directory:
-``metrics.jsonl`` (one record per optimizer step: step, policy_version, reward_mean,
-dropped_stale, ...), ``summary.json`` and ``reward_curve.svg``.
+``metrics.jsonl`` (one record per optimizer step, over all ranks: step, policy_version,
+reward_mean, dropped_stale, ...), ``summary.json`` and ``reward_curve.svg``, and per rank
+``rank<N>.json`` (the groups it trained and a fingerprint of its weights, which must agree
+across data-parallel ranks).
+
+Data parallelism: launch the same command on every rank (``torchrun --nproc-per-node N -m
+trainer_client.cli ...``). Rank 0 creates the run and broadcasts its id; each rank is its
+own consumer of the run, so the service hands the ranks disjoint groups.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from accelerate.utils import broadcast_object_list
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.stream import GroupFeed
@@ -36,6 +43,15 @@ class RunOptions:
     max_buffered_groups: int = 8
 
 
+@dataclass
+class LoraOptions:
+    """Train a LoRA adapter (PEFT) instead of the full model; vLLM is sent the merged weights."""
+
+    rank: int = 16
+    alpha: int = 32
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
 def cpu_training_config(
     output_dir: Path,
     max_steps: int,
@@ -47,6 +63,7 @@ def cpu_training_config(
     weight_sync_steps: int = 1,
     loss_type: str = "dapo",
     max_tokens: int = 32,
+    beta: float = 0.0,
 ) -> AsyncGRPOConfig:
     """The settings the CLI and the demo train the embedded default with (constant LR, a log
     line and a metrics record every step, no checkpoints). Raises ValueError on bad values."""
@@ -60,6 +77,7 @@ def cpu_training_config(
         max_staleness=max_staleness,
         weight_sync_steps=weight_sync_steps,
         loss_type=loss_type,
+        beta=beta,
         max_completion_length=max_tokens,
         logging_steps=1,
         save_strategy="no",
@@ -88,15 +106,22 @@ def train(
     options: RunOptions,
     run_id: str | None = None,
     trainer_address: str = "127.0.0.1",
+    lora: LoraOptions | None = None,
 ) -> dict[str, Any]:
     """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
 
     ``trainer_address`` is where vLLM's workers reach this process for the weight transfer.
     """
-    run_id = run_id or asyncio.run(_create_run(target, config, options))
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    main = config.process_index == 0
+    if run_id is None and main:
+        run_id = asyncio.run(_create_run(target, config, options))
+    if config.world_size > 1:
+        run_id = broadcast_object_list([run_id], from_process=0)[0]
+    assert run_id is not None
+    model = load_policy(model_path, lora)
     output_dir = Path(config.output_dir)
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if main:
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     consumer_id = f"trainer-{run_id}-rank{config.process_index}"  # data-parallel ranks get disjoint groups
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
         pusher = WeightPusher(feed.client, run_id, trainer_address=trainer_address)
@@ -106,14 +131,43 @@ def train(
         finally:
             pusher.close()
         counters = feed.counters
+        totals, _ = trainer.over_ranks([counters.received, counters.trained, counters.dropped_stale], [])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rank_report = {
+        "rank": config.process_index,
+        "groups_trained": counters.trained,
+        "groups_dropped_stale": counters.dropped_stale,
+        "trained_group_ids": counters.trained_group_ids,
+        "weights_fingerprint": weights_fingerprint(model),
+    }
+    (output_dir / f"rank{config.process_index}.json").write_text(json.dumps(rank_report))
+    if not main:
+        return rank_report  # rank 0 writes the run's summary
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = summarize(records, run_id, counters.received, counters.trained, counters.dropped_stale)
+    summary = summarize(records, run_id, *(int(total) for total in totals))
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_reward_curve(records, output_dir / "reward_curve.svg")
     return summary
 
 
+def load_policy(model_path: str, lora: LoraOptions | None) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
+
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> float:
+    """Sum of |w| over all trainable weights: equal on every rank iff DDP kept them in step."""
+    with torch.no_grad():
+        return float(sum(p.detach().abs().double().sum() for p in model.parameters() if p.requires_grad))
+
+
 def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained: int, dropped: int) -> dict[str, Any]:
+    """The run in a few numbers; the group counts are over all ranks."""
     rewards = [r["reward_mean"] for r in records]
     fifth = max(1, len(rewards) // 5)
     return {

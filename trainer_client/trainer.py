@@ -9,12 +9,21 @@ version advances, which is what staleness is judged against. Groups used by a st
 acked as trained when the step ends.
 
 Being a ``Trainer`` subclass, checkpointing, logging integrations (``report_to``),
-accelerate and PEFT come with it. One rank for now: data-parallel ranks would each be a
-consumer of the same run (the broker hands them disjoint groups); that is exercised later.
+accelerate (DDP, FSDP, DeepSpeed) and PEFT come with it. Data-parallel ranks are each a
+consumer of the same run (the broker hands them disjoint groups and each acks its own);
+rank 0 alone pushes, and the new policy version is broadcast to the other ranks so all
+judge staleness alike. The forward pass goes through the wrapped (e.g. DDP) model, asking
+for the final hidden states instead of the full logits, so DDP's gradient all-reduce still
+happens while the log-probs are made in chunks.
+
+With ``beta > 0`` the loss adds the k3 KL to a reference policy: for a PEFT model that is
+the base model with the adapter disabled (no extra memory); otherwise a frozen copy of the
+model as it was when the trainer was built.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import statistics
@@ -24,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset
+from accelerate.utils import broadcast_object_list
+from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.logprobs import chunked_completion_logprobs
 from trainer_client.losses import LossConfig, compute_loss
+from trainer_client.policy_weights import is_peft_model, policy_weights
 from trainer_client.stream import GroupFeed
 from trainer_client.weight_push import WeightPusher
 
@@ -78,8 +89,8 @@ class AsyncGRPOConfig(TrainingArguments):
             )
         if self.max_steps <= 0:
             raise ValueError("max_steps must be > 0: the sample stream has no length")
-        if self.beta != 0:
-            raise ValueError("beta != 0 needs a reference model, which this trainer does not load yet; use beta=0")
+        if self.beta < 0:
+            raise ValueError(f"beta is {self.beta}; the KL coefficient must be >= 0")
 
     @property
     def groups_per_step(self) -> int:
@@ -162,10 +173,12 @@ class GroupCollator:
         }
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The transformer body and the output-embedding weight, so logits can be made in chunks."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model, base.get_output_embeddings().weight
+def _output_embedding_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The lm_head weight [V, H] of an unwrapped (possibly PEFT) causal LM."""
+    head = model.get_output_embeddings()
+    if hasattr(head, "base_layer"):
+        raise ValueError("LoRA on the output embedding (lm_head) is not supported: leave it out of target_modules")
+    return head.weight
 
 
 class _StepBook:
@@ -184,37 +197,43 @@ class AsyncGRPOTrainer(Trainer):
         self, model: PreTrainedModel, args: AsyncGRPOConfig, feed: GroupFeed, pusher: WeightPusher | None, **kwargs: Any
     ) -> None:
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        if pusher is None and args.world_size > 1:
+            raise ValueError("every data-parallel rank needs the pusher (rank 0 pushes, the others learn its version)")
         super().__init__(
             model=model, args=args, train_dataset=StreamDataset(feed), data_collator=GroupCollator(pad), **kwargs
         )
         self.feed = feed
-        feed.versions_ahead = 1 if pusher is not None and args.weight_sync_steps == 1 else 0
         self.pusher = pusher
         self.loss_config = args.loss_config()
+        self.ref_model: torch.nn.Module | None = None
+        if args.beta > 0 and not is_peft_model(model):
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(self.args.device)
         self.book = _StepBook()
         self.add_callback(_SyncAndAck(self))
 
+    def get_train_dataloader(self) -> DataLoader:
+        """A plain loader over this rank's own stream.
+
+        Each rank is its own consumer of the run, so its stream already is its shard.
+        accelerate's prepared loader would either have rank 0 read and dispatch every batch
+        (bypassing the per-rank leases and acks) or have every rank read everything and keep
+        1/N, skipping groups that nobody then acks. It would also fetch a batch ahead, which
+        makes staleness judged at fetch time one version early. Trainer moves each batch to
+        the device itself.
+        """
+        return DataLoader(self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
-        # Judge staleness against the version this step trains at (the data loader fetches a
-        # batch ahead, so the feed's check at fetch time may be one version early): samples
-        # past max_staleness are masked out of the loss and their groups acked as dropped.
+        # Judge staleness again against the version this step trains at (a batch of several
+        # accumulation steps, or a push between fetch and step): samples past max_staleness
+        # are masked out of the loss and their groups acked as dropped.
         versions = inputs["staleness_versions"]
         fresh = [self.feed.is_fresh(v) for v in versions]
         completion_mask = inputs["completion_mask"] * torch.tensor(fresh, dtype=torch.float32)[:, None].to(
             inputs["completion_mask"].device
         )
-        decoder, head = _decoder_and_head(model)
-        hidden = decoder(
-            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"]
-        ).last_hidden_state
-        start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
-        logps = chunked_completion_logprobs(
-            hidden[:, start : start + length],
-            head,
-            inputs["completion_ids"],
-            chunk_size=self.args.logprob_chunk_size,
-            temperature=self.args.temperature,
-        )
+        logps = self._completion_logprobs(model, inputs)
+        ref_logps = self._reference_logprobs(inputs) if self.loss_config.beta > 0 else None
         output = compute_loss(
             logps,
             None,
@@ -222,6 +241,7 @@ class AsyncGRPOTrainer(Trainer):
             inputs["advantages"],
             completion_mask,
             self.loss_config,
+            ref_logps=ref_logps,
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
         )
         for group_id, reward, version, keep in zip(
@@ -237,21 +257,76 @@ class AsyncGRPOTrainer(Trainer):
             self.book.loss_metrics.setdefault(name, []).append(float(value))
         return output.loss
 
+    def _completion_logprobs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """log pi(token) of every completion position, [B, T], through ``model``'s own forward.
+
+        ``model`` may be wrapped (DDP): calling it, rather than its decoder, is what makes DDP
+        all-reduce the gradients. ``logits_to_keep=1`` keeps the model from building the full
+        [B, L, V] logits; the last hidden state (after the final norm) is projected in chunks.
+        """
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            position_ids=inputs["position_ids"],
+            output_hidden_states=True,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+        hidden = outputs.hidden_states[-1]
+        start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
+        return chunked_completion_logprobs(
+            hidden[:, start : start + length],
+            _output_embedding_weight(self.accelerator.unwrap_model(model)),
+            inputs["completion_ids"],
+            chunk_size=self.args.logprob_chunk_size,
+            temperature=self.args.temperature,
+        )
+
+    @torch.no_grad()
+    def _reference_logprobs(self, inputs: dict[str, Any]) -> torch.Tensor:
+        policy = self.accelerator.unwrap_model(self.model)
+        if self.ref_model is not None:
+            return self._completion_logprobs(self.ref_model, inputs)
+        with policy.disable_adapter():  # PEFT: the base model is the reference
+            return self._completion_logprobs(policy, inputs)
+
     def step_record(self, step: int, book: _StepBook) -> dict[str, Any]:
+        """The step's metrics over all data-parallel ranks (every rank must call this)."""
         counters = self.feed.counters
+        sums, maxima = self.over_ranks(
+            [
+                sum(book.rewards),
+                len(book.rewards),
+                len(book.group_ids),
+                counters.dropped_stale,
+                counters.trained,
+                counters.received,
+            ],
+            [max(book.staleness, default=0)],
+        )
+        reward_sum, rewards, groups, dropped, trained, received = (int(v) if i else v for i, v in enumerate(sums))
         record: dict[str, Any] = {
             "step": step,
             "policy_version": self.feed.current_version,
-            "reward_mean": statistics.fmean(book.rewards) if book.rewards else float("nan"),
-            "groups": len(book.group_ids),
-            "max_staleness_trained": max(book.staleness, default=0),
-            "dropped_stale": counters.dropped_stale,
-            "groups_trained": counters.trained,
-            "groups_received": counters.received,
+            "reward_mean": reward_sum / rewards if rewards else float("nan"),
+            "groups": groups,
+            "max_staleness_trained": int(maxima[0]),
+            "dropped_stale": dropped,
+            "groups_trained": trained,
+            "groups_received": received,
         }
         for name, values in book.loss_metrics.items():
-            record[name] = statistics.fmean(values)
+            record[name] = statistics.fmean(values)  # this rank's
         return record
+
+    def over_ranks(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+        if self.args.world_size == 1:
+            return sums, maxima
+        summed = torch.tensor(sums, dtype=torch.float64, device=self.args.device)
+        largest = torch.tensor(maxima, dtype=torch.float64, device=self.args.device)
+        torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+        return summed.tolist(), largest.tolist()
 
 
 class _SyncAndAck(TrainerCallback):
@@ -268,13 +343,18 @@ class _SyncAndAck(TrainerCallback):
         return control
 
     def _push(self, state) -> None:  # type: ignore[no-untyped-def]
+        """Rank 0 pushes; every rank then trains against the version the push produced."""
         trainer = self.trainer
-        if trainer.pusher is None or not state.is_world_process_zero:
+        if trainer.pusher is None:
             return
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        named = [(name, param.detach()) for name, param in model.named_parameters()]
-        timeout_s = trainer.pusher.timeout_s + 120
-        trainer.feed.current_version = trainer.feed.call(trainer.pusher.push(named), timeout_s=timeout_s)
+        version = None
+        if state.is_world_process_zero:
+            named = policy_weights(trainer.accelerator.unwrap_model(trainer.model))
+            timeout_s = trainer.pusher.timeout_s + 120
+            version = trainer.feed.call(trainer.pusher.push(named), timeout_s=timeout_s)
+        if trainer.args.world_size > 1:
+            version = broadcast_object_list([version], from_process=0)[0]
+        trainer.feed.current_version = version
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         trainer = self.trainer

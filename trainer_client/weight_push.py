@@ -18,7 +18,13 @@ import torch
 
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient
+from trainer_client.nccl_sender import NcclWeightSender
 from trainer_client.weights import GlooWeightSender, dtype_name, free_port
+
+SENDERS: dict[str, type[GlooWeightSender] | type[NcclWeightSender]] = {
+    "gloo": GlooWeightSender,  # this project's engine for CPU servers
+    "nccl": NcclWeightSender,  # vLLM's engine for GPU servers
+}
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +52,14 @@ class WeightPusher:
         self.address = trainer_address
         self.timeout_s = transfer_timeout_s
         self.pause_mode = pause_mode
-        self._sender: GlooWeightSender | None = None
+        self._sender: GlooWeightSender | NcclWeightSender | None = None
         self.port = free_port(trainer_address)
-        """The rendezvous port this trainer hosts for the whole run (joins differ by epoch)."""
+        """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
+        epoch; nccl: a fresh one after each failed join, as vLLM's rendezvous has no epochs)."""
 
     async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Send the tensors (HF names, broadcast order) and return the new policy version."""
-        tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in named_tensors]
+        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
         ticket = await self.client.begin_weight_update(
             self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode
         )
@@ -60,9 +67,14 @@ class WeightPusher:
             if ticket.join_group:
                 # First push, or the servers dropped the group (a failure, a service restart):
                 # join again through the same store, under this join's epoch.
-                if self._sender is None or self._sender.world_size != ticket.group_world_size:
+                sender_class = sender_for(ticket.backend)
+                if (
+                    not isinstance(self._sender, sender_class)
+                    or self._sender.world_size != ticket.group_world_size
+                    or self._sender.master_port != self.port
+                ):
                     self.close()
-                    self._sender = GlooWeightSender(self.address, self.port, ticket.group_world_size, self.timeout_s)
+                    self._sender = sender_class(self.address, self.port, ticket.group_world_size, self.timeout_s)
                 self._sender.leave()
                 await asyncio.to_thread(self._sender.connect, ticket.group_epoch)
             assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
@@ -70,7 +82,9 @@ class WeightPusher:
             committed = await self.client.commit_weight_update(ticket.update_id, self.timeout_s + 60)
         except BaseException as exc:
             if self._sender is not None:
-                self._sender.leave()  # frees workers blocked in a receive; the store stays
+                self._sender.leave()  # frees workers blocked in a receive; the gloo store stays
+                if self._sender.REJOIN_NEEDS_NEW_PORT:
+                    self.port = free_port(self.address)
             with contextlib.suppress(Exception):
                 await self.client.abort_weight_update(ticket.update_id, f"trainer: {type(exc).__name__}: {exc}")
             raise
@@ -80,6 +94,17 @@ class WeightPusher:
         return committed.policy_version
 
     def close(self) -> None:
+        """Leave the group and stop hosting its store."""
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+
+
+def sender_for(backend: str) -> type[GlooWeightSender] | type[NcclWeightSender]:
+    """The trainer-side sender of the servers' weight-transfer backend (as BeginWeightUpdate reports it)."""
+    try:
+        return SENDERS[backend or "gloo"]
+    except KeyError:
+        raise ValueError(
+            f"the service reports weight-transfer backend {backend!r}; this trainer can send over {sorted(SENDERS)}"
+        ) from None

@@ -73,6 +73,9 @@ class GlooWeightSender:
     ``/update_weights``. Every blocking step is bounded by ``timeout_s``.
     """
 
+    REJOIN_NEEDS_NEW_PORT = False
+    """The store outlives a join: a re-join reuses the port under a new epoch prefix."""
+
     def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 60.0) -> None:
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")

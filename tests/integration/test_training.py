@@ -49,6 +49,16 @@ async def serving(target: str) -> bool:
         return False
 
 
+async def restore_base_weights(client: RolloutClient, run_id: str, tiny_model: Path) -> None:
+    """Leave the shared vLLM server on the base weights for the rest of the session."""
+    pusher = WeightPusher(client, run_id, transfer_timeout_s=30)
+    base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    try:
+        await asyncio.wait_for(pusher.push(list(base.named_parameters())), 60)
+    finally:
+        pusher.close()
+
+
 async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     service_process: str, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -83,10 +93,46 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         assert summary["groups_trained"] == STEPS * 2
         held = stats.groups_buffered + stats.groups_leased
         assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + held
-        # Leave the shared vLLM server on the base weights for the rest of the session.
-        pusher = WeightPusher(client, summary["run_id"], transfer_timeout_s=30)
-        base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        try:
-            await asyncio.wait_for(pusher.push(list(base.named_parameters())), 60)
-        finally:
-            pusher.close()
+        await restore_base_weights(client, summary["run_id"], tiny_model)
+
+
+async def test_data_parallel_ranks_train_disjoint_groups_in_step(
+    service_process: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two ranks under torchrun (gloo DDP on CPU) consume one run: disjoint groups, equal weights."""
+    await wait_until(lambda: serving(service_process), 60, "the service process to serve")
+    out = tmp_path / "train"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer_client.cli"]
+    command += ["--target", service_process, "--model", str(tiny_model), "--max-steps", str(STEPS)]
+    command += ["--group-size", "4", "--groups-per-step", "1", "--max-tokens", "16", "--max-buffered-groups", "4"]
+    command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out)]
+    trainer = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        output, _ = await asyncio.wait_for(trainer.communicate(), 240)
+    finally:
+        if trainer.returncode is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    assert trainer.returncode == 0, output.decode()[-3000:]
+
+    summary = json.loads((out / "summary.json").read_text())
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ids = [rank["trained_group_ids"] for rank in ranks]
+    assert [len(i) for i in ids] == [STEPS, STEPS]  # one group per rank per step
+    assert not set(ids[0]) & set(ids[1]) and all(len(set(i)) == len(i) for i in ids)  # none trained twice
+    # DDP all-reduced the gradients: the ranks trained on different groups, yet hold equal weights.
+    assert ranks[0]["weights_fingerprint"] == ranks[1]["weights_fingerprint"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["groups"] for r in records] == [2] * STEPS  # per-step records count both ranks
+    assert all(r["max_staleness_trained"] <= MAX_STALENESS for r in records)
+
+    async with RolloutClient(service_process) as client:
+        run = await client.get_run(summary["run_id"])
+        assert run.policy_version == STEPS + 1  # rank 0 pushed once before training and after every step
+        stats = run.stats
+        assert stats.groups_trained == summary["groups_trained"] == 2 * STEPS
+        assert stats.groups_dropped_stale == summary["groups_dropped_stale"]
+        held = stats.groups_buffered + stats.groups_leased
+        assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + held
+        await restore_base_weights(client, summary["run_id"], tiny_model)

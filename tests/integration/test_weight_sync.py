@@ -8,6 +8,7 @@ and resumes. Each test leaves the server on the base weights for the rest of the
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import urllib.request
 from collections.abc import AsyncIterator
@@ -16,11 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import Qwen2ForCausalLM
 
 from rollout_service.app import RunningService
 from tests.integration.conftest import service_settings, service_with_client
 from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.policy_weights import policy_weights
 from trainer_client.weight_push import WeightPusher, tensor_meta
 
 pytestmark = pytest.mark.integration
@@ -109,6 +112,31 @@ async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_serve
                     break  # groups started after the push carry the new version
         await stream.aclose()
 
+        assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 2
+        assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
+    finally:
+        pusher.close()
+
+
+async def test_lora_push_serves_the_merged_weights(sync_service, vllm_server, base_model, tiny_model) -> None:
+    """A PEFT model is pushed as base + LoRA delta under the base names vLLM's loader knows."""
+    _service, client = sync_service
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+    trained = get_peft_model(
+        Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval(),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:  # as if trained: PEFT starts B at zero
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    merged = copy.deepcopy(trained).merge_and_unload().eval()
+    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+    try:
+        assert await asyncio.wait_for(pusher.push(policy_weights(trained)), 60) == 1
+        assert await vllm_matches(vllm_server.url, merged) <= 1e-4
+        assert await vllm_matches(vllm_server.url, base_model) > 1e-2  # the adapter changed what vLLM serves
         assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 2
         assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
     finally:

@@ -1,0 +1,126 @@
+"""The trainer's log-prob and KL path on the real tiny model (no service needed).
+
+The forward goes through the model's own ``forward`` (so DDP would all-reduce), asks for the
+final hidden states and projects them in chunks: its log-probs must equal a plain
+full-logits computation of each sample on its own (no padding). With ``beta > 0`` the
+reference is a frozen copy of the starting model, or the PEFT base with the adapter off.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from rollout_service.api import rollout_pb2 as pb
+from rollout_service.tiny_model import build_tiny_model
+from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer, GroupCollator
+
+
+class StillFeed:
+    """A feed at version 0 where everything is fresh: these tests exercise the loss path only."""
+
+    current_version = 0
+    min_version = 0
+
+    def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reuse = os.environ.get("ROLLOUT_TEST_MODEL_DIR")
+    return Path(reuse) if reuse else build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
+
+
+def make_trainer(model, tmp_path: Path, beta: float = 0.0) -> AsyncGRPOTrainer:
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, group_size=2, beta=beta,
+        logprob_chunk_size=7, use_cpu=True, vllm_importance_sampling_correction=False,
+    )  # fmt: skip
+    return AsyncGRPOTrainer(model=model, args=config, feed=StillFeed(), pusher=None)  # type: ignore[arg-type]
+
+
+def batch(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    items = []
+    for i, (prompt_len, completion_len) in enumerate([(5, 6), (9, 3), (7, 8), (4, 1)]):
+        prompt = torch.randint(3, 900, (prompt_len,), generator=generator).tolist()
+        completion = torch.randint(3, 900, (completion_len,), generator=generator).tolist()
+        sample = pb.Sample(
+            prompt_token_ids=prompt, completion_token_ids=completion, completion_mask=[1] * completion_len,
+            completion_logprobs=[-1.0] * completion_len, advantage=[1.0, -1.0][i % 2], reward=float(i % 2),
+        )  # fmt: skip
+        items.append({"group": pb.Group(group_id=f"g{i // 2}", policy_version=0), "sample": sample})
+    return GroupCollator(pad_token_id=0)(items)
+
+
+@torch.no_grad()
+def unpadded_logprobs(model, inputs: dict) -> list[torch.Tensor]:
+    """Each sample alone, full logits, no padding: the reference."""
+    out = []
+    ids, attention = inputs["input_ids"], inputs["attention_mask"].bool()
+    for row in range(ids.shape[0]):
+        tokens = ids[row][attention[row]]
+        n = int(inputs["completion_mask"][row].sum())
+        logits = model(tokens[None]).logits[0, -n - 1 : -1]
+        out.append(torch.log_softmax(logits, -1).gather(-1, tokens[-n:, None])[:, 0])
+    return out
+
+
+def test_chunked_forward_through_the_model_matches_full_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = make_trainer(model, tmp_path)
+    inputs = batch()
+    logps = trainer._completion_logprobs(trainer.model, inputs)
+    for row, expected in enumerate(unpadded_logprobs(model, inputs)):
+        torch.testing.assert_close(logps[row, : len(expected)], expected, atol=1e-5, rtol=0)
+
+
+def test_beta_adds_kl_to_a_frozen_copy_of_the_starting_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = make_trainer(model, tmp_path, beta=0.1)
+    inputs = batch()
+    trainer.compute_loss(trainer.model, inputs)
+    assert trainer.book.loss_metrics["kl"][-1] == pytest.approx(0.0, abs=1e-7)  # policy == reference
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    trainer.compute_loss(trainer.model, inputs)
+    kl = trainer.book.loss_metrics["kl"][-1]
+    # Independent k3 estimate: exp(ref - logp) - (ref - logp) - 1, mean over completion tokens.
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy, reference = unpadded_logprobs(model, inputs), unpadded_logprobs(original, inputs)
+    per_token = [torch.exp(r - p) - (r - p) - 1 for p, r in zip(policy, reference, strict=True)]
+    # dapo/grpo-style masked mean over the batch's completion tokens
+    expected = torch.cat(per_token).mean().item()
+    assert kl > 1e-4
+    assert kl == pytest.approx(expected, rel=1e-3)
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+
+
+def test_peft_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir: Path, tmp_path: Path) -> None:
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    trainer = make_trainer(model, tmp_path, beta=0.1)
+    assert trainer.ref_model is None  # no copy: the base is the reference
+    inputs = batch()
+    reference = trainer._reference_logprobs(inputs)
+    policy = trainer._completion_logprobs(trainer.model, inputs)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for row, expected in enumerate(unpadded_logprobs(original, inputs)):
+        torch.testing.assert_close(reference[row, : len(expected)], expected, atol=1e-5, rtol=0)
+    assert (policy - reference).abs().max() > 1e-3
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    trained = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert trained and all("lora_" in n for n in trained)  # only the adapter learns

@@ -1,0 +1,82 @@
+"""Which sender a push uses, and what each backend's servers are told at init.
+
+The nccl path itself needs a GPU and vLLM on the trainer; what can be checked here is that
+the service's init body is one vLLM's own nccl engine accepts, that the trainer picks the
+sender the service reports, and that a failed nccl join moves to a fresh port (vLLM's
+rendezvous cannot be re-joined on the same one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout_service.engine.gloo_weight_transfer import GlooWeightTransferInitInfo
+from rollout_service.weight_sync import init_info
+from trainer_client.nccl_sender import NcclWeightSender
+from trainer_client.weight_push import WeightPusher, sender_for
+from trainer_client.weights import GlooWeightSender
+
+
+def test_nccl_servers_get_exactly_the_fields_vllms_engine_accepts() -> None:
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    info = init_info("nccl", "10.0.0.2", 29500, rank_offset=3, world_size=5, timeout_s=30, epoch=4)
+    parsed = NCCLWeightTransferInitInfo(**info)
+    assert (parsed.master_address, parsed.master_port, parsed.rank_offset, parsed.world_size) == (
+        "10.0.0.2", 29500, 3, 5,
+    )  # fmt: skip
+    with pytest.raises(TypeError):  # why the gloo extras must not be sent to nccl servers
+        NCCLWeightTransferInitInfo(**init_info("gloo", "h", 1, 1, 2, 30, 4))
+
+
+def test_gloo_servers_also_get_the_timeout_and_join_epoch() -> None:
+    parsed = GlooWeightTransferInitInfo(**init_info("gloo", "127.0.0.1", 29500, 1, 2, timeout_s=12.5, epoch=7))
+    assert (parsed.epoch, parsed.timeout_s) == (7, 12.5)
+
+
+def test_the_sender_follows_the_backend_the_service_reports() -> None:
+    assert sender_for("gloo") is GlooWeightSender
+    assert sender_for("") is GlooWeightSender  # a service that predates the field
+    assert sender_for("nccl") is NcclWeightSender
+    with pytest.raises(ValueError, match=r"'mooncake'.*\['gloo', 'nccl'\]"):
+        sender_for("mooncake")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where there is no GPU")
+def test_nccl_join_without_a_gpu_says_what_is_missing() -> None:
+    with pytest.raises(RuntimeError, match=r"needs vLLM installed.*CUDA device"):
+        NcclWeightSender("127.0.0.1", 1, 2).connect()
+
+
+class ScriptedControl:
+    """Stands in for the service's weight-update RPCs: every begin asks for an nccl join."""
+
+    def __init__(self) -> None:
+        self.begin_ports: list[int] = []
+        self.aborted: list[str] = []
+
+    async def begin_weight_update(self, run_id, address, port, tensors, pause_mode):  # type: ignore[no-untyped-def]
+        self.begin_ports.append(port)
+        return SimpleNamespace(
+            update_id=f"u{len(self.begin_ports)}", join_group=True, group_world_size=2, backend="nccl", group_epoch=1
+        )
+
+    async def abort_weight_update(self, update_id: str, reason: str) -> None:
+        self.aborted.append(reason)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the join must fail for this check")
+async def test_a_failed_nccl_join_is_aborted_and_the_next_join_uses_a_fresh_port() -> None:
+    control = ScriptedControl()
+    pusher = WeightPusher(control, "run")  # type: ignore[arg-type]
+    weights = [("w", torch.zeros(2))]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="nccl"):
+            await asyncio.wait_for(pusher.push(weights), 10)
+    assert len(control.aborted) == 2 and "RuntimeError" in control.aborted[0]
+    assert control.begin_ports[0] != control.begin_ports[1]
+    pusher.close()

@@ -1,0 +1,85 @@
+"""Trainer side of vLLM's own NCCL weight-transfer engine (GPU servers).
+
+On GPU the service's vLLM servers run with ``--weight-transfer-config '{"backend":
+"nccl"}'``: their workers join a NCCL group through a ``StatelessProcessGroup`` rendezvous
+whose TCPStore is hosted by rank 0, this trainer. The mirror of that is vLLM's own
+``nccl_common.trainer_init`` (a ``PyNcclCommunicator``), so this sender needs vLLM
+installed next to the trainer (``pip install 'rollout-service[gpu]'``), as TRL's vLLM
+weight sync does; the gloo sender in ``weights.py`` does not.
+
+Differences from the gloo sender that the pusher must know:
+
+- vLLM's rendezvous has no join epochs: each join hosts a fresh store, so every re-join
+  needs a fresh port (``REJOIN_NEEDS_NEW_PORT``).
+- Tensors are broadcast from the GPU, unpacked (vLLM's worker default), one after another
+  in the announced order, on the current CUDA stream, which is synchronised before return
+  so the caller may change the weights right after.
+
+Status: written against vLLM's ``nccl_engine.py`` / ``nccl_common.py``; it could not be
+run here (no GPU on the development machine, and the lent GPU machine has no vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer_client.weights import NamedTensors
+
+INSTALL_HINT = (
+    "the service's vLLM servers use the nccl weight-transfer backend; the trainer then needs "
+    "vLLM installed for its NCCL communicator (pip install 'rollout-service[gpu]') and a CUDA device"
+)
+
+
+class NcclWeightSender:
+    """Rank 0 of the trainer <-> vLLM workers NCCL group; same surface as ``GlooWeightSender``."""
+
+    REJOIN_NEEDS_NEW_PORT = True
+
+    def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 60.0) -> None:
+        if world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._communicator: Any = None
+
+    @property
+    def connected(self) -> bool:
+        return self._communicator is not None
+
+    def connect(self, epoch: int = 0) -> None:
+        """Join as rank 0 (blocks until every worker joins). ``epoch`` is unused: see the module doc."""
+        if self._communicator is not None:
+            raise RuntimeError("already connected; leave() first")
+        if not torch.cuda.is_available():
+            raise RuntimeError(INSTALL_HINT)
+        try:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        except ImportError as exc:
+            raise RuntimeError(f"{INSTALL_HINT} ({exc})") from exc
+        self._communicator = trainer_init(
+            {"master_address": self.master_address, "master_port": self.master_port, "world_size": self.world_size}
+        )
+
+    def broadcast(self, named_tensors: NamedTensors) -> None:
+        if self._communicator is None:
+            raise RuntimeError("not connected: call connect() first")
+        stream = torch.cuda.current_stream()
+        for _name, tensor in named_tensors:
+            # NCCL sends numel elements from data_ptr(): it must be a contiguous CUDA tensor,
+            # kept referenced until the broadcast is enqueued.
+            payload = tensor.detach().to("cuda").contiguous()
+            self._communicator.broadcast(payload, src=0, stream=stream)
+        stream.synchronize()
+
+    def leave(self) -> None:
+        communicator, self._communicator = self._communicator, None
+        if communicator is not None:
+            communicator.destroy()
+
+    def close(self) -> None:
+        self.leave()

@@ -1,0 +1,65 @@
+"""The weights vLLM must serve for a trainer's model, named as vLLM's loader expects them.
+
+A plain ``PreTrainedModel`` pushes its parameters as they are. A PEFT (LoRA) model cannot:
+vLLM serves the base architecture, whose loader knows ``...q_proj.weight`` but not
+``...q_proj.base_layer.weight`` or ``lora_A``. So the adapter is folded in: each LoRA'd
+weight is pushed as ``W + delta`` (``delta = scale * B @ A`` from PEFT's own
+``get_delta_weight``) under the base name, and the adapter tensors are left out.
+
+Why out of place rather than PEFT's ``merge_adapter()`` / ``unmerge_adapter()`` (what
+TRL does): merging and unmerging in place round the base weights each time, so a long run
+would drift from the frozen base; computing ``W + delta`` into a new tensor leaves the
+trained model bit-identical. It costs one weight's worth of extra memory at a time.
+
+PEFT is detected by duck typing (``get_base_model`` and ``get_delta_weight``), so this
+module does not import peft.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+_ADAPTER_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
+"""``modules_to_save`` keeps a trained copy of a whole module per adapter; it replaces the original."""
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+def policy_weights(model: torch.nn.Module) -> NamedTensors:
+    """(name, tensor) pairs of the weights to serve, detached, in ``named_parameters`` order."""
+    if not is_peft_model(model):
+        return [(name, param.detach()) for name, param in model.named_parameters()]
+    base = model.get_base_model()  # type: ignore[operator]
+    deltas = _lora_deltas(base)
+    weights: NamedTensors = []
+    for name, param in base.named_parameters():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        tensor = param.detach()
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        weights.append((_ADAPTER_COPY.sub(".", name).replace(".base_layer.", "."), tensor))
+    return weights
+
+
+def _lora_deltas(base: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{"<module>.base_layer.weight": delta}`` for every LoRA layer with an active adapter."""
+    deltas: dict[str, torch.Tensor] = {}
+    for module_name, module in base.named_modules():
+        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
+            continue
+        if getattr(module, "merged", False):
+            raise ValueError(f"{module_name}: the adapter is merged into the base weight; unmerge it before a push")
+        active = [a for a in module.active_adapters if a in getattr(module, "lora_A", {})]
+        if module.disable_adapters or not active:
+            continue
+        with torch.no_grad():
+            delta = sum(module.get_delta_weight(adapter) for adapter in active)
+        deltas[f"{module_name}.base_layer.weight"] = delta
+    return deltas
