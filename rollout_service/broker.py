@@ -5,6 +5,25 @@ one consumer (sent, not acked), or gone (acked). A consumer that leaves returns 
 unacked leases to the front of the buffer, so no group is lost and none is handed to two
 consumers at once. Acks are idempotent by group id.
 
+Staleness-aware admission: with ``max_staleness`` set, the broker also keeps the groups
+started but not yet consumed (reserved + buffered + leased) within what the consumers will
+train before those groups exceed max_staleness. It learns C, the groups consumed (acked
+as trained or dropped) per policy version, from the acks between version bumps. A group
+admitted now, behind P pending groups and with k groups already consumed at this
+version, trains about (k + P) / C versions from now, so it is admitted only while
+k + P < (max_staleness + 1) * C, and always while P is below one version's worth (the
+trainer is never starved because the estimate is off). Before C is known (no bump with
+consumption yet), only max_buffered applies. ``await_version`` holds a run's generation
+until the servers hold at least that version (the trainer's first push), so no group is
+generated from weights its trainer will refuse.
+
+Lease timeout: a consumer that stays connected but stops acking (a hung trainer) would hold
+its groups for ever. With ``lease_timeout_s`` set, a lease older than that returns to the
+front of the buffer for another consumer, and the late ack of the first holder is refused
+with a message that says so; that consumer must not count the group as trained. Expiry is
+checked whenever a consumer waits for a group, so an expired group is handed out as soon
+as anyone can take it.
+
 Backpressure: the scheduler reserves a place (``reserve``) before it starts a group and
 fills it with ``put`` or gives it back with ``unreserve`` (a dropped group); at most
 ``max_buffered`` groups are ever reserved or buffered, so a run without consumers stops
@@ -14,7 +33,9 @@ generating once that many groups wait, and memory stays bounded.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from rollout_service.errors import AlreadyExists, FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
@@ -28,12 +49,39 @@ _ACK_MEMORY = 100_000
 class RunBroker:
     """The buffer and leases of one run."""
 
-    def __init__(self, run_id: str, max_buffered: int, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        max_buffered: int,
+        metrics: ServiceMetrics,
+        lease_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_staleness: int | None = None,
+        policy_version: int = 0,
+        await_version: int = 0,
+    ) -> None:
         self.run_id = run_id
         self.max_buffered = max_buffered
         self.metrics = metrics
+        self.lease_timeout_s = lease_timeout_s
+        self.clock = clock
         self.buffered: deque[ScoredGroup] = deque()
         self.leases: dict[str, dict[str, ScoredGroup]] = {}
+        self.lease_deadlines: dict[str, float] = {}
+        """group id -> when its lease expires (only with a lease timeout), in lease order."""
+        self.expired_from: OrderedDict[str, str] = OrderedDict()
+        """group id -> the consumer whose lease on it expired, to explain a late ack."""
+        self.leases_expired = 0
+        self.max_staleness = max_staleness
+        self.policy_version = policy_version
+        self.await_version = await_version
+        self.consumed_at_version = 0
+        """Groups acked (trained or dropped) since the last policy-version bump."""
+        self.consumed_per_version: float | None = None
+        """C: moving average of groups consumed per version; None until measured."""
+        self.admission_waits = 0
+        """Times a reservation found room in the buffer but waited for the staleness bound."""
+        self._wakeups: set[asyncio.Task[None]] = set()
         self.acked: OrderedDict[str, str] = OrderedDict()
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
         self.reserved = 0
@@ -42,16 +90,53 @@ class RunBroker:
 
     # -- producer side -------------------------------------------------------------------
     def has_room(self) -> bool:
+        return self._buffer_has_room() and self.policy_version >= self.await_version and self._within_staleness()
+
+    def _buffer_has_room(self) -> bool:
         return len(self.buffered) + self.reserved < self.max_buffered
+
+    def _within_staleness(self) -> bool:
+        per_version = self.consumed_per_version
+        if self.max_staleness is None or per_version is None:
+            return True
+        pending = self.reserved + len(self.buffered) + self.num_leased
+        budget = (self.max_staleness + 1) * per_version - self.consumed_at_version
+        return pending < max(budget, per_version)
 
     async def reserve(self) -> bool:
         """Wait for room and reserve a place for one group; False once the run is closed."""
         async with self._changed:
+            if self._buffer_has_room() and not self.has_room():
+                self.admission_waits += 1
             await self._changed.wait_for(lambda: self.has_room() or self.closed)
             if self.closed:
                 return False
             self.reserved += 1
             return True
+
+    def set_policy_version(self, version: int) -> None:
+        """The servers now hold this version: learn C from the consumption since the last
+        bump (a bump with nothing consumed, like a trainer's first push, teaches nothing)."""
+        if version <= self.policy_version:
+            return
+        if self.consumed_at_version:
+            sample = self.consumed_at_version / (version - self.policy_version)
+            previous = self.consumed_per_version
+            self.consumed_per_version = sample if previous is None else 0.5 * previous + 0.5 * sample
+        self.policy_version = version
+        self.consumed_at_version = 0
+        self._wake_soon()
+
+    def _wake_soon(self) -> None:
+        """Wake waiters from synchronous code (notify needs the condition's lock)."""
+
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        task = asyncio.get_running_loop().create_task(notify())
+        self._wakeups.add(task)
+        task.add_done_callback(self._wakeups.discard)
 
     async def unreserve(self) -> None:
         async with self._changed:
@@ -82,20 +167,60 @@ class RunBroker:
         Cancellation-safe: the group is leased only on return, with no await in between.
         """
         async with self._changed:
-            await self._changed.wait_for(lambda: bool(self.buffered) or self.closed or consumer_id not in self.leases)
+            while True:
+                self._expire_leases()
+                if self.buffered or self.closed or consumer_id not in self.leases:
+                    break
+                try:
+                    async with asyncio.timeout(self._seconds_to_next_expiry()):
+                        await self._changed.wait()
+                except TimeoutError:
+                    pass  # a lease expired: loop to return it to the buffer
             if not self.buffered or consumer_id not in self.leases:
                 return None
             group = self.buffered.popleft()
             self.leases[consumer_id][group.group_id] = group
+            if self.lease_timeout_s is not None:
+                self.lease_deadlines[group.group_id] = self.clock() + self.lease_timeout_s
             self._update_gauges()
             self._changed.notify_all()
             return group
+
+    def _seconds_to_next_expiry(self) -> float | None:
+        if not self.lease_deadlines:
+            return None
+        return max(0.0, next(iter(self.lease_deadlines.values())) - self.clock())
+
+    def _expire_leases(self) -> None:
+        """Return leases past their deadline to the front of the buffer, oldest first."""
+        now, expired = self.clock(), []
+        for group_id, deadline in self.lease_deadlines.items():
+            if deadline > now:
+                break  # deadlines are in lease order, and every lease has the same timeout
+            expired.append(group_id)
+        returned = []
+        for group_id in expired:
+            del self.lease_deadlines[group_id]
+            for consumer_id, leased in self.leases.items():
+                if group_id in leased:
+                    returned.append(leased.pop(group_id))
+                    self._remember(self.expired_from, group_id, consumer_id)
+                    break
+        if returned:
+            self.buffered.extendleft(reversed(returned))
+            self.leases_expired += len(returned)
+            self._update_gauges()
 
     def ack(self, consumer_id: str, group_ids: list[str], status: str) -> int:
         """Remove acked groups; returns how many were newly acked. Repeats are no-ops."""
         leased = self.leases.get(consumer_id, {})
         newly = 0
         for group_id in group_ids:
+            if group_id not in leased and self.expired_from.get(group_id) == consumer_id:
+                raise FailedPrecondition(
+                    f"the lease of group {group_id!r} expired (after {self.lease_timeout_s}s without an ack) "
+                    "and it went back to the run for another consumer; do not count it as trained here"
+                )
             if group_id in self.acked:
                 continue
             if group_id not in leased:
@@ -104,19 +229,25 @@ class RunBroker:
                     "ack only groups this stream received"
                 )
             del leased[group_id]
-            self.acked[group_id] = status
-            if len(self.acked) > _ACK_MEMORY:
-                self.acked.popitem(last=False)
+            self.lease_deadlines.pop(group_id, None)
+            if self.expired_from.get(group_id) == consumer_id:
+                del self.expired_from[group_id]  # it came back to this consumer, which acked it
+            self._remember(self.acked, group_id, status)
             self.ack_counts[status] += 1
+            self.consumed_at_version += 1
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             newly += 1
         self._update_gauges()
+        if newly:
+            self._wake_soon()  # consumption frees admission room
         return newly
 
     async def release(self, consumer_id: str) -> int:
         """The consumer left: its unacked groups go back to the front, oldest first."""
         async with self._changed:
             leased = self.leases.pop(consumer_id, {})
+            for group_id in leased:
+                self.lease_deadlines.pop(group_id, None)
             self.buffered.extendleft(reversed(list(leased.values())))
             self._update_gauges()
             self._changed.notify_all()
@@ -126,6 +257,13 @@ class RunBroker:
         async with self._changed:
             self.closed = True
             self._changed.notify_all()
+
+    @staticmethod
+    def _remember(memory: OrderedDict[str, str], key: str, value: str) -> None:
+        """Bounded memory of group ids (acks, expiries), forgetting the oldest."""
+        memory[key] = value
+        if len(memory) > _ACK_MEMORY:
+            memory.popitem(last=False)
 
     @property
     def num_leased(self) -> int:

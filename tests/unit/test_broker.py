@@ -87,3 +87,146 @@ async def test_close_wakes_waiting_consumers() -> None:
     await broker.close()
     assert await asyncio.wait_for(taker, 1) is None
     assert not await broker.reserve()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_expired_lease_goes_to_another_consumer_and_the_late_ack_is_refused() -> None:
+    clock = Clock()
+    broker = RunBroker("r", 8, ServiceMetrics(), lease_timeout_s=30, clock=clock)
+    for group_id in ("g1", "g2"):
+        assert await broker.reserve()
+        await broker.put(group(group_id))
+    broker.subscribe("hung")
+    broker.subscribe("healthy")
+    assert (await broker.take("hung")).group_id == "g1"
+    clock.now = 10
+    assert (await broker.take("hung")).group_id == "g2"
+    clock.now = 31  # g1's lease is past due, g2's is not
+    assert (await broker.take("healthy")).group_id == "g1"  # the oldest goes first
+    assert broker.leases_expired == 1 and set(broker.leases["hung"]) == {"g2"}
+    assert broker.ack("healthy", ["g1"], ACK_TRAINED) == 1
+    with pytest.raises(FailedPrecondition, match="lease of group 'g1' expired"):
+        broker.ack("hung", ["g1"], ACK_TRAINED)  # told, even though g1 is already acked
+    assert broker.ack("hung", ["g2"], ACK_TRAINED) == 1  # within its lease
+    assert broker.ack_counts[ACK_TRAINED] == 2
+
+
+async def test_a_group_whose_lease_expired_can_come_back_to_the_same_consumer() -> None:
+    clock = Clock()
+    broker = RunBroker("r", 8, ServiceMetrics(), lease_timeout_s=5, clock=clock)
+    assert await broker.reserve()
+    await broker.put(group("g1"))
+    broker.subscribe("c")
+    await broker.take("c")
+    clock.now = 6
+    assert (await broker.take("c")).group_id == "g1"
+    assert broker.ack("c", ["g1"], ACK_TRAINED) == 1
+    assert broker.ack("c", ["g1"], ACK_TRAINED) == 0  # repeats stay no-ops
+
+
+async def test_a_waiting_consumer_is_woken_when_a_lease_expires() -> None:
+    broker = RunBroker("r", 8, ServiceMetrics(), lease_timeout_s=0.05)  # real clock: nothing else would wake it
+    assert await broker.reserve()
+    await broker.put(group("g1"))
+    broker.subscribe("hung")
+    broker.subscribe("waiting")
+    await broker.take("hung")
+    taken = await asyncio.wait_for(broker.take("waiting"), 5)
+    assert taken.group_id == "g1" and broker.leases_expired == 1
+
+
+async def test_without_a_lease_timeout_leases_never_expire() -> None:
+    clock = Clock()
+    broker = RunBroker("r", 8, ServiceMetrics(), clock=clock)
+    assert await broker.reserve()
+    await broker.put(group("g1"))
+    broker.subscribe("c")
+    await broker.take("c")
+    clock.now = 1e9
+    broker.subscribe("other")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(broker.take("other"), 0.1)
+    assert broker.leases_expired == 0 and "g1" in broker.leases["c"]
+
+
+async def consume(broker: RunBroker, consumer: str, n: int) -> None:
+    ids = [(await broker.take(consumer)).group_id for _ in range(n)]
+    broker.ack(consumer, ids, ACK_TRAINED)
+
+
+async def produce(broker: RunBroker, *ids: str) -> None:
+    for group_id in ids:
+        assert broker.has_room(), f"no room for {group_id}"
+        assert await broker.reserve()
+        await broker.put(group(group_id))
+
+
+async def test_admission_keeps_pending_groups_within_what_trains_before_max_staleness() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker.subscribe("c")
+    await produce(broker, *(f"a{i}" for i in range(4)))  # C unknown: only max_buffered applies
+    await consume(broker, "c", 4)
+    broker.set_policy_version(1)
+    assert broker.consumed_per_version == 4 and broker.consumed_at_version == 0
+
+    # (max_staleness + 1) * C = 8 groups may be pending: all of them train within one version.
+    await produce(broker, *(f"b{i}" for i in range(8)))
+    assert not broker.has_room()
+    await consume(broker, "c", 4)  # consumed at this version: k = 4, pending 4
+    assert not broker.has_room()  # k + P = 8: the next group would be two versions old
+    broker.set_policy_version(2)
+    assert broker.consumed_per_version == 4
+    await produce(broker, *(f"c{i}" for i in range(4)))  # k = 0, pending 4 -> 8
+    assert not broker.has_room()
+
+
+async def test_admission_never_starves_below_one_versions_worth() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=0)
+    broker.subscribe("c")
+    await produce(broker, "a0", "a1")
+    await consume(broker, "c", 2)
+    broker.set_policy_version(1)  # C = 2
+    await produce(broker, "b0", "b1")
+    assert not broker.has_room()
+    await consume(broker, "c", 2)  # k = 2 = (0 + 1) * C: the version's budget is spent ...
+    await produce(broker, "c0", "c1")  # ... yet a trainer that needs more before it pushes gets them
+    assert not broker.has_room()
+
+
+async def test_a_bump_without_consumption_teaches_nothing() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker.set_policy_version(1)  # a trainer's first push, before it trained anything
+    assert broker.consumed_per_version is None
+    await produce(broker, *(f"a{i}" for i in range(50)))  # only max_buffered bounds it
+
+
+async def test_a_waiting_reservation_is_admitted_after_a_version_bump() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=0)
+    broker.subscribe("c")
+    await produce(broker, "a0")
+    await consume(broker, "c", 1)
+    broker.set_policy_version(1)  # C = 1
+    await produce(broker, "b0")
+    waiting = asyncio.ensure_future(broker.reserve())
+    await asyncio.sleep(0)  # let it reach its wait
+    assert not waiting.done() and broker.admission_waits == 1
+    await consume(broker, "c", 1)
+    broker.set_policy_version(2)
+    assert await asyncio.wait_for(waiting, 5)
+
+
+async def test_await_version_holds_generation_until_the_first_push() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), await_version=1)
+    assert not broker.has_room()
+    waiting = asyncio.ensure_future(broker.reserve())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    broker.set_policy_version(1)
+    assert await asyncio.wait_for(waiting, 5)
