@@ -40,6 +40,11 @@ class ManagedServerSettings(BaseModel):
     weight_transfer_backend: str | None = "gloo"
     """vLLM weight-transfer engine for pushing trainer weights ("gloo" on CPU: this project's
     plugin; "nccl" on GPU); None serves without weight updates."""
+    max_loras: int = Field(default=0, ge=0)
+    """LoRA adapters the server holds at once (runs that train adapters load theirs at
+    runtime, two versions each while one replaces the other); 0 serves without LoRA."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """Largest adapter rank the server accepts."""
     extra_args: list[str] = Field(default_factory=list)
     """Further flags for vLLM's api_server."""
     log_file: Path | None = None
@@ -82,6 +87,16 @@ class SchedulerSettings(BaseModel):
     """A reward function that takes longer than this fails its group."""
 
 
+class AdapterSettings(BaseModel):
+    """LoRA adapters pushed by runs that train adapters on a shared base model."""
+
+    dir: Path = Path("outputs/adapters")
+    """Where pushed adapters are written; vLLM servers load them from this path, so it must
+    be the same path on their machines (local servers, or a shared volume)."""
+    load_timeout_s: float = Field(default=60.0, gt=0)
+    """Bound on loading (or unloading) one adapter on one server."""
+
+
 class WeightSyncSettings(BaseModel):
     """Pushing trainer weights into the vLLM servers."""
 
@@ -111,6 +126,7 @@ class ServiceSettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     weight_sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
+    adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     reward_modules: list[str] = Field(default_factory=list)
     """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry."""
     log_level: str = "INFO"

@@ -61,6 +61,9 @@ def main(
     trainer_address: Annotated[
         str, typer.Option(help="Address vLLM's workers reach this trainer at, for the weight transfer")
     ] = "127.0.0.1",
+    push: Annotated[
+        bool, typer.Option(help="Push weights (--no-push: a follower of a run that another trainer pushes for)")
+    ] = True,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Train on the service's stream and print the summary as JSON."""
@@ -93,7 +96,9 @@ def main(
     targets = [name.strip() for name in lora_target_modules.split(",") if name.strip()]
     lora = LoraOptions(lora_rank, lora_alpha, targets) if lora_rank else None
     options = RunOptions(dataset, _rewards(reward or ["char_fraction"]), max_tokens, max_buffered_groups)
-    summary = train(target, str(model), config, options, run_id=run_id, trainer_address=trainer_address, lora=lora)
+    summary = train(
+        target, str(model), config, options, run_id=run_id, trainer_address=trainer_address, lora=lora, push=push
+    )
     if config.process_index == 0:
         typer.echo(json.dumps(summary, indent=2))
 

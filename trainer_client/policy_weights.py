@@ -18,6 +18,8 @@ module does not import peft.
 from __future__ import annotations
 
 import re
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -63,3 +65,18 @@ def _lora_deltas(base: torch.nn.Module) -> dict[str, torch.Tensor]:
             delta = sum(module.get_delta_weight(adapter) for adapter in active)
         deltas[f"{module_name}.base_layer.weight"] = delta
     return deltas
+
+
+def adapter_files(model: torch.nn.Module) -> dict[str, bytes]:
+    """A PEFT model's active adapter as the files vLLM loads (config + safetensors), in memory.
+
+    For runs that serve adapters rather than merged weights (``lora_serving="adapter"``):
+    megabytes instead of the whole model per push.
+    """
+    if not is_peft_model(model):
+        raise ValueError("adapter pushes need a PEFT model; push full weights with policy_weights() instead")
+    with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        adapter_dir = Path(tmp)
+        names = ("adapter_config.json", "adapter_model.safetensors")
+        return {name: (adapter_dir / name).read_bytes() for name in names}

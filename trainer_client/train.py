@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,10 +109,13 @@ def train(
     run_id: str | None = None,
     trainer_address: str = "127.0.0.1",
     lora: LoraOptions | None = None,
+    push: bool = True,
 ) -> dict[str, Any]:
     """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
 
     ``trainer_address`` is where vLLM's workers reach this process for the weight transfer.
+    ``push=False`` makes a follower: it trains on its share of the run's groups but another
+    trainer of the run pushes weights (its staleness follows the run's version).
     """
     main = config.process_index == 0
     if run_id is None and main:
@@ -122,14 +127,16 @@ def train(
     output_dir = Path(config.output_dir)
     if main:
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)
-    consumer_id = f"trainer-{run_id}-rank{config.process_index}"  # data-parallel ranks get disjoint groups
+    # Each process is its own consumer (the service hands consumers disjoint groups).
+    consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
-        pusher = WeightPusher(feed.client, run_id, trainer_address=trainer_address)
+        pusher = WeightPusher(feed.client, run_id, trainer_address=trainer_address) if push else None
         try:
             trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
             trainer.train()
         finally:
-            pusher.close()
+            if pusher is not None:
+                pusher.close()
         counters = feed.counters
         totals, _ = trainer.over_ranks([counters.received, counters.trained, counters.dropped_stale], [])
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -310,6 +310,7 @@ class AsyncGRPOTrainer(Trainer):
             "policy_version": self.feed.current_version,
             "reward_mean": reward_sum / rewards if rewards else float("nan"),
             "groups": groups,
+            "group_ids": list(book.group_ids),  # this process's
             "max_staleness_trained": int(maxima[0]),
             "dropped_stale": dropped,
             "groups_trained": trained,
@@ -343,9 +344,15 @@ class _SyncAndAck(TrainerCallback):
         return control
 
     def _push(self, state) -> None:  # type: ignore[no-untyped-def]
-        """Rank 0 pushes; every rank then trains against the version the push produced."""
+        """Rank 0 pushes; every rank then trains against the version the push produced.
+
+        A trainer without a pusher is a follower: another trainer of the run pushes, and this
+        one judges staleness against the run's version as the service reports it.
+        """
         trainer = self.trainer
         if trainer.pusher is None:
+            run = trainer.feed.call(trainer.feed.client.get_run(trainer.feed.run_id))
+            trainer.feed.current_version = run.policy_version
             return
         version = None
         if state.is_world_process_zero:

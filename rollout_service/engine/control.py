@@ -85,3 +85,10 @@ class VLLMControlClient:
 
     async def reset_prefix_cache(self, timeout_s: float) -> None:
         await self._call("POST", "/reset_prefix_cache", timeout_s)
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        """Needs the server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True."""
+        await self._call("POST", "/v1/load_lora_adapter", timeout_s, {"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> None:
+        await self._call("POST", "/v1/unload_lora_adapter", timeout_s, {"lora_name": name})

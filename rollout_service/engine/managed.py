@@ -62,6 +62,7 @@ class ManagedVLLMServer:
             "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log",
             *self._weight_transfer_args(),
+            *self._lora_args(),
             *s.extra_args,
         ]  # fmt: skip
 
@@ -69,9 +70,17 @@ class ManagedVLLMServer:
         backend = self.settings.weight_transfer_backend
         return [] if backend is None else ["--weight-transfer-config", json.dumps({"backend": backend})]
 
+    def _lora_args(self) -> list[str]:
+        s = self.settings
+        if not s.max_loras:
+            return []
+        return ["--enable-lora", "--max-loras", str(s.max_loras), "--max-lora-rank", str(s.max_lora_rank)]
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # pause/resume and weight-update endpoints
+        if self.settings.max_loras:
+            env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter
         if self.settings.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.kv_cache_gib))
         return env

@@ -1,0 +1,155 @@
+"""Per-run LoRA adapters on shared vLLM servers.
+
+Runs that train LoRA adapters on one base model share the servers: each push of a run's
+adapter is written under ``<dir>/<run_id>/v<version>/`` and loaded on every server as
+``<run_id>@v<version>`` (vLLM's runtime ``/v1/load_lora_adapter``). The run's requests then
+name that adapter as their model, so they sample from the new policy from the next request
+on, while requests already running finish on the adapter they started with. That is why
+the previous version stays loaded (and on disk) until the one after replaces it: vLLM may
+have to reload an evicted adapter from its path mid-request. Each run thus holds at most
+two adapter slots of the servers' ``--max-loras``.
+
+Why files and not the weight-transfer group: adapters are small (megabytes), vLLM's
+weight-transfer API updates only the base weights, and loading by path is vLLM's
+supported way to add an adapter at runtime (as prime-rl does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollout_service.engine.control import VLLMControlClient, WeightSyncError
+from rollout_service.errors import FailedPrecondition, InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+MAX_ADAPTER_BYTES = 2 << 30
+
+
+@dataclass
+class RunAdapter:
+    """What one run serves: its current adapter, and the one before it (still loaded)."""
+
+    version: int = 0
+    name: str | None = None
+    previous: str | None = None
+    paths: dict[str, Path] = field(default_factory=dict)
+
+
+def adapter_name(run_id: str, version: int) -> str:
+    return f"{run_id}@v{version}"
+
+
+def validate_adapter_files(files: dict[str, bytes], max_rank: int | None = None) -> None:
+    """Refuse what vLLM would refuse, with a message that says what to send instead."""
+    unsafe = [name for name in files if not name or "/" in name or "\\" in name or name.startswith(".")]
+    if unsafe:
+        raise InvalidArgument(f"adapter file names must be plain file names; got {unsafe}")
+    if CONFIG_FILE not in files or not any(name in files for name in WEIGHT_FILES):
+        raise InvalidArgument(
+            f"an adapter needs {CONFIG_FILE} and one of {list(WEIGHT_FILES)} "
+            f"(what PEFT's save_pretrained writes); got {sorted(files)}"
+        )
+    if sum(len(data) for data in files.values()) > MAX_ADAPTER_BYTES:
+        raise InvalidArgument(f"the adapter is larger than {MAX_ADAPTER_BYTES >> 30} GiB; is it a full model?")
+    try:
+        config = json.loads(files[CONFIG_FILE])
+    except ValueError as exc:
+        raise InvalidArgument(f"{CONFIG_FILE} is not JSON: {exc}") from None
+    rank = config.get("r") if isinstance(config, dict) else None
+    if not isinstance(rank, int) or rank < 1:
+        raise InvalidArgument(f"{CONFIG_FILE} has no LoRA rank 'r'; send a PEFT LoRA adapter's config")
+    if max_rank is not None and rank > max_rank:
+        raise InvalidArgument(
+            f"adapter rank {rank} exceeds the servers' --max-lora-rank {max_rank}; train a smaller rank"
+        )
+
+
+class AdapterPublisher:
+    """Writes, loads and retires the adapters of every run on every server."""
+
+    def __init__(
+        self, root: Path, servers: list[VLLMControlClient], timeout_s: float, max_rank: int | None = None
+    ) -> None:
+        self.root = root
+        self.servers = servers
+        self.timeout_s = timeout_s
+        self.max_rank = max_rank
+        self.runs: dict[str, RunAdapter] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def current(self, run_id: str) -> str | None:
+        """The adapter the run's next request names (None: the base model)."""
+        adapter = self.runs.get(run_id)
+        return adapter.name if adapter is not None else None
+
+    async def publish(self, run_id: str, files: dict[str, bytes]) -> int:
+        """Load the run's new adapter everywhere; returns the run's new policy version.
+
+        All or nothing: if any server refuses it, it is unloaded from the others and the run
+        keeps serving its previous adapter.
+        """
+        validate_adapter_files(files, self.max_rank)
+        async with self._locks.setdefault(run_id, asyncio.Lock()):
+            state = self.runs.setdefault(run_id, RunAdapter())
+            version = state.version + 1
+            name, path = adapter_name(run_id, version), self.root / run_id / f"v{version}"
+            await asyncio.to_thread(_write_files, path, files)
+            loaded: list[VLLMControlClient] = []
+
+            async def load(server: VLLMControlClient) -> None:
+                await server.load_lora_adapter(name, str(path.resolve()), self.timeout_s)
+                loaded.append(server)
+
+            results = await asyncio.gather(*(load(s) for s in self.servers), return_exceptions=True)
+            failures = [r for r in results if isinstance(r, BaseException)]
+            if failures:
+                await self._unload(name, loaded)
+                shutil.rmtree(path, ignore_errors=True)
+                raise FailedPrecondition(
+                    f"loading adapter {name} failed; the run keeps its previous one: {failures[0]}"
+                )
+            retired = state.previous
+            state.previous, state.name, state.version = state.name, name, version
+            state.paths[name] = path
+            if retired is not None:
+                await self._retire(state, retired)
+            logger.info("run %s serves adapter %s", run_id, name)
+            return version
+
+    async def forget(self, run_id: str) -> None:
+        """The run is deleted: unload its adapters and remove their files."""
+        state = self.runs.pop(run_id, None)
+        if state is None:
+            return
+        for name in (state.previous, state.name):
+            if name is not None:
+                await self._retire(state, name)
+        shutil.rmtree(self.root / run_id, ignore_errors=True)
+
+    async def _retire(self, state: RunAdapter, name: str) -> None:
+        await self._unload(name, self.servers)
+        path = state.paths.pop(name, None)
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+    async def _unload(self, name: str, servers: list[VLLMControlClient]) -> None:
+        async def unload(server: VLLMControlClient) -> None:
+            with contextlib.suppress(WeightSyncError):  # a server that restarted no longer has it
+                await server.unload_lora_adapter(name, self.timeout_s)
+
+        await asyncio.gather(*(unload(s) for s in servers))
+
+
+def _write_files(path: Path, files: dict[str, bytes]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (path / name).write_bytes(data)

@@ -1,0 +1,82 @@
+"""Adapter publishing: validation, all-or-nothing loads, retiring old versions.
+
+These use a scripted stand-in for the servers' control endpoints; the real load through
+vLLM's /v1/load_lora_adapter is exercised in tests/integration/test_lora_runs.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollout_service.adapters import AdapterPublisher, validate_adapter_files
+from rollout_service.engine.control import WeightSyncError
+from rollout_service.errors import FailedPrecondition, InvalidArgument
+
+ADAPTER = {"adapter_config.json": json.dumps({"r": 8}).encode(), "adapter_model.safetensors": b"\0" * 16}
+
+
+class ScriptedServer:
+    def __init__(self, url: str, refuse: set[str] | None = None) -> None:
+        self.base_url = url
+        self.loaded: dict[str, str] = {}
+        self.refuse = refuse or set()
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        if name in self.refuse:
+            raise WeightSyncError(self.base_url, "/v1/load_lora_adapter", "HTTP 400: refused")
+        self.loaded[name] = path
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> None:
+        self.loaded.pop(name, None)
+
+
+def written(path: str) -> bool:
+    return Path(path, "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"adapter_model.safetensors": b"x"}, "needs adapter_config.json"),
+        ({"adapter_config.json": b"{}"}, "needs adapter_config.json and one of"),
+        ({**ADAPTER, "../evil": b"x"}, "plain file names"),
+        ({**ADAPTER, "adapter_config.json": b"not json"}, "is not JSON"),
+        ({**ADAPTER, "adapter_config.json": b'{"r": 0}'}, "no LoRA rank"),
+        ({**ADAPTER, "adapter_config.json": b'{"r": 64}'}, "exceeds the servers' --max-lora-rank 16"),
+    ],
+)
+def test_bad_adapters_are_refused_with_what_to_send(files: dict[str, bytes], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        validate_adapter_files(files, max_rank=16)
+
+
+async def test_each_push_loads_a_new_version_and_retires_the_one_before_the_previous(tmp_path: Path) -> None:
+    servers = [ScriptedServer("a"), ScriptedServer("b")]
+    publisher = AdapterPublisher(tmp_path, servers, timeout_s=5)  # type: ignore[arg-type]
+    assert publisher.current("run") is None  # the base model until the first push
+    assert await publisher.publish("run", ADAPTER) == 1
+    assert await publisher.publish("run", ADAPTER) == 2
+    assert publisher.current("run") == "run@v2"
+    assert await publisher.publish("run", ADAPTER) == 3
+    for server in servers:
+        assert all(written(path) for path in server.loaded.values())
+        assert set(server.loaded) == {"run@v2", "run@v3"}  # requests still on v2 may finish
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["v2", "v3"]
+    await publisher.forget("run")
+    assert all(not s.loaded for s in servers) and not (tmp_path / "run").exists()
+
+
+async def test_a_load_refused_by_one_server_is_undone_everywhere(tmp_path: Path) -> None:
+    servers = [ScriptedServer("a"), ScriptedServer("b", refuse={"run@v2"})]
+    publisher = AdapterPublisher(tmp_path, servers, timeout_s=5)  # type: ignore[arg-type]
+    await publisher.publish("run", ADAPTER)
+    with pytest.raises(FailedPrecondition, match="keeps its previous one"):
+        await publisher.publish("run", ADAPTER)
+    assert publisher.current("run") == "run@v1"
+    assert all(set(s.loaded) == {"run@v1"} for s in servers)
+    assert not (tmp_path / "run" / "v2").exists()
+    servers[1].refuse.clear()
+    assert await publisher.publish("run", ADAPTER) == 2  # the version number is not burnt
