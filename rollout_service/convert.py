@@ -10,7 +10,7 @@ from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.errors import InvalidArgument
 from rollout_service.prompts import BUILTIN_DATASETS, PromptSpec
 from rollout_service.runs import Run, RunSpec
-from rollout_service.types import AdvantageScaling, SamplingParams, ScoredGroup
+from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams, ScoredGroup
 from rollout_service.weight_sync import TensorSpec
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ _FINISH_TO_PB = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "max_turns": pb.FINISH_REASON_MAX_TURNS,
+    "max_episode_tokens": pb.FINISH_REASON_MAX_EPISODE_TOKENS,
+    "max_model_len": pb.FINISH_REASON_MAX_MODEL_LEN,
 }
 ACK_FROM_PB = {
     pb.ACK_STATUS_UNSPECIFIED: ACK_TRAINED,
@@ -81,6 +84,28 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
     )
 
 
+def episode_from_pb(e: pb.EpisodeSpec) -> EpisodeSpec:
+    return EpisodeSpec(
+        tools=tuple(e.tools),
+        tool_parser=e.tool_parser,
+        tool_timeout_s=e.tool_timeout_seconds,
+        max_turns=e.max_turns,
+        max_episode_tokens=e.max_episode_tokens,
+        environment=e.environment,
+    )
+
+
+def episode_to_pb(e: EpisodeSpec) -> pb.EpisodeSpec:
+    return pb.EpisodeSpec(
+        tools=list(e.tools),
+        tool_parser=e.tool_parser,
+        tool_timeout_seconds=e.tool_timeout_s,
+        max_turns=e.max_turns,
+        max_episode_tokens=e.max_episode_tokens,
+        environment=e.environment,
+    )
+
+
 def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
     source = spec.prompt_source.WhichOneof("source")
     if source is None:
@@ -99,6 +124,7 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         max_buffered_groups=spec.max_buffered_groups,
         scale_rewards=_SCALING_FROM_PB[spec.scale_rewards],
         display_name=spec.display_name,
+        episode=episode_from_pb(spec.episode),
     )
 
 
@@ -120,6 +146,8 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         scale_rewards=_SCALING_TO_PB[spec.scale_rewards],
         display_name=spec.display_name,
     )
+    if spec.episode.multi_turn:
+        out.episode.CopyFrom(episode_to_pb(spec.episode))
     if s.seed is not None:
         out.sampling.seed = s.seed
     if spec.source_kind == "dataset":
@@ -143,6 +171,9 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         groups_leased=b.num_leased,
         tokens_generated=c.tokens_generated,
         slots_busy=c.slots_busy,
+        turns=c.turns,
+        tool_calls=c.tool_calls,
+        tool_failures=c.tool_failures,
     )
 
 
@@ -178,6 +209,9 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
                 policy_version_last=episode.policy_version_last,
                 finish_reason=_FINISH_TO_PB[episode.finish_reason],
                 completion_text=episode.text,
+                num_turns=episode.num_turns,
+                num_tool_calls=episode.num_tool_calls,
+                num_tool_failures=episode.num_tool_failures,
             )
         )
     return pb.Group(
@@ -200,4 +234,7 @@ def server_info_to_pb(service: RolloutService) -> pb.GetServerInfoResponse:
         max_inflight=service.info.max_inflight,
         reward_functions=service.rewards.names(),
         datasets=sorted(BUILTIN_DATASETS),
+        tools=service.tools.names(),
+        tool_parsers=service.tools.parser_names(),
+        environments=service.environments.names(),
     )

@@ -1,15 +1,37 @@
-"""One episode (one group member). Single-turn for now: one completion of the prompt.
+"""One episode (one group member): a single completion, or a conversation with tools or an
+environment.
 
-The episode records the run's policy version when its first and its last token were
-generated, so the trainer can judge staleness of long episodes by their oldest token.
+Token-exact: the completion is the concatenation of the ids vLLM generated and the ids the
+chat template puts between turns (tool results, observations, turn headers). Earlier turns
+are never re-tokenized: re-tokenizing a model's text can give different ids (a tiny model
+may spell ``<tool_call>`` as five ordinary tokens), and the trainer must score exactly the
+tokens that were sampled. Only the appended messages are rendered, as the suffix the chat
+template adds after an assistant turn (``TurnTemplate``). Generated tokens have mask 1 and
+their behaviour logprob; template and tool tokens mask 0 and logprob 0, so the loss ignores
+them.
+
+The episode records the run's policy version before its first request and after its last
+one returns, so the trainer judges the staleness of a long episode by its oldest token. A
+weight sync that pauses with in-flight requests kept only delays a turn; a turn the engine
+aborts ends the episode with ``abort``, its ids kept as generated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from rollout_service.engine.protocol import Engine
-from rollout_service.types import EpisodeResult, PromptItem, SamplingParams
+from rollout_service.environments import EnvironmentFactory, maybe_await
+from rollout_service.tools import ToolResult, ToolSet
+from rollout_service.types import EpisodeResult, FinishReason, PromptItem, SamplingParams
+
+DEFAULT_MAX_TURNS = 8
+"""Model turns of a tool or environment episode when the run does not say."""
+
+_MARKER = "ASSISTANT_TURN_MARKER"
 
 
 async def run_single_turn(
@@ -22,14 +44,211 @@ async def run_single_turn(
 ) -> EpisodeResult:
     version_first = policy_version()
     completion = await engine.generate(prompt.token_ids, params, affinity=affinity)
+    # Decoded here from the ids, not vLLM's incremental text (which holds back a partial
+    # UTF-8 tail), so rewards see exactly what the ids say.
+    text = decode(completion.token_ids)
     return EpisodeResult(
         completion_ids=completion.token_ids,
         logprobs=completion.logprobs,
         mask=[1] * len(completion.token_ids),
         finish_reason=completion.finish_reason,
-        # Decoded here from the ids, not vLLM's incremental text (which holds back a partial
-        # UTF-8 tail), so rewards see exactly what the ids say.
-        text=decode(completion.token_ids),
+        text=text,
         policy_version_first=version_first,
         policy_version_last=policy_version(),
+        messages=({"role": "assistant", "content": text},),
+    )
+
+
+def _suffix(full: list[int], head: list[int], what: str) -> list[int]:
+    if full[: len(head)] != head:
+        raise ValueError(
+            f"the chat template does not render {what} as an extension of the conversation before it "
+            "(token prefix differs), so turns cannot be appended without re-tokenizing"
+        )
+    return full[len(head) :]
+
+
+class TurnTemplate:
+    """The ids a tokenizer's chat template puts after an assistant turn.
+
+    Rendered against a fixed stand-in conversation (a user message and an assistant turn),
+    once with the assistant turn left open (``continue_final_message``) and once followed
+    by the new messages and the next assistant header; the token suffix is what goes on
+    the wire, and the prefix must match or the template cannot be extended token-exactly.
+    The same ``tools`` as the prompt's are passed, since templates put them in the header.
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template")
+        self._tokenizer = tokenizer
+        self._tools = tools or None
+        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}]
+        self._head = self._render(self._base, continue_final_message=True)
+        self.close_ids = _suffix(self._render(self._base), self._head, "a closed assistant turn")
+        """What closes an assistant turn, e.g. ``<|im_end|>\\n``; the model usually generates its first id."""
+        if not self.close_ids:
+            raise ValueError("the chat template renders nothing after an assistant turn")
+
+    def _render(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
+        ids = self._tokenizer.apply_chat_template(
+            list(messages), tools=self._tools, tokenize=True, return_dict=False, **kwargs
+        )
+        return list(ids)
+
+    def closed_by_model(self, turn_ids: Sequence[int]) -> int:
+        """How many ids of the turn's closing the model generated itself (its EOS, say)."""
+        for k in range(min(len(self.close_ids), len(turn_ids)), 0, -1):
+            if list(turn_ids[-k:]) == self.close_ids[:k]:
+                return k
+        return 0
+
+    def bridge(self, turn_ids: Sequence[int], messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Ids to append after a model turn: the rest of its closing, ``messages`` and the next
+        assistant header, exactly as the template renders them after an assistant turn."""
+        rendered = self._render([*self._base, *messages], add_generation_prompt=True)
+        after = _suffix(rendered, self._head, "new messages")
+        if after[: len(self.close_ids)] != self.close_ids:
+            raise ValueError("the chat template closes an assistant turn differently when messages follow it")
+        return after[self.closed_by_model(turn_ids) :]
+
+    def content(self, turn_ids: Sequence[int]) -> list[int]:
+        """The turn without the closing ids the model generated: its message content."""
+        return list(turn_ids[: len(turn_ids) - self.closed_by_model(turn_ids)])
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """A run's resolved episode settings (validated when the run was created)."""
+
+    template: TurnTemplate
+    max_model_len: int
+    max_turns: int = DEFAULT_MAX_TURNS
+    max_episode_tokens: int = 0
+    """Completion tokens (generated and template/tool) per episode; 0: only the context bounds it."""
+    tools: ToolSet | None = None
+    environment: EnvironmentFactory | None = None
+
+
+class _Transcript:
+    """The growing completion: ids, behaviour logprobs, mask and the conversation as messages."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.mask: list[int] = []
+        self.messages: list[dict[str, str]] = []
+
+    def add_generated(self, ids: list[int], logprobs: list[float]) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [1] * len(ids)
+
+    def add_template(self, ids: list[int], messages: Sequence[dict[str, str]]) -> None:
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+        self.messages += messages
+
+
+async def run_episode(
+    engine: Engine,
+    prompt: PromptItem,
+    params: SamplingParams,
+    config: MultiTurnConfig,
+    policy_version: Callable[[], int],
+    decode: Callable[[list[int]], str],
+    affinity: str | None = None,
+    on_tool_result: Callable[[ToolResult], None] | None = None,
+) -> EpisodeResult:
+    """Turns until the model stops, the environment is done or a guard ends the episode.
+
+    A turn's tool calls run (concurrently) and their results come back as tool messages;
+    a turn without tool calls goes to the environment if there is one, else ends the
+    episode. Every failure of a tool call is a message to the model, never an exception.
+    """
+    tools, env_factory = config.tools, config.environment
+    environment = env_factory() if env_factory is not None else None
+    env_reward: float | None = None
+    if environment is not None:
+        env_reward = 0.0
+        await maybe_await(environment.reset(prompt))
+    budget = config.max_episode_tokens or math.inf
+    transcript = _Transcript()
+    turns = tool_calls = tool_failures = 0
+    finish: FinishReason = "stop"
+    version_first = policy_version()
+    version_last = version_first
+
+    def room() -> tuple[float, FinishReason]:
+        """Tokens the episode may still add, and the guard that bounds them."""
+        used = len(transcript.ids)
+        budget_left, context_left = budget - used, config.max_model_len - len(prompt.token_ids) - used
+        if budget_left <= context_left:
+            return budget_left, "max_episode_tokens"
+        return context_left, "max_model_len"
+
+    while True:
+        left, limit = room()
+        cap = int(min(params.max_tokens, left))
+        if cap <= 0:
+            finish = limit
+            break
+        turns += 1
+        completion = await engine.generate(
+            prompt.token_ids + transcript.ids, replace(params, max_tokens=cap), affinity=affinity
+        )
+        version_last = policy_version()
+        turn_ids = completion.token_ids
+        transcript.add_generated(turn_ids, completion.logprobs)
+        transcript.messages.append({"role": "assistant", "content": decode(config.template.content(turn_ids))})
+        if completion.finish_reason != "stop":
+            lowered = completion.finish_reason == "length" and cap < params.max_tokens
+            finish = limit if lowered else completion.finish_reason  # the budget, not max_tokens, cut the turn
+            break
+        text = decode(turn_ids)
+        calls = tools.parse(text) if tools is not None else []
+        new_messages: list[dict[str, str]]
+        if calls:
+            assert tools is not None
+            if turns >= config.max_turns:
+                finish = "max_turns"  # its results could never be shown to the model
+                break
+            results = await tools.execute_all(calls)
+            for result in results:
+                tool_calls += 1
+                tool_failures += not result.ok
+                if on_tool_result is not None:
+                    on_tool_result(result)
+            new_messages = [r.message() for r in results]
+        elif environment is not None:
+            step = await maybe_await(environment.step(text))
+            env_reward = (env_reward or 0.0) + float(step.reward)
+            if step.done or step.observation is None:
+                break
+            if turns >= config.max_turns:
+                finish = "max_turns"
+                break
+            new_messages = [{"role": "user", "content": step.observation}]
+        else:
+            break
+        bridge = config.template.bridge(turn_ids, new_messages)
+        left, limit = room()
+        if len(bridge) >= left:  # the appended messages must leave room for a generated token
+            finish = limit
+            break
+        transcript.add_template(bridge, new_messages)
+    return EpisodeResult(
+        completion_ids=transcript.ids,
+        logprobs=transcript.logprobs,
+        mask=transcript.mask,
+        finish_reason=finish,
+        text=decode(transcript.ids),
+        policy_version_first=version_first,
+        policy_version_last=version_last,
+        num_turns=turns,
+        num_tool_calls=tool_calls,
+        num_tool_failures=tool_failures,
+        messages=tuple(transcript.messages),
+        env_reward=env_reward,
     )

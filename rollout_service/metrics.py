@@ -44,6 +44,30 @@ class ServiceMetrics:
         self.server_inflight = Gauge(
             "rollout_engine_inflight_requests", "Requests in flight per server", ["server"], registry=r
         )
+        self.episode_turns = Histogram(
+            "rollout_episode_turns",
+            "Model turns per finished episode",
+            ["run"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.episodes_finished = Counter(
+            "rollout_episodes_finished", "Finished episodes by finish reason", ["run", "reason"], registry=r
+        )
+        self.tool_calls = Counter("rollout_tool_calls", "Tool calls the model made", ["run", "tool"], registry=r)
+        self.tool_failures = Counter(
+            "rollout_tool_failures",
+            "Tool calls that came back as an error (unknown_tool, bad_json, bad_arguments, error, timeout)",
+            ["run", "kind"],
+            registry=r,
+        )
+        self.tool_latency = Histogram(
+            "rollout_tool_seconds",
+            "Duration of tool calls, failed ones included",
+            ["tool"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

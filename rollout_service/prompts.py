@@ -57,7 +57,36 @@ def _arithmetic() -> list[PromptSpec]:
     ]
 
 
-BUILTIN_DATASETS = {"letters": _letters, "repeat_a": _repeat_a, "arithmetic": _arithmetic}
+def _tool_arithmetic() -> list[PromptSpec]:
+    """For runs with the ``add`` tool: the model learns to call it and report the result."""
+    pairs = [(a, b) for a in range(3, 90, 13) for b in range(5, 90, 17)]
+    return [
+        PromptSpec(
+            messages=[{"role": "user", "content": f"Use the add tool to compute {a} + {b}, then state the sum."}],
+            metadata={"answer": str(a + b)},
+        )
+        for a, b in pairs
+    ]
+
+
+def _guess_number() -> list[PromptSpec]:
+    """For the ``guess_number`` environment: the secret is in the metadata, never the prompt."""
+    return [
+        PromptSpec(
+            messages=[{"role": "user", "content": "Guess my number between 1 and 20. Answer with one number."}],
+            metadata={"secret": str(secret)},
+        )
+        for secret in (3, 7, 11, 14, 18)
+    ]
+
+
+BUILTIN_DATASETS = {
+    "letters": _letters,
+    "repeat_a": _repeat_a,
+    "arithmetic": _arithmetic,
+    "tool_arithmetic": _tool_arithmetic,
+    "guess_number": _guess_number,
+}
 """Toy datasets for the embedded default; the names are what RunSpec.prompt_source.dataset takes."""
 
 
@@ -70,6 +99,19 @@ def builtin_dataset(name: str) -> list[PromptSpec]:
         ) from None
 
 
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt as token ids, its decoded text, metadata and (for chat prompts) its messages."""
+
+    token_ids: list[int]
+    text: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    messages: tuple[dict[str, str], ...] = ()
+
+    def item(self, index: int) -> PromptItem:
+        return PromptItem(index, self.token_ids, self.text, self.metadata, self.messages)
+
+
 class PromptRenderer:
     """Turns PromptSpecs into token ids with the served model's tokenizer and chat template."""
 
@@ -78,7 +120,10 @@ class PromptRenderer:
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
 
-    def render(self, spec: PromptSpec, max_tokens: int) -> tuple[list[int], str]:
+    def render(
+        self, spec: PromptSpec, max_tokens: int, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[list[int], str]:
+        """Token ids and decoded text; ``tools`` (JSON schemas) go to the chat template of chat prompts."""
         forms = [spec.messages is not None, spec.text is not None, spec.token_ids is not None]
         if sum(forms) != 1:
             raise InvalidArgument("a prompt needs exactly one of messages, text or token_ids")
@@ -87,7 +132,7 @@ class PromptRenderer:
                 raise InvalidArgument("a chat prompt needs at least one message")
             ids = list(
                 self.tokenizer.apply_chat_template(
-                    spec.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    spec.messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
                 )
             )
         elif spec.text is not None:
@@ -121,15 +166,14 @@ class PromptSource(Protocol):
 class CyclingPromptSource:
     """A fixed list of rendered prompts, cycled forever."""
 
-    def __init__(self, rendered: list[tuple[list[int], str, dict[str, str]]]) -> None:
+    def __init__(self, rendered: list[RenderedPrompt]) -> None:
         if not rendered:
             raise InvalidArgument("a prompt list must not be empty")
         self._cycle = itertools.cycle(rendered)
         self._count = itertools.count()
 
     async def next(self) -> PromptItem:
-        ids, text, metadata = next(self._cycle)
-        return PromptItem(next(self._count), ids, text, metadata)
+        return next(self._cycle).item(next(self._count))
 
 
 class SubmittedPromptSource:
@@ -139,15 +183,15 @@ class SubmittedPromptSource:
         self._queue: asyncio.Queue[PromptItem] = asyncio.Queue(maxsize=capacity)
         self._count = itertools.count()
 
-    def submit(self, rendered: list[tuple[list[int], str, dict[str, str]]]) -> int:
+    def submit(self, rendered: list[RenderedPrompt]) -> int:
         free = self._queue.maxsize - self._queue.qsize()
         if len(rendered) > free:
             raise ResourceExhausted(
                 f"{len(rendered)} prompts submitted but only {free} fit in the run's queue; "
                 "submit fewer at a time or wait for the run to consume some"
             )
-        for ids, text, metadata in rendered:
-            self._queue.put_nowait(PromptItem(next(self._count), ids, text, metadata))
+        for prompt in rendered:
+            self._queue.put_nowait(prompt.item(next(self._count)))
         return self._queue.qsize()
 
     async def next(self) -> PromptItem:

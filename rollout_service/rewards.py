@@ -34,10 +34,13 @@ def char_fraction(prompts: list[str], completions: list[str], completion_ids: li
 
 def exact_answer(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs: Any):
     """1.0 when the first number in the completion equals the prompt's ``answer``, else 0.0;
-    None for prompts without an answer."""
+    None for prompts without an answer. In a multi-turn episode the completion is the model's
+    last message (earlier turns hold tool calls and their arguments)."""
     answers = kwargs.get("answer") or [None] * len(completions)
+    finals = [_last_assistant(m) for m in kwargs.get("completion_messages") or [[]] * len(completions)]
     out: list[float | None] = []
-    for text, answer in zip(completions, answers, strict=True):
+    for text, final, answer in zip(completions, finals, answers, strict=True):
+        text = text if final is None else final
         if answer is None:
             out.append(None)
             continue
@@ -46,15 +49,26 @@ def exact_answer(prompts: list[str], completions: list[str], completion_ids: lis
     return out
 
 
+def _last_assistant(messages: list[dict[str, str]]) -> str | None:
+    contents = [m.get("content", "") for m in messages if m.get("role") == "assistant"]
+    return contents[-1] if contents else None
+
+
 def completion_length(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs):
     """Number of completion tokens (a diagnostic reward; weight it negatively to prefer short)."""
     return [float(len(ids)) for ids in completion_ids]
+
+
+def env_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs: Any):
+    """The environment's summed step rewards of each episode (None for runs without an environment)."""
+    return list(kwargs.get("env_reward") or [None] * len(completions))
 
 
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "char_fraction": char_fraction,
     "exact_answer": exact_answer,
     "completion_length": completion_length,
+    "env_reward": env_reward,
 }
 
 

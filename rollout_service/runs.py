@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
 from rollout_service.advantages import AdvantageComputer
 from rollout_service.broker import RunBroker
+from rollout_service.episode import MultiTurnConfig
 from rollout_service.errors import InvalidArgument
 from rollout_service.prompts import PromptSource, PromptSpec
-from rollout_service.types import AdvantageScaling, SamplingParams
+from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams
 
 PromptSourceKind = Literal["dataset", "prompts", "submitted"]
 RunState = Literal["running", "stopped", "failed"]
@@ -32,6 +34,7 @@ class RunSpec:
     max_buffered_groups: int = 0
     scale_rewards: AdvantageScaling = AdvantageScaling.GROUP
     display_name: str = ""
+    episode: EpisodeSpec = field(default_factory=EpisodeSpec)
 
     def validate(self) -> None:
         if self.group_size < 2:
@@ -57,6 +60,34 @@ class RunSpec:
             raise InvalidArgument(f"sampling.top_k is {s.top_k}; it must be >= 0 (0 disables)")
         if self.source_kind == "prompts" and not self.prompts:
             raise InvalidArgument("prompt_source.prompts is empty; give at least one prompt")
+        self._validate_episode()
+
+    def _validate_episode(self) -> None:
+        """Names are checked against the registries by the service; here only the values."""
+        e = self.episode
+        if len(set(e.tools)) != len(e.tools):
+            raise InvalidArgument(f"episode.tools names a tool twice: {list(e.tools)}")
+        if any(not name for name in e.tools):
+            raise InvalidArgument("episode.tools has an empty name")
+        if e.max_turns < 0:
+            raise InvalidArgument(f"episode.max_turns is {e.max_turns}; it must be >= 0 (0: the default)")
+        if e.max_episode_tokens < 0:
+            raise InvalidArgument(
+                f"episode.max_episode_tokens is {e.max_episode_tokens}; it must be >= 0 (0: bounded by the context)"
+            )
+        if not math.isfinite(e.tool_timeout_s) or e.tool_timeout_s < 0:
+            raise InvalidArgument(
+                f"episode.tool_timeout_seconds is {e.tool_timeout_s}; it must be a finite number >= 0 (0: the default)"
+            )
+        if e.tool_timeout_s and not e.tools:
+            raise InvalidArgument("episode.tool_timeout_seconds is set but episode.tools is empty; name the tools")
+        if e.tool_parser and not e.tools:
+            raise InvalidArgument("episode.tool_parser is set but episode.tools is empty; name the tools")
+        if e.max_turns > 1 and not (e.tools or e.environment):
+            raise InvalidArgument(
+                f"episode.max_turns is {e.max_turns} but the run has neither tools nor an environment, "
+                "so every episode ends after one turn; set episode.tools or episode.environment"
+            )
 
 
 @dataclass
@@ -66,6 +97,9 @@ class RunCounters:
     groups_dropped: int = 0
     tokens_generated: int = 0
     slots_busy: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
 
 
 @dataclass
@@ -82,6 +116,8 @@ class Run:
     state: RunState = "running"
     error: str = ""
     counters: RunCounters = field(default_factory=RunCounters)
+    episode: MultiTurnConfig | None = None
+    """Multi-turn settings resolved against the registries; None: single-turn episodes."""
     slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:

@@ -26,11 +26,12 @@ from typing import Any
 
 from rollout_service.advantages import weighted_total
 from rollout_service.engine.protocol import Engine
-from rollout_service.episode import run_single_turn
+from rollout_service.episode import run_episode, run_single_turn
 from rollout_service.errors import EngineError, RewardError
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.rewards import RewardRegistry, call_reward
 from rollout_service.runs import Run
+from rollout_service.tools import ToolResult
 from rollout_service.types import EpisodeResult, PromptItem, SamplingParams, ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -140,13 +141,39 @@ class Scheduler:
         self._spawn(run, self._finish_group(run, prompt, group_id, members, started), f"score-{group_id}")
 
     async def _run_member(self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str) -> EpisodeResult:
-        result = await run_single_turn(
-            self.engine, prompt, params, lambda: run.policy_version, self.decode, affinity=group_id
-        )
+        if run.episode is None:
+            result = await run_single_turn(
+                self.engine, prompt, params, lambda: run.policy_version, self.decode, affinity=group_id
+            )
+        else:
+            result = await run_episode(
+                self.engine,
+                prompt,
+                params,
+                run.episode,
+                lambda: run.policy_version,
+                self.decode,
+                affinity=group_id,
+                on_tool_result=lambda r: self._tool_called(run, r),
+            )
         tokens = sum(result.mask)
         run.counters.tokens_generated += tokens
+        run.counters.turns += result.num_turns
         self.metrics.tokens_generated.labels(run.run_id).inc(tokens)
+        self.metrics.episode_turns.labels(run.run_id).observe(result.num_turns)
+        self.metrics.episodes_finished.labels(run.run_id, result.finish_reason).inc()
         return result
+
+    def _tool_called(self, run: Run, result: ToolResult) -> None:
+        """Counted as each call returns, not when its episode ends, so long episodes show up live."""
+        known = run.episode is not None and run.episode.tools is not None and result.name in run.episode.tools.tools
+        tool = result.name if known else "<unknown>"  # model-made names must not blow up label sets
+        run.counters.tool_calls += 1
+        self.metrics.tool_calls.labels(run.run_id, tool).inc()
+        self.metrics.tool_latency.labels(tool).observe(result.seconds)
+        if result.error_kind is not None:
+            run.counters.tool_failures += 1
+            self.metrics.tool_failures.labels(run.run_id, result.error_kind).inc()
 
     async def _finish_group(
         self,
@@ -197,7 +224,8 @@ class Scheduler:
         prompts = [prompt.text] * size
         completions = [e.text for e in episodes]
         completion_ids = [e.completion_ids for e in episodes]
-        kwargs = {key: [value] * size for key, value in prompt.metadata.items()}
+        kwargs: dict[str, list[Any]] = {key: [value] * size for key, value in prompt.metadata.items()}
+        kwargs.update(_episode_kwargs(prompt, episodes))
         names = [name for name, _ in run.spec.rewards]
         values = await asyncio.gather(
             *(
@@ -229,6 +257,21 @@ class Scheduler:
             advantages=run.advantages(totals),
             generation_seconds=seconds,
         )
+
+
+def _episode_kwargs(prompt: PromptItem, episodes: list[EpisodeResult]) -> dict[str, list[Any]]:
+    """What reward functions may see of each episode beyond its text: the whole conversation
+    (``messages``: the prompt's messages, then ``completion_messages``), the environment's
+    summed reward (``env_reward``, None without one), turns and tool calls. These names are
+    reserved: they win over prompt metadata keys of the same name."""
+    return {
+        "messages": [[*prompt.messages, *e.messages] for e in episodes],
+        "completion_messages": [list(e.messages) for e in episodes],
+        "env_reward": [e.env_reward for e in episodes],
+        "num_turns": [e.num_turns for e in episodes],
+        "num_tool_calls": [e.num_tool_calls for e in episodes],
+        "num_tool_failures": [e.num_tool_failures for e in episodes],
+    }
 
 
 def _member_params(base: SamplingParams, prompt_index: int, member: int, group_size: int) -> SamplingParams:

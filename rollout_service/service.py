@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from rollout_service.advantages import AdvantageComputer
 from rollout_service.broker import RunBroker
 from rollout_service.config import SchedulerSettings
 from rollout_service.engine.protocol import Engine
+from rollout_service.environments import EnvironmentRegistry
+from rollout_service.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.prompts import (
@@ -19,12 +22,14 @@ from rollout_service.prompts import (
     PromptRenderer,
     PromptSource,
     PromptSpec,
+    RenderedPrompt,
     SubmittedPromptSource,
     builtin_dataset,
 )
 from rollout_service.rewards import RewardRegistry
 from rollout_service.runs import Run, RunSpec
 from rollout_service.scheduler import Scheduler
+from rollout_service.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, ToolRegistry
 from rollout_service.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
@@ -46,9 +51,13 @@ class RolloutService:
         metrics: ServiceMetrics,
         settings: SchedulerSettings,
         info: ServiceInfo,
+        tools: ToolRegistry | None = None,
+        environments: EnvironmentRegistry | None = None,
     ) -> None:
         self.renderer = renderer
         self.rewards = rewards
+        self.tools = tools if tools is not None else ToolRegistry()
+        self.environments = environments if environments is not None else EnvironmentRegistry()
         self.metrics = metrics
         self.settings = settings
         self.info = info
@@ -75,36 +84,65 @@ class RolloutService:
                 f"max_inflight {spec.max_inflight} exceeds the service's slot limit "
                 f"{self.settings.max_inflight}; use 0 for the service's limit"
             )
+        episode = self._episode_config(spec)
+        tool_schemas = episode.tools.schemas() if episode is not None and episode.tools is not None else None
         run_id = Run.new_id()
         max_buffered = spec.max_buffered_groups or self.settings.default_max_buffered_groups
         run = Run(
             run_id=run_id,
             spec=spec,
-            source=self._prompt_source(spec),
+            source=self._prompt_source(spec, tool_schemas),
             broker=RunBroker(run_id, max_buffered, self.metrics),
             max_inflight=spec.max_inflight or self.settings.max_inflight,
             advantages=AdvantageComputer(spec.scale_rewards),
             policy_version=self.policy_version,
+            episode=episode,
         )
         self.runs[run_id] = run
         self.scheduler.start_run(run)
         logger.info("created run %s (%s, G=%d)", run_id, spec.display_name or spec.source_kind, spec.group_size)
         return run
 
-    def _prompt_source(self, spec: RunSpec) -> PromptSource:
+    def _episode_config(self, spec: RunSpec) -> MultiTurnConfig | None:
+        """Resolve a multi-turn spec against the registries; unknown names are INVALID_ARGUMENT."""
+        e = spec.episode
+        if not e.multi_turn:
+            return None
+        timeout_s = e.tool_timeout_s or DEFAULT_TOOL_TIMEOUT_S
+        toolset = self.tools.toolset(e.tools, e.tool_parser or DEFAULT_TOOL_PARSER, timeout_s) if e.tools else None
+        environment = self.environments.get(e.environment) if e.environment else None
+        try:
+            template = TurnTemplate(self.renderer.tokenizer, toolset.schemas() if toolset is not None else None)
+        except Exception as exc:
+            raise FailedPrecondition(
+                f"multi-turn episodes need a chat template that can be extended turn by turn: {exc}"
+            ) from None
+        return MultiTurnConfig(
+            template=template,
+            max_model_len=self.renderer.max_model_len,
+            max_turns=e.max_turns or (DEFAULT_MAX_TURNS if toolset is not None or environment is not None else 1),
+            max_episode_tokens=e.max_episode_tokens,
+            tools=toolset,
+            environment=environment,
+        )
+
+    def _prompt_source(self, spec: RunSpec, tools: list[dict[str, Any]] | None = None) -> PromptSource:
         if spec.source_kind == "submitted":
             return SubmittedPromptSource()
         prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
-        return CyclingPromptSource(self._render(prompts, spec.sampling.max_tokens))
+        return CyclingPromptSource(self._render(prompts, spec.sampling.max_tokens, tools))
 
-    def _render(self, prompts: list[PromptSpec], max_tokens: int) -> list[tuple[list[int], str, dict[str, str]]]:
+    def _render(
+        self, prompts: list[PromptSpec], max_tokens: int, tools: list[dict[str, Any]] | None = None
+    ) -> list[RenderedPrompt]:
         rendered = []
         for i, prompt in enumerate(prompts):
             try:
-                ids, text = self.renderer.render(prompt, max_tokens)
+                ids, text = self.renderer.render(prompt, max_tokens, tools)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"prompt {i}: {exc}") from None
-            rendered.append((ids, text, dict(prompt.metadata)))
+            messages = tuple(dict(m) for m in prompt.messages or ())
+            rendered.append(RenderedPrompt(ids, text, dict(prompt.metadata), messages))
         return rendered
 
     def get_run(self, run_id: str) -> Run:
@@ -133,7 +171,8 @@ class RolloutService:
             raise FailedPrecondition(f"run {run_id} is {run.state}; submit to a running run")
         if not prompts:
             raise InvalidArgument("prompts is empty; submit at least one prompt")
-        queued = run.source.submit(self._render(prompts, run.spec.sampling.max_tokens))
+        tools = run.episode.tools.schemas() if run.episode is not None and run.episode.tools is not None else None
+        queued = run.source.submit(self._render(prompts, run.spec.sampling.max_tokens, tools))
         return len(prompts), queued
 
     def require_weight_sync(self, run_id: str | None = None) -> WeightSyncCoordinator:
@@ -151,3 +190,4 @@ class RolloutService:
             if run.state == "running":
                 run.state = "stopped"
             await self.scheduler.stop_run(run)
+        self.tools.close()

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "max_turns", "max_episode_tokens", "max_model_len"]
+"""Why an episode ended. ``stop``: the model ended its turn with nothing left to do (no tool
+call, or the environment said done); ``length``: a turn hit ``sampling.max_tokens``;
+``abort``: the engine aborted a request; ``max_turns``: the model still wanted to go on
+(a tool call, an unfinished environment) after its last allowed turn; ``max_episode_tokens``
+/ ``max_model_len``: the episode's token budget or the model's context left no room for
+the next tool result or turn."""
 
 
 class AdvantageScaling(StrEnum):
@@ -33,13 +39,34 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class EpisodeSpec:
+    """How one episode unfolds beyond a single completion: tools, an environment, budgets.
+
+    The default (no tools, no environment, no budgets) is the single-turn episode.
+    """
+
+    tools: tuple[str, ...] = ()
+    tool_parser: str = ""
+    tool_timeout_s: float = 0.0
+    max_turns: int = 0
+    max_episode_tokens: int = 0
+    environment: str = ""
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools or self.environment or self.max_turns > 1 or self.max_episode_tokens)
+
+
+@dataclass(frozen=True)
 class PromptItem:
-    """A prompt ready for generation: token ids plus what rewards may want to see."""
+    """A prompt ready for generation: token ids plus what rewards may want to see
+    (``messages`` when the prompt was given as a conversation)."""
 
     index: int
     token_ids: list[int]
     text: str
     metadata: dict[str, str] = field(default_factory=dict)
+    messages: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +91,13 @@ class EpisodeResult:
     text: str
     policy_version_first: int
     policy_version_last: int
+    num_turns: int = 1
+    num_tool_calls: int = 0
+    num_tool_failures: int = 0
+    messages: tuple[dict[str, str], ...] = ()
+    """The completion as a conversation (assistant turns, tool results, observations), for rewards."""
+    env_reward: float | None = None
+    """Sum of the environment's step rewards; None without an environment."""
 
 
 @dataclass(frozen=True)
