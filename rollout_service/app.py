@@ -21,12 +21,14 @@ from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.environments import EnvironmentRegistry
 from rollout_service.errors import StartupError
 from rollout_service.metrics import ServiceMetrics, start_metrics_server
 from rollout_service.prompts import PromptRenderer
 from rollout_service.rewards import RewardRegistry
 from rollout_service.server import start_grpc_server
 from rollout_service.service import RolloutService, ServiceInfo
+from rollout_service.tools import ToolRegistry
 from rollout_service.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
@@ -113,9 +115,14 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             await control.start()
             stack.push_async_callback(control.close)
 
-        rewards = RewardRegistry()
-        for module in settings.reward_modules:
-            rewards.load_module(module)
+        rewards, tools, environments = RewardRegistry(), ToolRegistry(), EnvironmentRegistry()
+        for registry, modules in (
+            (rewards, settings.reward_modules),
+            (tools, settings.tool_modules),
+            (environments, settings.environment_modules),
+        ):
+            for module in modules:
+                registry.load_module(module)
         service = RolloutService(
             engine=pool,
             renderer=PromptRenderer(tokenizer, max_model_len),
@@ -123,6 +130,8 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             metrics=metrics,
             settings=settings.scheduler,
             info=ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight),
+            tools=tools,
+            environments=environments,
         )
         stack.push_async_callback(service.close)
         service.weight_sync = WeightSyncCoordinator(controls, settings.weight_sync, service.set_policy_version)

@@ -129,6 +129,10 @@ class ServiceSettings(BaseSettings):
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     reward_modules: list[str] = Field(default_factory=list)
     """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry."""
+    tool_modules: list[str] = Field(default_factory=list)
+    """Python modules whose TOOL_FUNCTIONS ({name: callable}) and TOOL_PARSERS dicts are added."""
+    environment_modules: list[str] = Field(default_factory=list)
+    """Python modules whose ENVIRONMENTS dict ({name: factory}) is added to the registry."""
     log_level: str = "INFO"
 
     @model_validator(mode="after")

@@ -36,6 +36,7 @@ from rollout_service.runs import RunSpec
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.tools import ToolRegistry
 from rollout_service.types import Completion, EpisodeSpec, PromptItem, SamplingParams, ScoredGroup
+from tests.integration.conftest import service_settings, service_with_client
 from tests.support import wait_until
 from trainer_client.client import dataset_run_spec
 
@@ -413,3 +414,20 @@ async def test_environment_run_streams_multi_turn_samples(client, tokenizer) -> 
     stats = (await client.get_run(run.run_id)).stats
     assert stats.turns >= sum(s.num_turns for g in groups for s in g.samples)
     assert stats.tool_calls == 0
+
+
+async def test_tools_and_environments_from_user_modules_are_served(vllm_server, tiny_model) -> None:
+    settings = service_settings(
+        [vllm_server.url],
+        tiny_model,
+        tool_modules=["tests.integration.tool_plugins"],
+        environment_modules=["tests.integration.tool_plugins"],
+    )
+    async with service_with_client(settings) as (_service, client):
+        info = await client.server_info()
+        assert "shout" in info.tools and "guess_again" in info.environments
+        spec = dataset_run_spec("tool_arithmetic", {"exact_answer": 1.0}, group_size=2, max_tokens=8)
+        spec.episode.CopyFrom(pb.EpisodeSpec(tools=["shout"], max_turns=2))
+        run = await client.create_run(spec)
+        assert list(run.spec.episode.tools) == ["shout"]
+        await client.delete_run(run.run_id)
