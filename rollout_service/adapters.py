@@ -21,11 +21,14 @@ import contextlib
 import json
 import logging
 import shutil
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
+from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument
+from rollout_service.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,8 @@ class AdapterPublisher:
                 await self._unload(name, loaded)
                 shutil.rmtree(path, ignore_errors=True)
                 raise FailedPrecondition(
-                    f"loading adapter {name} failed; the run keeps its previous one: {failures[0]}"
+                    f"loading adapter {name} failed; the run keeps its previous one (the servers must run with "
+                    f"--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): {failures[0]}"
                 )
             retired = state.previous
             state.previous, state.name, state.version = state.name, name, version
@@ -153,3 +157,21 @@ def _write_files(path: Path, files: dict[str, bytes]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (path / name).write_bytes(data)
+
+
+class AdapterRouting:
+    """An engine that names a run's current adapter in each request (the base model before
+    the run's first push). Resolved per request, so the turns of a multi-turn episode that
+    start after a push sample from the new adapter, like turns after a base-weight update."""
+
+    def __init__(self, engine: Engine, current: Callable[[], str | None]) -> None:
+        self.engine = engine
+        self.current = current
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, affinity: str | None = None
+    ) -> Completion:
+        adapter = self.current()
+        if adapter is not None:
+            params = replace(params, model=adapter)
+        return await self.engine.generate(prompt_ids, params, affinity=affinity)

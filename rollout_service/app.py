@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from rollout_service.adapters import AdapterPublisher
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
 from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.managed import ManagedVLLMServer
@@ -135,6 +136,9 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
         )
         stack.push_async_callback(service.close)
         service.weight_sync = WeightSyncCoordinator(controls, settings.weight_sync, service.set_policy_version)
+        service.adapters = AdapterPublisher(
+            settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(engine_settings)
+        )
         stack.push_async_callback(service.weight_sync.close)
         await service.weight_sync.prefetch_world_sizes()
 
@@ -155,3 +159,11 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             settings.host, grpc_port, model, max_inflight, urls, metrics_port,
         )  # fmt: skip
         yield RunningService(service, grpc_port, metrics_port, urls)
+
+
+def managed_max_lora_rank(engine: EngineSettings) -> int | None:
+    """The adapter rank limit when the service launched the server itself (else vLLM checks)."""
+    managed = engine.managed
+    if engine.urls or managed is None or not managed.max_loras:
+        return None
+    return managed.max_lora_rank

@@ -72,6 +72,8 @@ class RunBroker:
         self.expired_from: OrderedDict[str, str] = OrderedDict()
         """group id -> the consumer whose lease on it expired, to explain a late ack."""
         self.leases_expired = 0
+        self.groups_returned = 0
+        """Leased groups put back for another consumer (the consumer left, or its lease expired)."""
         self.max_staleness = max_staleness
         self.policy_version = policy_version
         self.await_version = await_version
@@ -108,6 +110,7 @@ class RunBroker:
         async with self._changed:
             if self._buffer_has_room() and not self.has_room():
                 self.admission_waits += 1
+                self.metrics.admission_waits.labels(self.run_id).inc()
             await self._changed.wait_for(lambda: self.has_room() or self.closed)
             if self.closed:
                 return False
@@ -209,6 +212,8 @@ class RunBroker:
         if returned:
             self.buffered.extendleft(reversed(returned))
             self.leases_expired += len(returned)
+            self.groups_returned += len(returned)
+            self.metrics.groups_returned.labels(self.run_id, "lease_expired").inc(len(returned))
             self._update_gauges()
 
     def ack(self, consumer_id: str, group_ids: list[str], status: str) -> int:
@@ -249,6 +254,9 @@ class RunBroker:
             for group_id in leased:
                 self.lease_deadlines.pop(group_id, None)
             self.buffered.extendleft(reversed(list(leased.values())))
+            self.groups_returned += len(leased)
+            if leased:
+                self.metrics.groups_returned.labels(self.run_id, "consumer_left").inc(len(leased))
             self._update_gauges()
             self._changed.notify_all()
         return len(leased)

@@ -85,6 +85,9 @@ class SchedulerSettings(BaseModel):
     """Scored groups a run may hold for its consumers before it stops starting new groups."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
     """A reward function that takes longer than this fails its group."""
+    lease_timeout_s: float = Field(default=600.0, gt=0)
+    """A consumer that holds a group this long without acking it loses it to another consumer
+    of the run (runs may set their own); long enough for a slow training step."""
 
 
 class AdapterSettings(BaseModel):

@@ -9,7 +9,7 @@ from rollout_service.api import rollout_pb2 as pb
 from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.errors import InvalidArgument
 from rollout_service.prompts import BUILTIN_DATASETS, PromptSpec
-from rollout_service.runs import Run, RunSpec
+from rollout_service.runs import AdmissionMode, Run, RunSpec
 from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams, ScoredGroup
 from rollout_service.weight_sync import TensorSpec
 
@@ -27,6 +27,12 @@ _SCALING_TO_PB = {
     AdvantageScaling.BATCH: pb.ADVANTAGE_SCALING_BATCH,
     AdvantageScaling.NONE: pb.ADVANTAGE_SCALING_NONE,
 }
+_ADMISSION_FROM_PB: dict[int, AdmissionMode] = {
+    pb.ADMISSION_MODE_UNSPECIFIED: "staleness",
+    pb.ADMISSION_MODE_STALENESS: "staleness",
+    pb.ADMISSION_MODE_BUFFER: "buffer",
+}
+_ADMISSION_TO_PB = {"staleness": pb.ADMISSION_MODE_STALENESS, "buffer": pb.ADMISSION_MODE_BUFFER}
 _STATE_TO_PB = {
     "running": pb.RUN_STATE_RUNNING,
     "stopped": pb.RUN_STATE_STOPPED,
@@ -112,6 +118,8 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         raise InvalidArgument("prompt_source is not set; choose dataset, prompts or submitted")
     if spec.scale_rewards not in _SCALING_FROM_PB:
         raise InvalidArgument(f"scale_rewards {spec.scale_rewards} is not a known AdvantageScaling value")
+    if spec.admission not in _ADMISSION_FROM_PB:
+        raise InvalidArgument(f"admission {spec.admission} is not a known AdmissionMode value")
     return RunSpec(
         source_kind=source,
         dataset=spec.prompt_source.dataset,
@@ -125,6 +133,11 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         scale_rewards=_SCALING_FROM_PB[spec.scale_rewards],
         display_name=spec.display_name,
         episode=episode_from_pb(spec.episode),
+        weight=spec.weight or 1.0,
+        admission=_ADMISSION_FROM_PB[spec.admission],
+        lease_timeout_s=spec.lease_timeout_seconds,
+        await_first_update=spec.await_first_update,
+        serve_adapter=spec.serve_adapter,
     )
 
 
@@ -145,6 +158,11 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         max_buffered_groups=spec.max_buffered_groups,
         scale_rewards=_SCALING_TO_PB[spec.scale_rewards],
         display_name=spec.display_name,
+        weight=spec.weight,
+        admission=_ADMISSION_TO_PB[spec.admission],
+        lease_timeout_seconds=spec.lease_timeout_s,
+        await_first_update=spec.await_first_update,
+        serve_adapter=spec.serve_adapter,
     )
     if spec.episode.multi_turn:
         out.episode.CopyFrom(episode_to_pb(spec.episode))
@@ -174,6 +192,11 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         turns=c.turns,
         tool_calls=c.tool_calls,
         tool_failures=c.tool_failures,
+        groups_returned=b.groups_returned,
+        leases_expired=b.leases_expired,
+        admission_waits=b.admission_waits,
+        groups_per_version=b.consumed_per_version or 0.0,
+        slot_seconds=c.slot_seconds,
     )
 
 

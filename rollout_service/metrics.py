@@ -44,6 +44,21 @@ class ServiceMetrics:
         self.server_inflight = Gauge(
             "rollout_engine_inflight_requests", "Requests in flight per server", ["server"], registry=r
         )
+        self.groups_returned = Counter(
+            "rollout_groups_returned",
+            "Leased groups returned to their run for redelivery (consumer_left, lease_expired)",
+            ["run", "reason"],
+            registry=r,
+        )
+        self.admission_waits = Counter(
+            "rollout_admission_waits",
+            "Groups held back by staleness-aware admission although the buffer had room",
+            ["run"],
+            registry=r,
+        )
+        self.slot_seconds = Counter(
+            "rollout_slot_seconds", "Slot-seconds held by each run's episodes", ["run"], registry=r
+        )
         self.episode_turns = Histogram(
             "rollout_episode_turns",
             "Model turns per finished episode",

@@ -17,6 +17,7 @@ from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams
 
 PromptSourceKind = Literal["dataset", "prompts", "submitted"]
 RunState = Literal["running", "stopped", "failed"]
+AdmissionMode = Literal["staleness", "buffer"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ class RunSpec:
     scale_rewards: AdvantageScaling = AdvantageScaling.GROUP
     display_name: str = ""
     episode: EpisodeSpec = field(default_factory=EpisodeSpec)
+    weight: float = 1.0
+    """Share of the slots relative to other runs while both have work."""
+    admission: AdmissionMode = "staleness"
+    lease_timeout_s: float = 0.0
+    """0: the service's default."""
+    await_first_update: bool = False
+    serve_adapter: bool = False
 
     def validate(self) -> None:
         if self.group_size < 2:
@@ -58,6 +66,12 @@ class RunSpec:
             raise InvalidArgument(f"sampling.top_p is {s.top_p}; it must be in (0, 1]")
         if s.top_k < 0:
             raise InvalidArgument(f"sampling.top_k is {s.top_k}; it must be >= 0 (0 disables)")
+        if not math.isfinite(self.weight) or self.weight <= 0:
+            raise InvalidArgument(f"weight is {self.weight}; it must be a finite number > 0 (0 on the wire means 1)")
+        if not math.isfinite(self.lease_timeout_s) or self.lease_timeout_s < 0:
+            raise InvalidArgument(
+                f"lease_timeout_seconds is {self.lease_timeout_s}; it must be a finite number >= 0 (0: the default)"
+            )
         if self.source_kind == "prompts" and not self.prompts:
             raise InvalidArgument("prompt_source.prompts is empty; give at least one prompt")
         self._validate_episode()
@@ -100,6 +114,8 @@ class RunCounters:
     turns: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
+    slot_seconds: float = 0.0
+    """Integral of this run's busy slots over time (its share of the slots)."""
 
 
 @dataclass
@@ -118,6 +134,8 @@ class Run:
     counters: RunCounters = field(default_factory=RunCounters)
     episode: MultiTurnConfig | None = None
     """Multi-turn settings resolved against the registries; None: single-turn episodes."""
+    adapter: str | None = None
+    """The LoRA adapter this run's requests name (serve_adapter runs); None: the base model."""
     slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:

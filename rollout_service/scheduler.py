@@ -3,7 +3,8 @@
 Invariants:
 - at most ``max_inflight`` episodes run at once over all runs (and at most a run's own
   ``max_inflight`` for that run); a freed slot is refilled at once, because each run's
-  feeder is already waiting on the slot semaphore;
+  feeder is already waiting for a slot; runs that all wait share the slots in proportion
+  to their weights (``slots.WeightedSlots``);
 - a group reaches its run's broker exactly once, scored, or is dropped and counted:
   a failed request, a failed reward or a cancelled member drops the whole group (a group
   with a missing member would bias its advantages);
@@ -24,6 +25,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
+from rollout_service.adapters import AdapterRouting
 from rollout_service.advantages import weighted_total
 from rollout_service.engine.protocol import Engine
 from rollout_service.episode import run_episode, run_single_turn
@@ -31,6 +33,7 @@ from rollout_service.errors import EngineError, RewardError
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.rewards import RewardRegistry, call_reward
 from rollout_service.runs import Run
+from rollout_service.slots import WeightedSlots
 from rollout_service.tools import ToolResult
 from rollout_service.types import EpisodeResult, PromptItem, SamplingParams, ScoredGroup
 
@@ -56,7 +59,7 @@ class Scheduler:
         self.slots_busy = 0
         self.max_slots_busy_seen = 0
         self.engine_failures = 0
-        self._slots = asyncio.Semaphore(max_inflight)
+        self._slots = WeightedSlots(max_inflight)
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         metrics.slots_total.set(max_inflight)
 
@@ -76,6 +79,7 @@ class Scheduler:
             if pending:
                 logger.warning("run %s: %d tasks did not stop within %.0fs", run.run_id, len(pending), timeout_s)
         await run.broker.close()
+        self._slots.forget(run.run_id)
 
     def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -96,10 +100,11 @@ class Scheduler:
     async def _acquire_slot(self, run: Run) -> None:
         await run.slots.acquire()
         try:
-            await self._slots.acquire()
+            await self._slots.acquire(run.run_id, run.spec.weight)
         except BaseException:
             run.slots.release()
             raise
+        self._account_slot_time(run)
         self.slots_busy += 1
         run.counters.slots_busy += 1
         self.max_slots_busy_seen = max(self.max_slots_busy_seen, self.slots_busy)
@@ -109,8 +114,14 @@ class Scheduler:
         self.slots_busy -= 1
         run.counters.slots_busy -= 1
         self.metrics.slots_busy.set(self.slots_busy)
-        self._slots.release()
+        self._slots.release(run.run_id)
         run.slots.release()
+        self._account_slot_time(run)
+
+    def _account_slot_time(self, run: Run) -> None:
+        total = self._slots.slot_seconds(run.run_id)
+        self.metrics.slot_seconds.labels(run.run_id).inc(total - run.counters.slot_seconds)
+        run.counters.slot_seconds = total
 
     # -- generation ----------------------------------------------------------------------
     async def _feed(self, run: Run) -> None:
@@ -140,14 +151,21 @@ class Scheduler:
             members.append(member)
         self._spawn(run, self._finish_group(run, prompt, group_id, members, started), f"score-{group_id}")
 
+    def _engine_for(self, run: Run) -> Engine:
+        """Runs that serve their own LoRA adapter name it in every request."""
+        if not run.spec.serve_adapter:
+            return self.engine
+        return AdapterRouting(self.engine, lambda: run.adapter)
+
     async def _run_member(self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str) -> EpisodeResult:
+        engine = self._engine_for(run)
         if run.episode is None:
             result = await run_single_turn(
-                self.engine, prompt, params, lambda: run.policy_version, self.decode, affinity=group_id
+                engine, prompt, params, lambda: run.policy_version, self.decode, affinity=group_id
             )
         else:
             result = await run_episode(
-                self.engine,
+                engine,
                 prompt,
                 params,
                 run.episode,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rollout_service.adapters import MAX_ADAPTER_BYTES
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.api import rollout_pb2_grpc as pb_grpc
 from rollout_service.convert import (
@@ -54,6 +56,29 @@ def _edge(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         raise AssertionError("unreachable")
 
     return wrapper
+
+
+async def _adapter_files(requests: AsyncIterator[pb.PushAdapterRequest]) -> tuple[str, dict[str, bytes]]:
+    """Reassemble PushAdapter's chunks: the first message names the run, each names its file."""
+    run_id = ""
+    chunks: dict[str, list[bytes]] = {}
+    total = 0
+    async for request in requests:
+        if not run_id:
+            run_id = request.run_id
+            if not run_id:
+                raise InvalidArgument("the first PushAdapter message must name the run (run_id)")
+        elif request.run_id and request.run_id != run_id:
+            raise InvalidArgument(f"PushAdapter chunks name two runs: {run_id!r} and {request.run_id!r}")
+        if not request.file_name:
+            raise InvalidArgument("every PushAdapter message must name the file its data belongs to (file_name)")
+        total += len(request.data)
+        if total > MAX_ADAPTER_BYTES:
+            raise InvalidArgument(f"the adapter exceeds {MAX_ADAPTER_BYTES >> 30} GiB; is it a full model?")
+        chunks.setdefault(request.file_name, []).append(request.data)
+    if not run_id:
+        raise InvalidArgument("PushAdapter received no messages; send the adapter's files in chunks")
+    return run_id, {name: b"".join(parts) for name, parts in chunks.items()}
 
 
 class ConsumerSession:
@@ -202,6 +227,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         version = await self.service.require_weight_sync().abort(request.update_id, request.reason)
         return pb.AbortWeightUpdateResponse(policy_version=version)
 
+    @_edge
+    async def PushAdapter(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.PushAdapterRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PushAdapterResponse:
+        run_id, files = await _adapter_files(request_iterator)
+        started = time.monotonic()
+        version, name = await self.service.publish_adapter(run_id, files)
+        return pb.PushAdapterResponse(policy_version=version, adapter_name=name, seconds=time.monotonic() - started)
+
     async def StreamSamples(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamSamplesRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamSamplesResponse]:
@@ -252,7 +286,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 async def start_grpc_server(service: RolloutService, host: str, port: int) -> tuple[grpc.aio.Server, int, Any]:
     """Start the gRPC server with health and reflection; returns (server, bound port, health)."""
     # No SO_REUSEPORT: a second service on the same port must fail, not share it silently.
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    options = [
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_receive_message_length", 64 << 20),  # adapter chunks
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
     pb_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_service.adapters import AdapterPublisher
 from rollout_service.advantages import AdvantageComputer
 from rollout_service.broker import RunBroker
 from rollout_service.config import SchedulerSettings
@@ -67,13 +68,17 @@ class RolloutService:
         self.runs: dict[str, Run] = {}
         self.policy_version = 0
         self.weight_sync: WeightSyncCoordinator | None = None
+        self.adapters: AdapterPublisher | None = None
+        """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
 
     def set_policy_version(self, version: int) -> None:
-        """The servers now hold weights of this version. Runs share the base weights, so
-        every run's samples are judged against it (per-run adapters are a later step)."""
+        """The servers now hold base weights of this version. Runs on the base weights share
+        it; runs that serve their own adapter count their adapter pushes instead."""
         self.policy_version = version
         for run in self.runs.values():
-            run.policy_version = version
+            if not run.spec.serve_adapter:
+                run.policy_version = version
+                run.broker.set_policy_version(version)
 
     async def create_run(self, spec: RunSpec) -> Run:
         spec.validate()
@@ -92,16 +97,28 @@ class RolloutService:
             run_id=run_id,
             spec=spec,
             source=self._prompt_source(spec, tool_schemas),
-            broker=RunBroker(run_id, max_buffered, self.metrics),
+            broker=self._broker(run_id, spec, max_buffered),
             max_inflight=spec.max_inflight or self.settings.max_inflight,
             advantages=AdvantageComputer(spec.scale_rewards),
-            policy_version=self.policy_version,
+            policy_version=0 if spec.serve_adapter else self.policy_version,
             episode=episode,
         )
         self.runs[run_id] = run
         self.scheduler.start_run(run)
         logger.info("created run %s (%s, G=%d)", run_id, spec.display_name or spec.source_kind, spec.group_size)
         return run
+
+    def _broker(self, run_id: str, spec: RunSpec, max_buffered: int) -> RunBroker:
+        version = 0 if spec.serve_adapter else self.policy_version
+        return RunBroker(
+            run_id,
+            max_buffered,
+            self.metrics,
+            lease_timeout_s=spec.lease_timeout_s or self.settings.lease_timeout_s,
+            max_staleness=spec.max_staleness if spec.admission == "staleness" else None,
+            policy_version=version,
+            await_version=version + 1 if spec.await_first_update else 0,
+        )
 
     def _episode_config(self, spec: RunSpec) -> MultiTurnConfig | None:
         """Resolve a multi-turn spec against the registries; unknown names are INVALID_ARGUMENT."""
@@ -157,8 +174,31 @@ class RolloutService:
         if run.state == "running":
             run.state = "stopped"
         await self.scheduler.stop_run(run)
+        if self.adapters is not None:
+            await self.adapters.forget(run_id)
         logger.info("stopped run %s", run_id)
         return run
+
+    async def publish_adapter(self, run_id: str, files: dict[str, bytes]) -> tuple[int, str]:
+        """Serve a new adapter of a serve_adapter run; returns its policy version and name."""
+        run = self.get_run(run_id)
+        if not run.spec.serve_adapter:
+            raise FailedPrecondition(
+                f"run {run_id} samples from the base weights; create the run with serve_adapter to push adapters"
+            )
+        if run.state != "running":
+            raise FailedPrecondition(f"run {run_id} is {run.state}; push adapters for a running run")
+        if self.adapters is None:
+            raise FailedPrecondition(
+                "this service's vLLM servers do not load LoRA adapters; start them with --enable-lora "
+                "(managed servers: engine.managed.max_loras > 0) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            )
+        version = await self.adapters.publish(run_id, files)
+        run.adapter = self.adapters.current(run_id)
+        run.policy_version = version
+        run.broker.set_policy_version(version)
+        assert run.adapter is not None
+        return version, run.adapter
 
     def submit_prompts(self, run_id: str, prompts: list[PromptSpec]) -> tuple[int, int]:
         run = self.get_run(run_id)
@@ -181,6 +221,11 @@ class RolloutService:
             run = self.get_run(run_id)
             if run.state != "running":
                 raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
+            if run.spec.serve_adapter:
+                raise FailedPrecondition(
+                    f"run {run_id} serves its own LoRA adapter (serve_adapter); push the adapter with PushAdapter, "
+                    "not base weights, which every run shares"
+                )
         if self.weight_sync is None:
             raise FailedPrecondition("this service was started without weight sync")
         return self.weight_sync

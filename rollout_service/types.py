@@ -36,6 +36,8 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    model: str | None = None
+    """The served model to sample from when not the engine's own: a run's LoRA adapter."""
 
 
 @dataclass(frozen=True)

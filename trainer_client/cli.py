@@ -54,6 +54,9 @@ def main(
     lora_target_modules: Annotated[str, typer.Option(help="Comma-separated module names to adapt")] = (
         "q_proj,k_proj,v_proj,o_proj"
     ),
+    lora_serving: Annotated[
+        str, typer.Option(help="merged: push base+adapter weights; adapter: vLLM serves the run's adapter")
+    ] = "merged",
     max_buffered_groups: Annotated[int, typer.Option(help="Service-side buffer of the run")] = 8,
     output_dir: Annotated[Path, typer.Option(help="metrics.jsonl, summary.json, reward_curve.svg")] = Path(
         "outputs/train"
@@ -94,7 +97,9 @@ def main(
     if lora_rank < 0:
         raise typer.BadParameter(f"--lora-rank is {lora_rank}; give 0 (full model) or a positive rank")
     targets = [name.strip() for name in lora_target_modules.split(",") if name.strip()]
-    lora = LoraOptions(lora_rank, lora_alpha, targets) if lora_rank else None
+    if lora_serving not in ("merged", "adapter"):
+        raise typer.BadParameter(f"--lora-serving {lora_serving!r}: choose merged or adapter")
+    lora = LoraOptions(lora_rank, lora_alpha, targets, lora_serving) if lora_rank else None  # type: ignore[arg-type]
     options = RunOptions(dataset, _rewards(reward or ["char_fraction"]), max_tokens, max_buffered_groups)
     summary = train(
         target, str(model), config, options, run_id=run_id, trainer_address=trainer_address, lora=lora, push=push

@@ -7,7 +7,7 @@ it grants credits and sends acks on the same call, as the protocol requires.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
 
 import grpc
@@ -127,6 +127,22 @@ class RolloutClient:
             pause_mode=pause_mode,
         )
         return await self.stub.BeginWeightUpdate(request, timeout=self.timeout_s)
+
+    async def push_adapter(
+        self, run_id: str, files: dict[str, bytes], timeout_s: float, chunk_bytes: int = 4 << 20
+    ) -> pb.PushAdapterResponse:
+        """Stream a LoRA adapter's files (PEFT's save_pretrained output) to a serve_adapter run."""
+
+        def chunks() -> Iterator[pb.PushAdapterRequest]:
+            first = True
+            for name, data in files.items():
+                for start in range(0, max(len(data), 1), chunk_bytes):
+                    yield pb.PushAdapterRequest(
+                        run_id=run_id if first else "", file_name=name, data=data[start : start + chunk_bytes]
+                    )
+                    first = False
+
+        return await self.stub.PushAdapter(chunks(), timeout=timeout_s)
 
     async def commit_weight_update(self, update_id: str, timeout_s: float) -> pb.CommitWeightUpdateResponse:
         """Waits for every server to receive and apply the weights: give it the transfer timeout."""

@@ -21,7 +21,7 @@ import socket
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.stream import GroupFeed
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
-from trainer_client.weight_push import WeightPusher
+from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,18 @@ class RunOptions:
 
 @dataclass
 class LoraOptions:
-    """Train a LoRA adapter (PEFT) instead of the full model; vLLM is sent the merged weights."""
+    """Train a LoRA adapter (PEFT) instead of the full model.
+
+    ``serving="merged"`` pushes base + adapter as full weights (the servers need no LoRA
+    support; one trainer per server pool). ``"adapter"`` pushes only the adapter to a run
+    that serves it (``serve_adapter``): several runs then train their own adapters on one
+    shared base model, each with its own policy version.
+    """
 
     rank: int = 16
     alpha: int = 32
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    serving: Literal["merged", "adapter"] = "merged"
 
 
 def cpu_training_config(
@@ -87,7 +94,9 @@ def cpu_training_config(
     )
 
 
-async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions) -> str:
+async def _create_run(
+    target: str, config: AsyncGRPOConfig, options: RunOptions, serve_adapter: bool, pushes: bool
+) -> str:
     async with RolloutClient(target) as client:
         spec = dataset_run_spec(
             options.dataset,
@@ -98,6 +107,10 @@ async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions)
             max_buffered_groups=options.max_buffered_groups,
         )
         spec.sampling.temperature = config.temperature
+        spec.serve_adapter = serve_adapter
+        # This trainer pushes before it trains and refuses groups of older weights: generating
+        # before that push would only make groups to drop.
+        spec.await_first_update = pushes
         return (await client.create_run(spec)).run_id
 
 
@@ -119,7 +132,8 @@ def train(
     """
     main = config.process_index == 0
     if run_id is None and main:
-        run_id = asyncio.run(_create_run(target, config, options))
+        serve_adapter = lora is not None and lora.serving == "adapter"
+        run_id = asyncio.run(_create_run(target, config, options, serve_adapter, pushes=push))
     if config.world_size > 1:
         run_id = broadcast_object_list([run_id], from_process=0)[0]
     assert run_id is not None
@@ -130,7 +144,7 @@ def train(
     # Each process is its own consumer (the service hands consumers disjoint groups).
     consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
-        pusher = WeightPusher(feed.client, run_id, trainer_address=trainer_address) if push else None
+        pusher = make_pusher(feed, run_id, trainer_address, lora) if push else None
         try:
             trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
             trainer.train()
@@ -155,6 +169,14 @@ def train(
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_reward_curve(records, output_dir / "reward_curve.svg")
     return summary
+
+
+def make_pusher(
+    feed: GroupFeed, run_id: str, trainer_address: str, lora: LoraOptions | None
+) -> WeightPusher | AdapterPusher:
+    if lora is not None and lora.serving == "adapter":
+        return AdapterPusher(feed.client, run_id)
+    return WeightPusher(feed.client, run_id, trainer_address=trainer_address)
 
 
 def load_policy(model_path: str, lora: LoraOptions | None) -> PreTrainedModel:

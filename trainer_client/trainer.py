@@ -40,9 +40,9 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.logprobs import chunked_completion_logprobs
 from trainer_client.losses import LossConfig, compute_loss
-from trainer_client.policy_weights import is_peft_model, policy_weights
+from trainer_client.policy_weights import is_peft_model
 from trainer_client.stream import GroupFeed
-from trainer_client.weight_push import WeightPusher
+from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,9 @@ class AsyncGRPOConfig(TrainingArguments):
     logprob_chunk_size: int = 1024
     """Positions per chunk of the log-prob computation (bounds the [chunk, vocab] logits)."""
     stream_credits: int = 0
-    """Groups the service may send ahead of acks; 0 means two steps' worth (the least that cannot
-    stall: the data loader fetches the next batch before the current step acks its groups)."""
+    """Groups the service may send ahead of acks; 0 means one step's worth (groups are fetched
+    when the step starts and acked when it ends; the next step's arrive during the push). More
+    credits mean older groups in flight, which staleness-aware admission then has to allow for."""
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
     epsilon: float = 0.2
@@ -98,7 +99,7 @@ class AsyncGRPOConfig(TrainingArguments):
 
     @property
     def effective_stream_credits(self) -> int:
-        return max(self.stream_credits, 2 * self.groups_per_step)
+        return max(self.stream_credits, self.groups_per_step)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(
@@ -194,7 +195,12 @@ class _StepBook:
 
 class AsyncGRPOTrainer(Trainer):
     def __init__(
-        self, model: PreTrainedModel, args: AsyncGRPOConfig, feed: GroupFeed, pusher: WeightPusher | None, **kwargs: Any
+        self,
+        model: PreTrainedModel,
+        args: AsyncGRPOConfig,
+        feed: GroupFeed,
+        pusher: WeightPusher | AdapterPusher | None,
+        **kwargs: Any,
     ) -> None:
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         if pusher is None and args.world_size > 1:
@@ -356,9 +362,9 @@ class _SyncAndAck(TrainerCallback):
             return
         version = None
         if state.is_world_process_zero:
-            named = policy_weights(trainer.accelerator.unwrap_model(trainer.model))
+            model = trainer.accelerator.unwrap_model(trainer.model)
             timeout_s = trainer.pusher.timeout_s + 120
-            version = trainer.feed.call(trainer.pusher.push(named), timeout_s=timeout_s)
+            version = trainer.feed.call(trainer.pusher.push_policy(model), timeout_s=timeout_s)
         if trainer.args.world_size > 1:
             version = broadcast_object_list([version], from_process=0)[0]
         trainer.feed.current_version = version

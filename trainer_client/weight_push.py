@@ -19,6 +19,7 @@ import torch
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient
 from trainer_client.nccl_sender import NcclWeightSender
+from trainer_client.policy_weights import adapter_files, policy_weights
 from trainer_client.weights import GlooWeightSender, dtype_name, free_port
 
 SENDERS: dict[str, type[GlooWeightSender] | type[NcclWeightSender]] = {
@@ -56,6 +57,10 @@ class WeightPusher:
         self.port = free_port(trainer_address)
         """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
         epoch; nccl: a fresh one after each failed join, as vLLM's rendezvous has no epochs)."""
+
+    async def push_policy(self, model: torch.nn.Module) -> int:
+        """Push what vLLM must serve for ``model`` (merged, for a PEFT model); the new version."""
+        return await self.push(policy_weights(model))
 
     async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Send the tensors (HF names, broadcast order) and return the new policy version."""
@@ -108,3 +113,31 @@ def sender_for(backend: str) -> type[GlooWeightSender] | type[NcclWeightSender]:
         raise ValueError(
             f"the service reports weight-transfer backend {backend!r}; this trainer can send over {sorted(SENDERS)}"
         ) from None
+
+
+class AdapterPusher:
+    """Pushes a PEFT model's adapter to a serve_adapter run (megabytes, not the model).
+
+    The service writes the files where its vLLM servers load them and makes them the run's
+    adapter; base weights, shared by every run on the servers, are never touched.
+    """
+
+    def __init__(self, client: RolloutClient, run_id: str, timeout_s: float = 120.0) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.timeout_s = timeout_s
+
+    async def push_policy(self, model: torch.nn.Module) -> int:
+        files = await asyncio.to_thread(adapter_files, model)
+        pushed = await self.client.push_adapter(self.run_id, files, self.timeout_s)
+        logger.info(
+            "pushed adapter %s (%d bytes): policy version %d (%.2fs)",
+            pushed.adapter_name,
+            sum(len(data) for data in files.values()),
+            pushed.policy_version,
+            pushed.seconds,
+        )
+        return pushed.policy_version
+
+    def close(self) -> None:
+        """Nothing to release: adapters travel over the gRPC channel."""

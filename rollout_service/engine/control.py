@@ -8,6 +8,7 @@ server and the step.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import aiohttp
@@ -56,7 +57,7 @@ class VLLMControlClient:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise WeightSyncError(self.base_url, path, f"HTTP {resp.status}: {text[:500]}")
-                return await resp.json(content_type=None) if text else {}
+                return _json_or_text(text)
         except TimeoutError:
             raise WeightSyncError(self.base_url, path, f"no answer within {timeout_s:.0f}s") from None
         except aiohttp.ClientError as exc:
@@ -92,3 +93,14 @@ class VLLMControlClient:
 
     async def unload_lora_adapter(self, name: str, timeout_s: float) -> None:
         await self._call("POST", "/v1/unload_lora_adapter", timeout_s, {"lora_name": name})
+
+
+def _json_or_text(text: str) -> dict[str, Any]:
+    """vLLM answers most control calls with JSON, but e.g. /v1/load_lora_adapter with plain text."""
+    if not text:
+        return {}
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return {"text": text}
+    return answer if isinstance(answer, dict) else {"value": answer}

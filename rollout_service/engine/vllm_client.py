@@ -31,7 +31,7 @@ class _Retryable(Exception):
 def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """The /v1/completions request for one completion with behaviour logprobs."""
     body: dict[str, Any] = {
-        "model": model,
+        "model": params.model or model,
         "prompt": prompt_ids,
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,

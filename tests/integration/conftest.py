@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,9 @@ from rollout_service.tiny_model import build_tiny_model
 from trainer_client.client import RolloutClient
 
 # Developers may reuse a running server across pytest invocations:
-# ROLLOUT_TEST_VLLM_URL=http://127.0.0.1:8011 ROLLOUT_TEST_MODEL_DIR=/tmp/tiny (served as "tiny").
+# ROLLOUT_TEST_VLLM_URL=http://127.0.0.1:8011 ROLLOUT_TEST_MODEL_DIR=/tmp/tiny (served as "tiny",
+# started like the managed one: weight transfer, --enable-lora --max-loras 4 --max-lora-rank 16
+# and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
 REUSE_URL = os.environ.get("ROLLOUT_TEST_VLLM_URL")
 REUSE_MODEL = os.environ.get("ROLLOUT_TEST_MODEL_DIR")
 
@@ -42,7 +45,11 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield ExternalServer(REUSE_URL)  # type: ignore[misc]
         return
     settings = ManagedServerSettings(
-        model=tiny_model, max_model_len=1024, log_file=tmp_path_factory.mktemp("vllm") / "server.log"
+        model=tiny_model,
+        max_model_len=1024,
+        max_loras=4,  # runs that serve their own adapter (test_lora_runs.py)
+        max_lora_rank=16,
+        log_file=tmp_path_factory.mktemp("vllm") / "server.log",
     )
     with ManagedVLLMServer(settings, served_model_name="tiny") as server:
         yield server
@@ -51,6 +58,7 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def service_settings(urls: list[str], tokenizer: Path, **overrides: Any):
     engine = {"urls": urls, "tokenizer": str(tokenizer), "model": "tiny", "max_retries": 1, "backoff_base_s": 0.05}
     engine.update(overrides.pop("engine", {}))
+    overrides.setdefault("adapters", {"dir": tempfile.mkdtemp(prefix="adapters-")})
     return load_settings(port=0, metrics_port=0, engine=engine, **overrides)
 
 

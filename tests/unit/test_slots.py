@@ -1,0 +1,102 @@
+"""Weighted sharing of the service's slots between runs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from rollout_service.slots import WeightedSlots
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)  # let granted waiters resume (event-loop turns, not timing)
+
+
+async def test_freed_slots_go_to_runs_in_proportion_to_their_weights() -> None:
+    slots = WeightedSlots(8)
+    for _ in range(8):
+        await slots.acquire("filler")
+    waiting = [asyncio.ensure_future(slots.acquire("a", 3)) for _ in range(8)]
+    waiting += [asyncio.ensure_future(slots.acquire("b", 1)) for _ in range(8)]
+    await settle()
+    for _ in range(8):
+        slots.release("filler")
+    await settle()
+    assert (slots.busy_of("a"), slots.busy_of("b")) == (6, 2)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert slots.busy == 8
+
+
+async def test_shares_hold_under_churn() -> None:
+    """Both runs always want a slot; random slots free up: run a holds 3/4 on average."""
+    slots, rng = WeightedSlots(8), random.Random(0)
+    held: list[str] = []
+
+    async def feeder(key: str, weight: float) -> None:
+        while True:
+            await slots.acquire(key, weight)
+            held.append(key)
+
+    feeders = [asyncio.ensure_future(feeder("a", 3)), asyncio.ensure_future(feeder("b", 1))]
+    await settle()
+    shares = []
+    for _ in range(2000):
+        key = held.pop(rng.randrange(len(held)))
+        slots.release(key)
+        await settle()
+        shares.append(slots.busy_of("a") / slots.total)
+    for task in feeders:
+        task.cancel()
+    await asyncio.gather(*feeders, return_exceptions=True)
+    assert sum(shares) / len(shares) == pytest.approx(0.75, abs=0.03)
+
+
+async def test_a_run_that_does_not_wait_leaves_its_share_to_the_others() -> None:
+    slots = WeightedSlots(4)
+    for _ in range(4):
+        await slots.acquire("a", 1)  # b (weight 9) has nothing to do: a may take everything
+    assert slots.busy_of("a") == 4
+    waiting_b = asyncio.ensure_future(slots.acquire("b", 9))
+    waiting_a = asyncio.ensure_future(slots.acquire("a", 1))
+    await settle()
+    slots.release("a")
+    await settle()
+    assert waiting_b.done() and not waiting_a.done()  # once b waits, it comes first
+    waiting_a.cancel()
+    await asyncio.gather(waiting_a, return_exceptions=True)
+
+
+async def test_cancelled_waiters_leak_no_slot() -> None:
+    slots = WeightedSlots(1)
+    await slots.acquire("a")
+    waiter = asyncio.ensure_future(slots.acquire("b"))
+    await settle()
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    slots.release("a")
+    assert slots.busy == 0
+    # Granted and cancelled before it could resume: the slot goes back.
+    await slots.acquire("a")
+    granted = asyncio.ensure_future(slots.acquire("b"))
+    await settle()
+    slots.release("a")  # grants b's future ...
+    granted.cancel()  # ... whose task is cancelled before it runs
+    await asyncio.gather(granted, return_exceptions=True)
+    assert slots.busy == 0 and slots.busy_of("b") == 0
+
+
+async def test_slot_seconds_integrate_busy_slots_over_time() -> None:
+    now = [0.0]
+    slots = WeightedSlots(4, clock=lambda: now[0])
+    await slots.acquire("a")
+    await slots.acquire("a")
+    now[0] = 10.0
+    slots.release("a")
+    now[0] = 15.0
+    assert slots.slot_seconds("a") == pytest.approx(2 * 10 + 1 * 5)
+    assert slots.slot_seconds("never") == 0.0
