@@ -7,13 +7,14 @@ consumers at once. Acks are idempotent by group id.
 
 Staleness-aware admission: with ``max_staleness`` set, the broker also keeps the groups
 started but not yet consumed (reserved + buffered + leased) within what the consumers will
-train before those groups exceed max_staleness. It learns C, the groups consumed (acked
-as trained or dropped) per policy version, from the acks between version bumps. A group
-admitted now, behind P pending groups and with k groups already consumed at this
-version, trains about (k + P) / C versions from now, so it is admitted only while
-k + P < (max_staleness + 1) * C, and always while P is below one version's worth (the
-trainer is never starved because the estimate is off). Before C is known (no bump with
-consumption yet), only max_buffered applies. ``await_version`` holds a run's generation
+train before those groups exceed max_staleness. It learns C, the groups trained per policy
+version, from the trained acks between version bumps (drops do not count: counting them
+would let more in after every drop, and drop more). A group admitted now, behind P pending
+groups and with k groups already trained at this version, trains about (k + P) / C versions
+from now, so it is admitted only while k + P < (max_staleness + 1) * C, and always while P
+is below one version's worth (the trainer is never starved because the estimate is off).
+Until C is measured, the consumers' credits stand in for it (a trainer asks for one step's
+worth); with neither, only max_buffered applies. ``await_version`` holds a run's generation
 until the servers hold at least that version (the trainer's first push), so no group is
 generated from weights its trainer will refuse.
 
@@ -77,10 +78,12 @@ class RunBroker:
         self.max_staleness = max_staleness
         self.policy_version = policy_version
         self.await_version = await_version
-        self.consumed_at_version = 0
-        """Groups acked (trained or dropped) since the last policy-version bump."""
-        self.consumed_per_version: float | None = None
-        """C: moving average of groups consumed per version; None until measured."""
+        self.trained_at_version = 0
+        """Groups acked as trained since the last policy-version bump."""
+        self.trained_per_version: float | None = None
+        """C: moving average of groups trained per version; None until measured."""
+        self.credits: dict[str, int] = {}
+        """Credits each consumer subscribed with: C's stand-in until it is measured."""
         self.admission_waits = 0
         """Times a reservation found room in the buffer but waited for the staleness bound."""
         self._wakeups: set[asyncio.Task[None]] = set()
@@ -97,12 +100,19 @@ class RunBroker:
     def _buffer_has_room(self) -> bool:
         return len(self.buffered) + self.reserved < self.max_buffered
 
+    @property
+    def groups_per_version(self) -> float | None:
+        """C as admission uses it: measured, else the consumers' credits, else unknown."""
+        if self.trained_per_version is not None:
+            return self.trained_per_version
+        return float(sum(self.credits.values())) or None
+
     def _within_staleness(self) -> bool:
-        per_version = self.consumed_per_version
+        per_version = self.groups_per_version
         if self.max_staleness is None or per_version is None:
             return True
         pending = self.reserved + len(self.buffered) + self.num_leased
-        budget = (self.max_staleness + 1) * per_version - self.consumed_at_version
+        budget = (self.max_staleness + 1) * per_version - self.trained_at_version
         return pending < max(budget, per_version)
 
     async def reserve(self) -> bool:
@@ -118,16 +128,16 @@ class RunBroker:
             return True
 
     def set_policy_version(self, version: int) -> None:
-        """The servers now hold this version: learn C from the consumption since the last
-        bump (a bump with nothing consumed, like a trainer's first push, teaches nothing)."""
+        """The servers now hold this version: learn C from the groups trained since the last
+        bump (a bump with nothing trained, like a trainer's first push, teaches nothing)."""
         if version <= self.policy_version:
             return
-        if self.consumed_at_version:
-            sample = self.consumed_at_version / (version - self.policy_version)
-            previous = self.consumed_per_version
-            self.consumed_per_version = sample if previous is None else 0.5 * previous + 0.5 * sample
+        if self.trained_at_version:
+            sample = self.trained_at_version / (version - self.policy_version)
+            previous = self.trained_per_version
+            self.trained_per_version = sample if previous is None else 0.5 * previous + 0.5 * sample
         self.policy_version = version
-        self.consumed_at_version = 0
+        self.trained_at_version = 0
         self._wake_soon()
 
     def _wake_soon(self) -> None:
@@ -154,7 +164,7 @@ class RunBroker:
             self._changed.notify_all()
 
     # -- consumer side -------------------------------------------------------------------
-    def subscribe(self, consumer_id: str) -> None:
+    def subscribe(self, consumer_id: str, credits: int = 0) -> None:
         if self.closed:
             raise FailedPrecondition(f"run {self.run_id} is stopped; create a new run")
         if consumer_id in self.leases:
@@ -163,6 +173,7 @@ class RunBroker:
                 "use a unique consumer_id per trainer process"
             )
         self.leases[consumer_id] = {}
+        self.credits[consumer_id] = credits
 
     async def take(self, consumer_id: str) -> ScoredGroup | None:
         """Wait for a group and lease it to the consumer; None once the run is closed.
@@ -239,7 +250,7 @@ class RunBroker:
                 del self.expired_from[group_id]  # it came back to this consumer, which acked it
             self._remember(self.acked, group_id, status)
             self.ack_counts[status] += 1
-            self.consumed_at_version += 1
+            self.trained_at_version += status == ACK_TRAINED
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             newly += 1
         self._update_gauges()
@@ -251,6 +262,7 @@ class RunBroker:
         """The consumer left: its unacked groups go back to the front, oldest first."""
         async with self._changed:
             leased = self.leases.pop(consumer_id, {})
+            self.credits.pop(consumer_id, None)
             for group_id in leased:
                 self.lease_deadlines.pop(group_id, None)
             self.buffered.extendleft(reversed(list(leased.values())))

@@ -195,7 +195,7 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         groups_returned=b.groups_returned,
         leases_expired=b.leases_expired,
         admission_waits=b.admission_waits,
-        groups_per_version=b.consumed_per_version or 0.0,
+        groups_per_version=b.groups_per_version or 0.0,
         slot_seconds=c.slot_seconds,
     )
 

@@ -244,7 +244,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             subscribe = await self._first_message(request_iterator)
             session = ConsumerSession(self.service, subscribe.run_id, subscribe.consumer_id, subscribe.initial_credits)
-            session.broker.subscribe(subscribe.consumer_id)
+            session.broker.subscribe(subscribe.consumer_id, subscribe.initial_credits)
             reader = asyncio.create_task(session.read(request_iterator), name=f"read-{subscribe.consumer_id}")
             yield pb.StreamSamplesResponse(
                 subscribed=pb.Subscribed(

@@ -3,8 +3,12 @@ minute), a real in-process gRPC server per test, real channels."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -12,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import Qwen2ForCausalLM
 
 from rollout_service.app import RunningService, running_service
 from rollout_service.config import ManagedServerSettings, load_settings
-from rollout_service.engine.managed import ManagedVLLMServer
+from rollout_service.engine.managed import ManagedVLLMServer, free_port
 from rollout_service.tiny_model import build_tiny_model
 from trainer_client.client import RolloutClient
+from trainer_client.weight_push import WeightPusher
 
 # Developers may reuse a running server across pytest invocations:
 # ROLLOUT_TEST_VLLM_URL=http://127.0.0.1:8011 ROLLOUT_TEST_MODEL_DIR=/tmp/tiny (served as "tiny",
@@ -79,3 +86,43 @@ async def service(vllm_server: ManagedVLLMServer, tiny_model: Path) -> AsyncIter
 async def client(service: RunningService) -> AsyncIterator[RolloutClient]:
     async with RolloutClient(service.grpc_target, timeout_s=30) as rollout_client:
         yield rollout_client
+
+
+@pytest.fixture
+def service_process(vllm_server, tiny_model: Path, tmp_path: Path) -> Iterator[str]:
+    """``rollout-service serve`` as its own process on the session's vLLM server."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        ROLLOUT_ENGINE__TOKENIZER=str(tiny_model),
+        ROLLOUT_ENGINE__MODEL="tiny",
+        ROLLOUT_ADAPTERS__DIR=str(tmp_path / "adapters"),
+    )
+    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
+    command += ["--port", str(port), "--metrics-port", "0"]
+    with open(tmp_path / "service.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+async def serving(target: str) -> bool:
+    try:
+        async with RolloutClient(target, timeout_s=2) as client:
+            await client.server_info()
+        return True
+    except Exception:  # not up yet
+        return False
+
+
+async def restore_base_weights(client: RolloutClient, run_id: str, tiny_model: Path) -> None:
+    """Leave the shared vLLM server on the base weights for the rest of the session."""
+    pusher = WeightPusher(client, run_id, transfer_timeout_s=30)
+    base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    try:
+        await asyncio.wait_for(pusher.push(list(base.named_parameters())), 60)
+    finally:
+        pusher.close()

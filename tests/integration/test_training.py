@@ -6,57 +6,18 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import Qwen2ForCausalLM
 
-from rollout_service.engine.managed import free_port
+from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
-from trainer_client.weight_push import WeightPusher
 
 pytestmark = pytest.mark.integration
 MAX_STALENESS = 1
 STEPS = 6
-
-
-@pytest.fixture
-def service_process(vllm_server, tiny_model: Path, tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    env = dict(os.environ, ROLLOUT_ENGINE__TOKENIZER=str(tiny_model), ROLLOUT_ENGINE__MODEL="tiny")
-    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
-    command += ["--port", str(port), "--metrics-port", "0"]
-    with open(tmp_path / "service.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-
-
-async def serving(target: str) -> bool:
-    try:
-        async with RolloutClient(target, timeout_s=2) as client:
-            await client.server_info()
-        return True
-    except Exception:  # not up yet
-        return False
-
-
-async def restore_base_weights(client: RolloutClient, run_id: str, tiny_model: Path) -> None:
-    """Leave the shared vLLM server on the base weights for the rest of the session."""
-    pusher = WeightPusher(client, run_id, transfer_timeout_s=30)
-    base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    try:
-        await asyncio.wait_for(pusher.push(list(base.named_parameters())), 60)
-    finally:
-        pusher.close()
 
 
 async def test_trainer_process_trains_on_fresh_samples_and_pushes(

@@ -174,7 +174,7 @@ async def test_admission_keeps_pending_groups_within_what_trains_before_max_stal
     await produce(broker, *(f"a{i}" for i in range(4)))  # C unknown: only max_buffered applies
     await consume(broker, "c", 4)
     broker.set_policy_version(1)
-    assert broker.consumed_per_version == 4 and broker.consumed_at_version == 0
+    assert broker.trained_per_version == 4 and broker.trained_at_version == 0
 
     # (max_staleness + 1) * C = 8 groups may be pending: all of them train within one version.
     await produce(broker, *(f"b{i}" for i in range(8)))
@@ -182,7 +182,7 @@ async def test_admission_keeps_pending_groups_within_what_trains_before_max_stal
     await consume(broker, "c", 4)  # consumed at this version: k = 4, pending 4
     assert not broker.has_room()  # k + P = 8: the next group would be two versions old
     broker.set_policy_version(2)
-    assert broker.consumed_per_version == 4
+    assert broker.trained_per_version == 4
     await produce(broker, *(f"c{i}" for i in range(4)))  # k = 0, pending 4 -> 8
     assert not broker.has_room()
 
@@ -203,7 +203,7 @@ async def test_admission_never_starves_below_one_versions_worth() -> None:
 async def test_a_bump_without_consumption_teaches_nothing() -> None:
     broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
     broker.set_policy_version(1)  # a trainer's first push, before it trained anything
-    assert broker.consumed_per_version is None
+    assert broker.trained_per_version is None
     await produce(broker, *(f"a{i}" for i in range(50)))  # only max_buffered bounds it
 
 
@@ -230,3 +230,22 @@ async def test_await_version_holds_generation_until_the_first_push() -> None:
     assert not waiting.done()
     broker.set_policy_version(1)
     assert await asyncio.wait_for(waiting, 5)
+
+
+async def test_the_consumers_credits_stand_in_for_c_until_it_is_measured() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker.subscribe("trainer", credits=3)  # a trainer asks for one step's worth
+    assert broker.groups_per_version == 3
+    await produce(broker, *(f"a{i}" for i in range(6)))  # (1 + 1) * 3
+    assert not broker.has_room()
+
+
+async def test_dropped_groups_do_not_count_as_trained_per_version() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker.subscribe("c")
+    await produce(broker, *(f"a{i}" for i in range(8)))
+    taken = [(await broker.take("c")).group_id for _ in range(8)]
+    broker.ack("c", taken[:4], ACK_TRAINED)
+    broker.ack("c", taken[4:], ACK_DROPPED_STALE)
+    broker.set_policy_version(1)
+    assert broker.trained_per_version == 4  # counting drops would admit more and drop more

@@ -16,16 +16,18 @@ async def settle() -> None:
 
 
 async def test_freed_slots_go_to_runs_in_proportion_to_their_weights() -> None:
-    slots = WeightedSlots(8)
+    now = [0.0]
+    slots = WeightedSlots(8, clock=lambda: now[0])
     for _ in range(8):
         await slots.acquire("filler")
+    now[0] = 1.0  # slots are held 1 s on average: what a new slot will cost
     waiting = [asyncio.ensure_future(slots.acquire("a", 3)) for _ in range(8)]
     waiting += [asyncio.ensure_future(slots.acquire("b", 1)) for _ in range(8)]
     await settle()
     for _ in range(8):
         slots.release("filler")
     await settle()
-    assert (slots.busy_of("a"), slots.busy_of("b")) == (6, 2)
+    assert (slots.busy_of("a"), slots.busy_of("b")) == (6, 2)  # no usage yet: split by weight at once
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
@@ -100,3 +102,21 @@ async def test_slot_seconds_integrate_busy_slots_over_time() -> None:
     now[0] = 15.0
     assert slots.slot_seconds("a") == pytest.approx(2 * 10 + 1 * 5)
     assert slots.slot_seconds("never") == 0.0
+
+
+async def test_an_idle_spell_earns_no_burst() -> None:
+    now = [0.0]
+    slots = WeightedSlots(2, clock=lambda: now[0])
+    await slots.acquire("a")
+    await slots.acquire("a")
+    now[0] = 100.0  # a used 200 slot-seconds while b was idle
+    slots.release("a")
+    await slots.acquire("b")  # b starts at a's virtual time, not at 0
+    waiting = [asyncio.ensure_future(slots.acquire("a")), asyncio.ensure_future(slots.acquire("b"))]
+    await settle()
+    now[0] = 101.0
+    slots.release("a")
+    await settle()
+    assert waiting[0].done() and not waiting[1].done()  # a is not starved for b's idle past
+    waiting[1].cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)

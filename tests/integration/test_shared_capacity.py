@@ -1,0 +1,174 @@
+"""Shared rollout capacity: runs share slots by weight, consumers that die lose nothing,
+and staleness-aware admission keeps generation from outrunning training."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout_service.api import rollout_pb2 as pb
+from tests.integration.conftest import restore_base_weights, serving
+from tests.support import wait_until
+from trainer_client.client import RolloutClient, dataset_run_spec
+
+pytestmark = pytest.mark.integration
+
+
+async def consume(client: RolloutClient, run_id: str, consumer_id: str) -> None:
+    """A consumer that acks every group at once, until cancelled."""
+    stream = client.stream(run_id, consumer_id, credits=8)
+    try:
+        async for group in stream:
+            stream.ack([group.group_id])
+    finally:
+        await stream.aclose()
+
+
+async def slot_seconds(client: RolloutClient, *run_ids: str) -> list[float]:
+    runs = (await client.stats()).runs
+    return [runs[run_id].slot_seconds for run_id in run_ids]
+
+
+async def scored(client: RolloutClient, run_id: str) -> int:
+    return (await client.get_run(run_id)).stats.groups_scored
+
+
+async def test_runs_share_slots_by_weight_and_a_stalled_run_does_not_stall_the_other(client: RolloutClient) -> None:
+    def spec(weight: float) -> pb.RunSpec:
+        # A buffer deep enough that a run with a live consumer always waits for slots, never for room.
+        return dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=16, weight=weight,
+                                max_buffered_groups=32)  # fmt: skip
+
+    heavy, light = await client.create_run(spec(3)), await client.create_run(spec(1))
+    consumers = {run.run_id: asyncio.ensure_future(consume(client, run.run_id, "c")) for run in (heavy, light)}
+    try:
+        # Warm up, then measure each run's slot-seconds over a steady window.
+        await wait_until(lambda: _at_least(client, light.run_id, 4), 120, "both runs to produce")
+        before = await slot_seconds(client, heavy.run_id, light.run_id)
+        target = await scored(client, heavy.run_id) + 150
+        await wait_until(lambda: _at_least(client, heavy.run_id, target), 180, "a steady window")
+        after = await slot_seconds(client, heavy.run_id, light.run_id)
+        used = [a - b for a, b in zip(after, before, strict=True)]
+        share = used[0] / sum(used)
+        assert share == pytest.approx(0.75, rel=0.10), f"weight 3:1 gave the heavy run {share:.3f} of the slots"
+
+        # The light run's consumer stops: its buffer fills and it stops taking slots, and
+        # the heavy run goes on with (nearly) all of them.
+        consumers.pop(light.run_id).cancel()
+        await wait_until(lambda: _buffer_full(client, light.run_id), 60, "the stalled run's buffer to fill")
+        before = await slot_seconds(client, heavy.run_id, light.run_id)
+        target = await scored(client, heavy.run_id) + 30
+        await wait_until(lambda: _at_least(client, heavy.run_id, target), 120, "the heavy run to go on")
+        after = await slot_seconds(client, heavy.run_id, light.run_id)
+        used = [a - b for a, b in zip(after, before, strict=True)]
+        assert used[0] / sum(used) > 0.95
+    finally:
+        for task in consumers.values():
+            task.cancel()
+        await asyncio.gather(*consumers.values(), return_exceptions=True)
+        for run in (heavy, light):
+            await client.delete_run(run.run_id)
+
+
+async def _at_least(client: RolloutClient, run_id: str, groups: int) -> bool:
+    return await scored(client, run_id) >= groups
+
+
+async def _buffer_full(client: RolloutClient, run_id: str) -> bool:
+    run = await client.get_run(run_id)
+    return run.stats.groups_buffered >= run.max_buffered_groups and run.stats.slots_busy == 0
+
+
+def trainer_command(target: str, model: Path, out: Path, *options: str) -> list[str]:
+    command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(model)]
+    command += ["--group-size", "4", "--max-tokens", "16", "--output-dir", str(out), *options]
+    return command
+
+
+async def start(command: list[str], log: Path) -> asyncio.subprocess.Process:
+    with log.open("wb") as out:
+        return await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, start_new_session=True)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def test_a_killed_trainer_loses_no_group_and_none_is_trained_twice(
+    service_process: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two trainer processes on one run; the second is SIGKILLed while it holds leases."""
+    await wait_until(lambda: serving(service_process), 60, "the service process to serve")
+    async with RolloutClient(service_process) as client:
+        spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=16, max_staleness=2,
+                                max_buffered_groups=4)  # fmt: skip
+        run_id = (await client.create_run(spec)).run_id
+        common = ("--run-id", run_id, "--groups-per-step", "2", "--max-staleness", "2")
+        main = await start(
+            trainer_command(service_process, tiny_model, tmp_path / "main", *common, "--max-steps", "10"),
+            tmp_path / "main.log",
+        )
+        doomed = await start(
+            trainer_command(service_process, tiny_model, tmp_path / "doomed", *common, "--max-steps", "1000",
+                            "--no-push"),
+            tmp_path / "doomed.log",
+        )  # fmt: skip
+        try:
+            await wait_until(lambda: _trained_steps(tmp_path / "doomed", 2), 180, "the second trainer to train")
+            os.killpg(doomed.pid, signal.SIGKILL)
+            await asyncio.wait_for(doomed.wait(), 30)
+            await asyncio.wait_for(main.wait(), 300)
+        finally:
+            for process in (main, doomed):
+                if process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+        assert main.returncode == 0, (tmp_path / "main.log").read_text()[-3000:]
+
+        stats = (await client.get_run(run_id)).stats
+        main_ids = json.loads((tmp_path / "main" / "rank0.json").read_text())["trained_group_ids"]
+        doomed_ids = [i for r in records(tmp_path / "doomed" / "metrics.jsonl") for i in r["group_ids"]]
+        assert len(set(main_ids)) == len(main_ids) == 20 and len(set(doomed_ids)) == len(doomed_ids) >= 4
+        assert not set(main_ids) & set(doomed_ids)  # no group trained twice
+        # The killed trainer's stream broke; its unacked groups went back to the run, and
+        # nothing is lost: every scored group is trained, dropped as stale, or still held.
+        assert stats.groups_returned >= 1
+        doomed_acked = stats.groups_trained - len(main_ids)
+        assert len(doomed_ids) <= doomed_acked <= len(doomed_ids) + 2  # at most its last step unrecorded
+        assert stats.groups_leased == 0
+        assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + stats.groups_buffered
+        await restore_base_weights(client, run_id, tiny_model)
+
+
+async def _trained_steps(out: Path, steps: int) -> bool:
+    return len(await asyncio.to_thread(records, out / "metrics.jsonl")) >= steps
+
+
+async def test_admission_keeps_stale_drops_below_one_percent(
+    service_process: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A real trainer with max_staleness 1: admission lets through only what it trains in time."""
+    await wait_until(lambda: serving(service_process), 60, "the service process to serve")
+    out = tmp_path / "train"
+    options = ("--max-steps", "12", "--groups-per-step", "4", "--max-staleness", "1", "--max-buffered-groups", "8")
+    trainer = await start(trainer_command(service_process, tiny_model, out, *options), tmp_path / "trainer.log")
+    try:
+        await asyncio.wait_for(trainer.wait(), 300)
+    finally:
+        if trainer.returncode is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    async with RolloutClient(service_process) as client:
+        stats = (await client.get_run(summary["run_id"])).stats
+        assert stats.groups_trained == 48
+        assert stats.groups_dropped_stale <= 0.01 * stats.groups_scored, stats
+        assert stats.groups_per_version == pytest.approx(4, abs=1)  # admission learned the consumption rate
+        await restore_base_weights(client, summary["run_id"], tiny_model)
