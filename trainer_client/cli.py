@@ -58,6 +58,9 @@ def main(
         str, typer.Option(help="merged: push base+adapter weights; adapter: vLLM serves the run's adapter")
     ] = "merged",
     max_buffered_groups: Annotated[int, typer.Option(help="Service-side buffer of the run")] = 8,
+    admission: Annotated[
+        str, typer.Option(help="staleness: generate only what trains within max-staleness; buffer: fill the buffer")
+    ] = "staleness",
     output_dir: Annotated[Path, typer.Option(help="metrics.jsonl, summary.json, reward_curve.svg")] = Path(
         "outputs/train"
     ),
@@ -100,7 +103,15 @@ def main(
     if lora_serving not in ("merged", "adapter"):
         raise typer.BadParameter(f"--lora-serving {lora_serving!r}: choose merged or adapter")
     lora = LoraOptions(lora_rank, lora_alpha, targets, lora_serving) if lora_rank else None  # type: ignore[arg-type]
-    options = RunOptions(dataset, _rewards(reward or ["char_fraction"]), max_tokens, max_buffered_groups)
+    if admission not in ("staleness", "buffer"):
+        raise typer.BadParameter(f"--admission {admission!r}: choose staleness or buffer")
+    options = RunOptions(
+        dataset,
+        _rewards(reward or ["char_fraction"]),
+        max_tokens,
+        max_buffered_groups,
+        admission,  # type: ignore[arg-type]
+    )
     summary = train(
         target, str(model), config, options, run_id=run_id, trainer_address=trainer_address, lora=lora, push=push
     )

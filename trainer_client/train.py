@@ -27,6 +27,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rollout_service.api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.stream import GroupFeed
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -43,6 +44,9 @@ class RunOptions:
     rewards: dict[str, float] = field(default_factory=lambda: {"char_fraction": 1.0})
     max_tokens: int = 32
     max_buffered_groups: int = 8
+    admission: Literal["staleness", "buffer"] = "staleness"
+    """staleness: the service generates only what this trainer trains within max_staleness;
+    buffer: up to max_buffered_groups whatever their age (for comparison)."""
 
 
 @dataclass
@@ -108,6 +112,7 @@ async def _create_run(
         )
         spec.sampling.temperature = config.temperature
         spec.serve_adapter = serve_adapter
+        spec.admission = pb.ADMISSION_MODE_STALENESS if options.admission == "staleness" else pb.ADMISSION_MODE_BUFFER
         # This trainer pushes before it trains and refuses groups of older weights: generating
         # before that push would only make groups to drop.
         spec.await_first_update = pushes
