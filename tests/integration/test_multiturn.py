@@ -14,6 +14,8 @@ request still goes to the real server, with the ids the episode built; everythin
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -22,7 +24,8 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
@@ -39,6 +42,7 @@ from rollout_service.types import Completion, EpisodeSpec, PromptItem, SamplingP
 from tests.integration.conftest import service_settings, service_with_client
 from tests.support import wait_until
 from trainer_client.client import dataset_run_spec
+from trainer_client.weight_push import WeightPusher
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -378,15 +382,34 @@ async def test_bad_episode_specs_are_invalid_argument_over_grpc(client, episode:
     assert all(f in info.value.details() for f in fragments), info.value.details()
 
 
-async def test_environment_run_streams_multi_turn_samples(client, tokenizer) -> None:
-    info = await client.server_info()
-    assert {"add", "calculator"} <= set(info.tools) and "guess_number" in info.environments
+def assert_environment_sample(sample: pb.Sample, tokenizer: Any) -> None:
+    """A guess_number sample is well formed: one mask-1 run per model turn, logprob 0 on the
+    environment's tokens, and those tokens decode to the environment's answers."""
+    ids, mask, logprobs = sample.completion_token_ids, sample.completion_mask, sample.completion_logprobs
+    assert len(ids) == len(mask) == len(logprobs) <= 200
+    assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if m == 0)
+    assert all(lp < 0.0 or lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if m == 1)
+    assert 1 <= sample.num_turns <= 3 and sample.num_tool_calls == 0
+    turns = [run for run in "".join(map(str, mask)).split("0") if run]
+    assert len(turns) == sample.num_turns  # one contiguous mask-1 run per model turn
+    if sample.num_turns > 1:  # the observations between turns are the environment's answers
+        between = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m == 0])
+        assert "Higher." in between or "Lower." in between or "Answer with a number." in between
+
+
+def environment_run_spec() -> pb.RunSpec:
     spec = dataset_run_spec("guess_number", {"env_reward": 1.0}, group_size=2, max_tokens=8)
     # Stop strings end the random model's turns early (its EOS is rare); the template then
     # closes the turn itself, so turns go on to the environment.
     spec.sampling.stop.extend([" ", "a", "e"])
     spec.episode.CopyFrom(pb.EpisodeSpec(environment="guess_number", max_turns=3, max_episode_tokens=200))
-    run = await client.create_run(spec)
+    return spec
+
+
+async def test_environment_run_streams_multi_turn_samples(client, tokenizer) -> None:
+    info = await client.server_info()
+    assert {"add", "calculator"} <= set(info.tools) and "guess_number" in info.environments
+    run = await client.create_run(environment_run_spec())
     assert run.spec.episode.environment == "guess_number"
     stream = client.stream(run.run_id, "c0", credits=2)
     groups: list[pb.Group] = []
@@ -400,15 +423,7 @@ async def test_environment_run_streams_multi_turn_samples(client, tokenizer) -> 
     finally:
         await stream.aclose()
     for sample in (s for g in groups for s in g.samples):
-        ids, mask, logprobs = sample.completion_token_ids, sample.completion_mask, sample.completion_logprobs
-        assert len(ids) == len(mask) == len(logprobs) <= 200
-        assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if m == 0)
-        assert 1 <= sample.num_turns <= 3 and sample.num_tool_calls == 0
-        turns = [run for run in "".join(map(str, mask)).split("0") if run]
-        assert len(turns) == sample.num_turns  # one contiguous mask-1 run per model turn
-        if sample.num_turns > 1:  # the observations between turns are the environment's answers
-            between = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m == 0])
-            assert "Higher." in between or "Lower." in between or "Answer with a number." in between
+        assert_environment_sample(sample, tokenizer)
         assert sample.reward in (0.0, 1.0)
     assert any(s.num_turns > 1 for g in groups for s in g.samples)
     stats = (await client.get_run(run.run_id)).stats
@@ -431,3 +446,54 @@ async def test_tools_and_environments_from_user_modules_are_served(vllm_server, 
         run = await client.create_run(spec)
         assert list(run.spec.episode.tools) == ["shout"]
         await client.delete_run(run.run_id)
+
+
+async def test_weight_updates_mid_episode_keep_episodes_well_formed(vllm_server, tiny_model, tokenizer) -> None:
+    """Pushes with in-flight requests kept (pause keep) land between and inside episodes'
+    turns: every sample stays well formed, and episodes that span a push say so in their
+    first and last versions (the trainer judges staleness by the first)."""
+    settings = service_settings(
+        [vllm_server.url], tiny_model, scheduler={"max_inflight": 8}, weight_sync={"pause_mode": "keep"}
+    )
+    base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    perturbed = copy.deepcopy(base)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    async with service_with_client(settings) as (_service, client):
+        spec = environment_run_spec()
+        spec.max_buffered_groups = 32
+        spec.admission = pb.ADMISSION_MODE_BUFFER  # keep generating through the pushes
+        run = await client.create_run(spec)
+        stream = client.stream(run.run_id, "c", credits=64)
+        pusher = WeightPusher(client, run.run_id, transfer_timeout_s=30)
+        samples: list[pb.Sample] = []
+
+        async def collect() -> None:
+            async for group in stream:
+                stream.ack([group.group_id])
+                samples.extend(group.samples)
+
+        collector = asyncio.ensure_future(collect())
+        try:
+            for model in (perturbed, base, perturbed, base):
+                await wait_until(functools.partial(_more_than, samples, len(samples) + 4), 60, "samples between pushes")
+                await asyncio.wait_for(pusher.push(list(model.named_parameters())), 60)
+            await wait_until(lambda: _spanning(samples), 60, "an episode that spans a push")
+        finally:
+            collector.cancel()
+            await asyncio.gather(collector, return_exceptions=True)
+            await stream.aclose()
+            pusher.close()
+        for sample in samples:
+            assert_environment_sample(sample, tokenizer)
+            assert sample.policy_version_first <= sample.policy_version_last <= 4
+        await client.delete_run(run.run_id)
+
+
+async def _more_than(samples: list[pb.Sample], count: int) -> bool:
+    return len(samples) > count
+
+
+async def _spanning(samples: list[pb.Sample]) -> bool:
+    return any(s.policy_version_first < s.policy_version_last for s in samples)

@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from rollout_service.api import rollout_pb2 as pb
@@ -172,3 +173,29 @@ async def test_admission_keeps_stale_drops_below_one_percent(
         assert stats.groups_dropped_stale <= 0.01 * stats.groups_scored, stats
         assert stats.groups_per_version == pytest.approx(4, abs=1)  # admission learned the consumption rate
         await restore_base_weights(client, summary["run_id"], tiny_model)
+
+
+async def test_a_lease_that_times_out_goes_to_another_consumer(client: RolloutClient) -> None:
+    spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=4, lease_timeout_seconds=1.0,
+                            max_buffered_groups=1)  # fmt: skip
+    run = await client.create_run(spec)
+    hung, healthy = client.stream(run.run_id, "hung", credits=1), client.stream(run.run_id, "healthy", credits=1)
+    try:
+        async with asyncio.timeout(60):
+            held = await anext(aiter(hung))  # taken, never acked in time
+            async for redelivered in healthy:  # fresh groups, until the held one's lease expires
+                healthy.ack([redelivered.group_id])
+                if redelivered.group_id == held.group_id:
+                    break
+        hung.ack([held.group_id])  # too late: refused, and the stream says why
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async with asyncio.timeout(30):
+                await anext(aiter(hung))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "expired" in info.value.details()
+        stats = (await client.get_run(run.run_id)).stats
+        assert stats.leases_expired >= 1 and stats.groups_trained >= 1
+    finally:
+        await hung.aclose()
+        await healthy.aclose()
+        await client.delete_run(run.run_id)
