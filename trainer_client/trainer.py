@@ -174,6 +174,39 @@ class GroupCollator:
         }
 
 
+def completion_logprobs(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    lm_head_weight: torch.Tensor,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log pi(token) of every completion position of a collated batch, [B, T].
+
+    Through ``model``'s own forward, which may be wrapped (DDP): calling it, rather than its
+    decoder, is what makes DDP all-reduce the gradients. ``logits_to_keep=1`` keeps the model
+    from building the full [B, L, V] logits; the last hidden state (after the final norm) is
+    projected onto ``lm_head_weight`` in chunks.
+    """
+    outputs = model(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        position_ids=inputs["position_ids"],
+        output_hidden_states=True,
+        logits_to_keep=1,
+        use_cache=False,
+    )
+    hidden = outputs.hidden_states[-1]
+    start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
+    return chunked_completion_logprobs(
+        hidden[:, start : start + length],
+        lm_head_weight,
+        inputs["completion_ids"],
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )
+
+
 def _output_embedding_weight(model: torch.nn.Module) -> torch.Tensor:
     """The lm_head weight [V, H] of an unwrapped (possibly PEFT) causal LM."""
     head = model.get_output_embeddings()
@@ -264,29 +297,8 @@ class AsyncGRPOTrainer(Trainer):
         return output.loss
 
     def _completion_logprobs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """log pi(token) of every completion position, [B, T], through ``model``'s own forward.
-
-        ``model`` may be wrapped (DDP): calling it, rather than its decoder, is what makes DDP
-        all-reduce the gradients. ``logits_to_keep=1`` keeps the model from building the full
-        [B, L, V] logits; the last hidden state (after the final norm) is projected in chunks.
-        """
-        outputs = model(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            position_ids=inputs["position_ids"],
-            output_hidden_states=True,
-            logits_to_keep=1,
-            use_cache=False,
-        )
-        hidden = outputs.hidden_states[-1]
-        start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
-        return chunked_completion_logprobs(
-            hidden[:, start : start + length],
-            _output_embedding_weight(self.accelerator.unwrap_model(model)),
-            inputs["completion_ids"],
-            chunk_size=self.args.logprob_chunk_size,
-            temperature=self.args.temperature,
-        )
+        head = _output_embedding_weight(self.accelerator.unwrap_model(model))
+        return completion_logprobs(model, inputs, head, self.args.logprob_chunk_size, self.args.temperature)
 
     @torch.no_grad()
     def _reference_logprobs(self, inputs: dict[str, Any]) -> torch.Tensor:

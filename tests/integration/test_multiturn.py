@@ -40,6 +40,7 @@ from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.tools import ToolRegistry
 from rollout_service.types import Completion, EpisodeSpec, PromptItem, SamplingParams, ScoredGroup
 from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.test_stream import take_groups
 from tests.support import wait_until
 from trainer_client.client import dataset_run_spec
 from trainer_client.weight_push import WeightPusher
@@ -411,17 +412,7 @@ async def test_environment_run_streams_multi_turn_samples(client, tokenizer) -> 
     assert {"add", "calculator"} <= set(info.tools) and "guess_number" in info.environments
     run = await client.create_run(environment_run_spec())
     assert run.spec.episode.environment == "guess_number"
-    stream = client.stream(run.run_id, "c0", credits=2)
-    groups: list[pb.Group] = []
-    try:
-        async with asyncio.timeout(120):
-            async for group in stream:
-                groups.append(group)
-                stream.ack([group.group_id])
-                if len(groups) == 2:
-                    break
-    finally:
-        await stream.aclose()
+    groups = await take_groups(client, run.run_id, 2)
     for sample in (s for g in groups for s in g.samples):
         assert_environment_sample(sample, tokenizer)
         assert sample.reward in (0.0, 1.0)

@@ -18,9 +18,8 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.tiny_model import build_tiny_model
-from trainer_client.logprobs import chunked_completion_logprobs
 from trainer_client.losses import LossConfig, compute_loss
-from trainer_client.trainer import GroupCollator
+from trainer_client.trainer import GroupCollator, completion_logprobs
 
 pytestmark = pytest.mark.timeout(120)
 PAD_ID = 0
@@ -92,22 +91,8 @@ def collate(samples: list[pb.Sample]) -> dict:
 
 
 def completion_logps(model: Qwen2ForCausalLM, inputs: dict) -> torch.Tensor:
-    """As the trainer: the final hidden states, then chunked log-probs of the completion ids."""
-    outputs = model(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        position_ids=inputs["position_ids"],
-        output_hidden_states=True,
-        logits_to_keep=1,
-        use_cache=False,
-    )
-    start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
-    return chunked_completion_logprobs(
-        outputs.hidden_states[-1][:, start : start + length],
-        model.get_output_embeddings().weight,
-        inputs["completion_ids"],
-        chunk_size=16,
-    )
+    """As the trainer computes them (final hidden states, chunked log-probs)."""
+    return completion_logprobs(model, inputs, model.get_output_embeddings().weight, chunk_size=16)
 
 
 def loss_and_grads(
