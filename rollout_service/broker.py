@@ -14,7 +14,8 @@ groups and with k groups already trained at this version, trains about (k + P) /
 from now, so it is admitted only while k + P < (max_staleness + 1) * C, and always while P
 is below one version's worth (the trainer is never starved because the estimate is off).
 Until C is measured, the consumers' credits stand in for it (a trainer asks for one step's
-worth); with neither, only max_buffered applies. ``await_version`` holds a run's generation
+worth), once some trainer has pushed: a run whose policy never changes has nothing to go
+stale, so before the first version bump only max_buffered applies. ``await_version`` holds a run's generation
 until the servers hold at least that version (the trainer's first push), so no group is
 generated from weights its trainer will refuse.
 
@@ -84,6 +85,7 @@ class RunBroker:
         """C: moving average of groups trained per version; None until measured."""
         self.credits: dict[str, int] = {}
         """Credits each consumer subscribed with: C's stand-in until it is measured."""
+        self.version_bumped = False
         self.admission_waits = 0
         """Times a reservation found room in the buffer but waited for the staleness bound."""
         self._wakeups: set[asyncio.Task[None]] = set()
@@ -102,9 +104,11 @@ class RunBroker:
 
     @property
     def groups_per_version(self) -> float | None:
-        """C as admission uses it: measured, else the consumers' credits, else unknown."""
+        """C as admission uses it: measured, else (after a push) the consumers' credits, else unknown."""
         if self.trained_per_version is not None:
             return self.trained_per_version
+        if not self.version_bumped:
+            return None
         return float(sum(self.credits.values())) or None
 
     def _within_staleness(self) -> bool:
@@ -137,6 +141,7 @@ class RunBroker:
             previous = self.trained_per_version
             self.trained_per_version = sample if previous is None else 0.5 * previous + 0.5 * sample
         self.policy_version = version
+        self.version_bumped = True
         self.trained_at_version = 0
         self._wake_soon()
 

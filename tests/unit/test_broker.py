@@ -204,7 +204,7 @@ async def test_a_bump_without_consumption_teaches_nothing() -> None:
     broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
     broker.set_policy_version(1)  # a trainer's first push, before it trained anything
     assert broker.trained_per_version is None
-    await produce(broker, *(f"a{i}" for i in range(50)))  # only max_buffered bounds it
+    await produce(broker, *(f"a{i}" for i in range(50)))  # no consumer credits either: only max_buffered
 
 
 async def test_a_waiting_reservation_is_admitted_after_a_version_bump() -> None:
@@ -235,6 +235,8 @@ async def test_await_version_holds_generation_until_the_first_push() -> None:
 async def test_the_consumers_credits_stand_in_for_c_until_it_is_measured() -> None:
     broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
     broker.subscribe("trainer", credits=3)  # a trainer asks for one step's worth
+    assert broker.groups_per_version is None  # nobody pushes: nothing can go stale
+    broker.set_policy_version(1)  # the trainer's first push, before it trained anything
     assert broker.groups_per_version == 3
     await produce(broker, *(f"a{i}" for i in range(6)))  # (1 + 1) * 3
     assert not broker.has_room()
