@@ -53,6 +53,8 @@ class WeightedSlots:
         self._order = itertools.count()
         self._handout_scheduled = False
         self._releases = 0
+        self._held_seconds = 0.0
+        """Slot-seconds held by all keys ever (forgotten ones included), for the mean hold time."""
 
     async def acquire(self, key: str, weight: float = 1.0) -> None:
         holder = self._holders.setdefault(key, _Holder(weight, since=self.clock()))
@@ -129,8 +131,7 @@ class WeightedSlots:
 
     def _mean_slot_seconds(self) -> float:
         """How long a slot is held, on average (in-progress slots count as partly done)."""
-        total = sum(h.slot_seconds for h in self._holders.values())
-        return total / max(1, self._releases + self.busy)
+        return self._held_seconds / max(1, self._releases + self.busy)
 
     def _reactivate(self, holder: _Holder) -> None:
         active = [h for h in self._holders.values() if h is not holder and (h.busy or h.waiters)]
@@ -144,4 +145,5 @@ class WeightedSlots:
         used = holder.busy * (now - holder.since)
         holder.slot_seconds += used
         holder.virtual += used / holder.weight
+        self._held_seconds += used
         holder.since = now
