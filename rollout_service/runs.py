@@ -128,7 +128,6 @@ class Run:
     broker: RunBroker
     max_inflight: int
     advantages: AdvantageComputer
-    policy_version: int = 0
     state: RunState = "running"
     error: str = ""
     counters: RunCounters = field(default_factory=RunCounters)
@@ -140,6 +139,12 @@ class Run:
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.max_inflight)
+
+    @property
+    def policy_version(self) -> int:
+        """The version this run samples from: the base weights', or its own adapter pushes'.
+        Kept by the broker, whose admission judges staleness against it."""
+        return self.broker.policy_version
 
     @staticmethod
     def new_id() -> str:

@@ -77,7 +77,6 @@ class RolloutService:
         self.policy_version = version
         for run in self.runs.values():
             if not run.spec.serve_adapter:
-                run.policy_version = version
                 run.broker.set_policy_version(version)
 
     async def create_run(self, spec: RunSpec) -> Run:
@@ -100,7 +99,6 @@ class RolloutService:
             broker=self._broker(run_id, spec, max_buffered),
             max_inflight=spec.max_inflight or self.settings.max_inflight,
             advantages=AdvantageComputer(spec.scale_rewards),
-            policy_version=0 if spec.serve_adapter else self.policy_version,
             episode=episode,
         )
         self.runs[run_id] = run
@@ -195,7 +193,6 @@ class RolloutService:
             )
         version = await self.adapters.publish(run_id, files)
         run.adapter = self.adapters.current(run_id)
-        run.policy_version = version
         run.broker.set_policy_version(version)
         assert run.adapter is not None
         return version, run.adapter
