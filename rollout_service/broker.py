@@ -89,6 +89,8 @@ class RunBroker:
         self.admission_waits = 0
         """Times a reservation found room in the buffer but waited for the staleness bound."""
         self._wakeups: set[asyncio.Task[None]] = set()
+        self._reservers_waiting = 0
+        """Reservations waiting for room: only then does an ack need to wake anyone."""
         self.acked: OrderedDict[str, str] = OrderedDict()
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
         self.reserved = 0
@@ -125,7 +127,11 @@ class RunBroker:
             if self._buffer_has_room() and not self.has_room():
                 self.admission_waits += 1
                 self.metrics.admission_waits.labels(self.run_id).inc()
-            await self._changed.wait_for(lambda: self.has_room() or self.closed)
+            self._reservers_waiting += 1
+            try:
+                await self._changed.wait_for(lambda: self.has_room() or self.closed)
+            finally:
+                self._reservers_waiting -= 1
             if self.closed:
                 return False
             self.reserved += 1
@@ -259,8 +265,8 @@ class RunBroker:
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             newly += 1
         self._update_gauges()
-        if newly:
-            self._wake_soon()  # consumption frees admission room
+        if newly and self._reservers_waiting:
+            self._wake_soon()  # consumption frees admission room; nobody to wake is the common case
         return newly
 
     async def release(self, consumer_id: str) -> int:
