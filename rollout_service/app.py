@@ -135,7 +135,9 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             environments=environments,
         )
         stack.push_async_callback(service.close)
-        service.weight_sync = WeightSyncCoordinator(controls, settings.weight_sync, service.set_policy_version)
+        service.weight_sync = WeightSyncCoordinator(
+            controls, settings.weight_sync, service.set_policy_version, metrics=metrics
+        )
         service.adapters = AdapterPublisher(
             settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(engine_settings)
         )

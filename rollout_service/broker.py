@@ -30,6 +30,10 @@ Backpressure: the scheduler reserves a place (``reserve``) before it starts a gr
 fills it with ``put`` or gives it back with ``unreserve`` (a dropped group); at most
 ``max_buffered`` groups are ever reserved or buffered, so a run without consumers stops
 generating once that many groups wait, and memory stays bounded.
+
+Admission wait: the seconds a reservation waited (full buffer, staleness bound, first
+update) are measured on ``free_clock``, which the service makes a clock that runs only
+while a slot is free: a run held back while every slot was busy lost nothing to admission.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class RunBroker:
         max_staleness: int | None = None,
         policy_version: int = 0,
         await_version: int = 0,
+        free_clock: Callable[[], float] | None = None,
     ) -> None:
         self.run_id = run_id
         self.max_buffered = max_buffered
@@ -88,6 +93,12 @@ class RunBroker:
         self.version_bumped = False
         self.admission_waits = 0
         """Times a reservation found room in the buffer but waited for the staleness bound."""
+        self.free_clock = free_clock if free_clock is not None else clock
+        """Seconds on which admission waits are measured (default: every second counts)."""
+        self._wait_seconds = 0.0
+        self._held_back = 0
+        """Reservations waiting because admission said no; the wait runs while this is > 0."""
+        self._held_back_since = 0.0
         self._wakeups: set[asyncio.Task[None]] = set()
         self._reservers_waiting = 0
         """Reservations waiting for room: only then does an ack need to wake anyone."""
@@ -124,18 +135,42 @@ class RunBroker:
     async def reserve(self) -> bool:
         """Wait for room and reserve a place for one group; False once the run is closed."""
         async with self._changed:
-            if self._buffer_has_room() and not self.has_room():
-                self.admission_waits += 1
-                self.metrics.admission_waits.labels(self.run_id).inc()
+            held_back = not self.has_room() and not self.closed
+            if held_back:
+                self._hold_back()
+                if self._buffer_has_room():
+                    self.admission_waits += 1
+                    self.metrics.admission_waits.labels(self.run_id).inc()
             self._reservers_waiting += 1
             try:
                 await self._changed.wait_for(lambda: self.has_room() or self.closed)
             finally:
                 self._reservers_waiting -= 1
+                if held_back:
+                    self._admit()
             if self.closed:
                 return False
             self.reserved += 1
             return True
+
+    @property
+    def admission_wait_seconds(self) -> float:
+        """Seconds (on ``free_clock``) a reservation waited for admission; a wait in progress
+        counts up to now."""
+        running = self.free_clock() - self._held_back_since if self._held_back else 0.0
+        return self._wait_seconds + running
+
+    def _hold_back(self) -> None:
+        if self._held_back == 0:
+            self._held_back_since = self.free_clock()
+        self._held_back += 1
+
+    def _admit(self) -> None:
+        self._held_back -= 1
+        if self._held_back == 0:
+            waited = self.free_clock() - self._held_back_since
+            self._wait_seconds += waited
+            self.metrics.admission_wait_seconds.labels(self.run_id).inc(waited)
 
     def set_policy_version(self, version: int) -> None:
         """The servers now hold this version: learn C from the groups trained since the last

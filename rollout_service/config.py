@@ -33,6 +33,10 @@ class ManagedServerSettings(BaseModel):
     """Context length the server reserves KV cache for."""
     kv_cache_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE on CPU (GiB)."""
+    cpu_cores: int | None = Field(default=None, ge=1)
+    """Cores the CPU server's worker is bound to (VLLM_CPU_OMP_THREADS_BIND), the first ones
+    of this process's; None: half of them, leaving the rest to a trainer on this host
+    (``rollout_service.cpu_budget``). A binding already in the environment wins."""
     dtype: str = "float32"
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
     startup_timeout_s: float = 300.0

@@ -11,7 +11,7 @@ from rollout_service.errors import InvalidArgument
 from rollout_service.prompts import BUILTIN_DATASETS, PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
 from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams, ScoredGroup
-from rollout_service.weight_sync import TensorSpec
+from rollout_service.weight_sync import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
     from rollout_service.service import RolloutService
@@ -197,6 +197,45 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         admission_waits=b.admission_waits,
         groups_per_version=b.groups_per_version or 0.0,
         slot_seconds=c.slot_seconds,
+        admission_wait_seconds=b.admission_wait_seconds,
+    )
+
+
+def stats_to_pb(service: RolloutService) -> pb.GetStatsResponse:
+    scheduler, stats = service.scheduler, service.stats()
+    out = pb.GetStatsResponse(
+        slots_busy=scheduler.slots_busy,
+        max_inflight=scheduler.max_inflight,
+        max_slots_busy_seen=scheduler.max_slots_busy_seen,
+        runs={run_id: run_stats_to_pb(run) for run_id, run in service.runs.items()},
+        engine_request_failures=scheduler.engine_failures,
+        uptime_seconds=stats.uptime_seconds,
+        tokens_generated=stats.tokens_generated,
+        recent_tokens_per_second=stats.recent_tokens_per_second,
+        recent_window_seconds=stats.recent_window_seconds,
+        slot_seconds_total=stats.slot_seconds,
+        slots_busy_time_average=stats.slots_busy_time_average,
+        weight_updates_committed=stats.weight_updates_committed,
+        weight_updates_aborted=stats.weight_updates_aborted,
+        weight_update_paused_seconds=stats.weight_update_paused_seconds,
+    )
+    if stats.last_weight_update is not None:
+        out.last_weight_update.CopyFrom(update_times_to_pb(stats.last_weight_update))
+    return out
+
+
+def update_times_to_pb(times: UpdateTimes) -> pb.WeightUpdateTimes:
+    phase = times.phases.get
+    return pb.WeightUpdateTimes(
+        update_id=times.update_id,
+        committed=times.committed,
+        join_seconds=phase("join", 0.0),
+        pause_seconds=phase("pause", 0.0),
+        transfer_seconds=phase("transfer", 0.0),
+        finish_seconds=phase("finish", 0.0),
+        reset_prefix_cache_seconds=phase("reset_prefix_cache", 0.0),
+        resume_seconds=phase("resume", 0.0),
+        paused_seconds=times.paused_seconds,
     )
 
 

@@ -1,6 +1,12 @@
-"""Prometheus metrics of one service instance (own registry, so tests can run several)."""
+"""Prometheus metrics of one service instance (own registry, so tests can run several), and
+the recent-rate meter behind GetStats' tokens/s."""
 
 from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -59,6 +65,34 @@ class ServiceMetrics:
         self.slot_seconds = Counter(
             "rollout_slot_seconds", "Slot-seconds held by each run's episodes", ["run"], registry=r
         )
+        self.slots_busy_time_average = Gauge(
+            "rollout_slots_busy_time_average",
+            "Slots busy on average since start (slot-seconds / uptime seconds)",
+            registry=r,
+        )
+        self.admission_wait_seconds = Counter(
+            "rollout_admission_wait_seconds",
+            "Seconds admission held a run's next group back (full buffer, staleness, first update) "
+            "while a slot was free; counted when each wait ends",
+            ["run"],
+            registry=r,
+        )
+        self.weight_updates = Counter(
+            "rollout_weight_updates", "Weight updates finished (committed, aborted)", ["outcome"], registry=r
+        )
+        self.weight_update_paused_seconds = Counter(
+            "rollout_weight_update_paused_seconds",
+            "Seconds the vLLM servers were paused for weight updates (first pause call to end of resume)",
+            registry=r,
+        )
+        self.weight_update_phase_seconds = Histogram(
+            "rollout_weight_update_phase_seconds",
+            "Wall time of each weight-update phase over all servers "
+            "(join, pause, transfer, finish, reset_prefix_cache, resume)",
+            ["phase"],
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
         self.episode_turns = Histogram(
             "rollout_episode_turns",
             "Model turns per finished episode",
@@ -86,6 +120,49 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RecentRate:
+    """A running total and its rate over the last ``window_s`` seconds, in O(1) per ``add``.
+
+    Counts go into ``bucket_s``-wide buckets of a bounded deque, so the cost does not grow
+    with the rate; the window covers whole buckets, and ``rate`` returns the span it really
+    covered (shorter just after start) so the quotient is exact for that span.
+    """
+
+    def __init__(
+        self, window_s: float = 30.0, bucket_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.bucket_s = bucket_s
+        self.buckets = max(1, math.ceil(window_s / bucket_s))
+        self.clock = clock
+        self.started = clock()
+        self.total = 0
+        self._counts: deque[tuple[int, int]] = deque()
+        """(bucket index, count), oldest first; only buckets that saw an ``add``."""
+
+    def add(self, count: int) -> None:
+        self.total += count
+        index = math.floor(self.clock() / self.bucket_s)
+        if self._counts and self._counts[-1][0] == index:
+            self._counts[-1] = (index, self._counts[-1][1] + count)
+        else:
+            self._counts.append((index, count))
+        self._trim(index)
+
+    def rate(self) -> tuple[float, float]:
+        """(count per second, seconds covered) over the window ending now."""
+        now = self.clock()
+        index = math.floor(now / self.bucket_s)
+        self._trim(index)
+        span = now - max((index - self.buckets + 1) * self.bucket_s, self.started)
+        if span <= 0:
+            return 0.0, 0.0
+        return sum(count for _, count in self._counts) / span, span
+
+    def _trim(self, index: int) -> None:
+        while self._counts and self._counts[0][0] <= index - self.buckets:
+            self._counts.popleft()
 
 
 async def start_metrics_server(metrics: ServiceMetrics, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -30,7 +30,7 @@ from rollout_service.advantages import weighted_total
 from rollout_service.engine.protocol import Engine
 from rollout_service.episode import run_episode, run_single_turn
 from rollout_service.errors import EngineError, RewardError
-from rollout_service.metrics import ServiceMetrics
+from rollout_service.metrics import RecentRate, ServiceMetrics
 from rollout_service.rewards import RewardRegistry, call_reward
 from rollout_service.runs import Run
 from rollout_service.slots import WeightedSlots
@@ -60,6 +60,8 @@ class Scheduler:
         self.max_slots_busy_seen = 0
         self.engine_failures = 0
         self._slots = WeightedSlots(max_inflight)
+        self.tokens = RecentRate()
+        """Tokens generated over all runs, and their recent rate (counted as episodes finish)."""
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         metrics.slots_total.set(max_inflight)
 
@@ -97,6 +99,11 @@ class Scheduler:
             logger.error("run %s stopped generating: %s", run.run_id, run.error, exc_info=exc)
 
     # -- slots ---------------------------------------------------------------------------
+    @property
+    def slots(self) -> WeightedSlots:
+        """The shared slots, read for their time accounting (busy and free slot-seconds)."""
+        return self._slots
+
     async def _acquire_slot(self, run: Run) -> None:
         await run.slots.acquire()
         try:
@@ -176,6 +183,7 @@ class Scheduler:
             )
         tokens = sum(result.mask)
         run.counters.tokens_generated += tokens
+        self.tokens.add(tokens)
         run.counters.turns += result.num_turns
         self.metrics.tokens_generated.labels(run.run_id).inc(tokens)
         self.metrics.episode_turns.labels(run.run_id).observe(result.num_turns)

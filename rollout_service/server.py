@@ -26,9 +26,9 @@ from rollout_service.convert import (
     group_to_pb,
     prompt_from_pb,
     run_spec_from_pb,
-    run_stats_to_pb,
     run_to_pb,
     server_info_to_pb,
+    stats_to_pb,
     tensors_from_pb,
 )
 from rollout_service.errors import InvalidArgument, ServiceError
@@ -187,14 +187,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @_edge
     async def GetStats(self, request, context) -> pb.GetStatsResponse:  # type: ignore[no-untyped-def]
-        scheduler = self.service.scheduler
-        return pb.GetStatsResponse(
-            slots_busy=scheduler.slots_busy,
-            max_inflight=scheduler.max_inflight,
-            max_slots_busy_seen=scheduler.max_slots_busy_seen,
-            runs={run_id: run_stats_to_pb(run) for run_id, run in self.service.runs.items()},
-            engine_request_failures=scheduler.engine_failures,
-        )
+        return stats_to_pb(self.service)
 
     @_edge
     async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:  # type: ignore[no-untyped-def]

@@ -6,6 +6,8 @@ server.py is a thin edge over this class; tests and the demo can drive it direct
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +33,7 @@ from rollout_service.rewards import RewardRegistry
 from rollout_service.runs import Run, RunSpec
 from rollout_service.scheduler import Scheduler
 from rollout_service.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, ToolRegistry
-from rollout_service.weight_sync import WeightSyncCoordinator
+from rollout_service.weight_sync import UpdateTimes, WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,23 @@ class ServiceInfo:
     model: str
     engine_urls: list[str]
     max_inflight: int
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    """Where the service's time went since start (GetStats' time accounting)."""
+
+    uptime_seconds: float
+    tokens_generated: int
+    recent_tokens_per_second: float
+    recent_window_seconds: float
+    slot_seconds: float
+    """Integral of the busy slots over the uptime."""
+    slots_busy_time_average: float
+    weight_updates_committed: int
+    weight_updates_aborted: int
+    weight_update_paused_seconds: float
+    last_weight_update: UpdateTimes | None
 
 
 class RolloutService:
@@ -54,7 +73,10 @@ class RolloutService:
         info: ServiceInfo,
         tools: ToolRegistry | None = None,
         environments: EnvironmentRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
+        self.started = clock()
         self.renderer = renderer
         self.rewards = rewards
         self.tools = tools if tools is not None else ToolRegistry()
@@ -65,6 +87,7 @@ class RolloutService:
         self.scheduler = Scheduler(
             engine, rewards, metrics, settings.max_inflight, renderer.decode, settings.reward_timeout_s
         )
+        metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.runs: dict[str, Run] = {}
         self.policy_version = 0
         self.weight_sync: WeightSyncCoordinator | None = None
@@ -116,6 +139,7 @@ class RolloutService:
             max_staleness=spec.max_staleness if spec.admission == "staleness" else None,
             policy_version=version,
             await_version=version + 1 if spec.await_first_update else 0,
+            free_clock=self.scheduler.slots.free_seconds,
         )
 
     def _episode_config(self, spec: RunSpec) -> MultiTurnConfig | None:
@@ -211,6 +235,23 @@ class RolloutService:
         tools = run.episode.tools.schemas() if run.episode is not None and run.episode.tools is not None else None
         queued = run.source.submit(self._render(prompts, run.spec.sampling.max_tokens, tools))
         return len(prompts), queued
+
+    def stats(self) -> ServiceStats:
+        """The service-wide time accounting; cheap (running totals), so GetStats may poll it."""
+        slots, sync = self.scheduler.slots, self.weight_sync
+        rate, window = self.scheduler.tokens.rate()
+        return ServiceStats(
+            uptime_seconds=self.clock() - self.started,
+            tokens_generated=self.scheduler.tokens.total,
+            recent_tokens_per_second=rate,
+            recent_window_seconds=window,
+            slot_seconds=slots.busy_seconds(),
+            slots_busy_time_average=slots.busy_time_average(),
+            weight_updates_committed=sync.updates_committed if sync is not None else 0,
+            weight_updates_aborted=sync.updates_aborted if sync is not None else 0,
+            weight_update_paused_seconds=sync.paused_seconds() if sync is not None else 0.0,
+            last_weight_update=sync.last_update if sync is not None else None,
+        )
 
     def require_weight_sync(self, run_id: str | None = None) -> WeightSyncCoordinator:
         """The weight-sync coordinator; with ``run_id``, also check that run can take a push."""

@@ -17,7 +17,9 @@ buffer is full) leaves its share to the others. When it becomes active again its
 time is raised to the least of the active runs', so an idle spell earns no burst later.
 
 Slot time is also accounted per run (slot-seconds), which is what a run's share means
-over a window.
+over a window, and over all runs: the integral of the busy slots (its mean over the uptime
+says how full the slots were kept) and the seconds at least one slot was free (admission
+charges a run's waits against it: a wait while every slot was busy cost nothing).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class WeightedSlots:
         self._releases = 0
         self._held_seconds = 0.0
         """Slot-seconds held by all keys ever (forgotten ones included), for the mean hold time."""
+        self.started = clock()
+        self._changed_at = self.started
+        self._busy_seconds = 0.0
+        """Integral of ``busy`` up to ``_changed_at``; kept eagerly at every change of ``busy``
+        (the per-key accounting is lazy, so its sum is only exact right after ``_account``)."""
+        self._free_seconds = 0.0
+        """Seconds up to ``_changed_at`` during which at least one slot was free."""
 
     async def acquire(self, key: str, weight: float = 1.0) -> None:
         holder = self._holders.setdefault(key, _Holder(weight, since=self.clock()))
@@ -81,6 +90,7 @@ class WeightedSlots:
         self._account(holder)
         self._releases += 1
         holder.busy -= 1
+        self._integrate()
         self.busy -= 1
         if not self._handout_scheduled:
             self._handout_scheduled = True
@@ -97,6 +107,21 @@ class WeightedSlots:
             return 0.0
         self._account(holder)
         return holder.slot_seconds
+
+    def busy_seconds(self) -> float:
+        """Integral of the busy slots over time since start, in slot-seconds."""
+        return self._busy_seconds + self.busy * (self.clock() - self._changed_at)
+
+    def busy_time_average(self) -> float:
+        """Slots busy on average since start: ``busy_seconds`` over the elapsed time."""
+        elapsed = self.clock() - self.started
+        return self.busy_seconds() / elapsed if elapsed > 0 else float(self.busy)
+
+    def free_seconds(self) -> float:
+        """Seconds since start during which at least one slot was free (a clock that only
+        runs while a run could have started an episode)."""
+        running = self.clock() - self._changed_at if self.busy < self.total else 0.0
+        return self._free_seconds + running
 
     def forget(self, key: str) -> None:
         """Drop a key's record once it holds and awaits nothing (its run ended)."""
@@ -127,7 +152,16 @@ class WeightedSlots:
     def _grant(self, holder: _Holder) -> None:
         self._account(holder)
         holder.busy += 1
+        self._integrate()
         self.busy += 1
+
+    def _integrate(self) -> None:
+        """Close the interval over which ``busy`` held its value; call before changing it."""
+        now = self.clock()
+        self._busy_seconds += self.busy * (now - self._changed_at)
+        if self.busy < self.total:
+            self._free_seconds += now - self._changed_at
+        self._changed_at = now
 
     def _mean_slot_seconds(self) -> float:
         """How long a slot is held, on average (in-progress slots count as partly done)."""

@@ -15,6 +15,10 @@ Invariant: every paused server is resumed, whatever happens. A pipeline that fai
 trainer died mid-broadcast), a trainer that never commits (watchdog), or an explicit abort
 all end in ``_abort``: the update is dropped, servers resume on the old weights and the
 next update re-joins the transfer group, because a failed group cannot be trusted.
+
+Time accounting: every update records the wall time of each phase (over all servers at
+once) and how long generation was paused, from the first pause call to the end of resume,
+so users see what a push costs the rollouts and where it goes.
 """
 
 from __future__ import annotations
@@ -31,10 +35,14 @@ from typing import Any
 from rollout_service.config import WeightSyncSettings
 from rollout_service.engine.control import PauseModeName, VLLMControlClient, WeightSyncError
 from rollout_service.errors import FailedPrecondition, InvalidArgument
+from rollout_service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
+PHASES = ("join", "pause", "transfer", "finish", "reset_prefix_cache", "resume")
+"""Phases of an update in order; ``transfer`` is /start_weight_update and /update_weights,
+which returns once the trainer's broadcast has arrived."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,18 @@ class UpdateTicket:
     group_epoch: int
 
 
+@dataclass(frozen=True)
+class UpdateTimes:
+    """Where the seconds of one finished update went."""
+
+    update_id: str
+    committed: bool
+    phases: dict[str, float]
+    """Phase name (``PHASES``) -> wall-clock seconds; phases the update did not reach are absent."""
+    paused_seconds: float
+    """From the first pause call to the end of resume (0 if it never paused)."""
+
+
 @dataclass
 class _Update:
     update_id: str
@@ -67,6 +87,10 @@ class _Update:
     paused: set[str] = field(default_factory=set)
     aborted: str | None = None
     epoch: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    paused_at: float | None = None
+    """When the first pause call went out; None before it and after the resume."""
+    paused_seconds: float = 0.0
 
 
 class WeightSyncCoordinator:
@@ -76,12 +100,19 @@ class WeightSyncCoordinator:
         settings: WeightSyncSettings,
         on_version: Callable[[int], None],
         version: int = 0,
+        metrics: ServiceMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.servers = servers
         self.settings = settings
         self.version = version
         self.updates_committed = 0
         self.updates_aborted = 0
+        self.last_update: UpdateTimes | None = None
+        """Timing of the last committed or aborted update."""
+        self._paused_seconds = 0.0
+        self._metrics = metrics
+        self._clock = clock
         self._on_version = on_version
         self._current: _Update | None = None
         self._last_aborted: _Update | None = None
@@ -103,7 +134,7 @@ class WeightSyncCoordinator:
                 )
             world_sizes = await self._worker_world_sizes()
             join = self._group != (trainer_address, trainer_port)
-            update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, time.monotonic())
+            update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, self._clock())
             if join:
                 self._epoch += 1
                 update.epoch = self._epoch
@@ -158,22 +189,37 @@ class WeightSyncCoordinator:
             epoch = update.epoch
             offsets = [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
             world = 1 + sum(world_sizes)
-            await asyncio.gather(
+            await self._phase(
+                update,
+                "join",
                 *(
                     server.init_weight_transfer(
                         init_info(self.settings.backend, address, port, offset, world, transfer_s, epoch),
                         transfer_s,
                     )
                     for server, offset in zip(self.servers, offsets, strict=True)
-                )
+                ),
             )
             self._group = (address, port)
-        await asyncio.gather(*(self._pause(update, server, mode) for server in self.servers))
+        await self._phase(update, "pause", *(self._pause(update, server, mode) for server in self.servers))
+        await self._phase(update, "transfer", self._transfer(update_info, control_s, transfer_s))
+
+    async def _transfer(self, update_info: dict[str, Any], control_s: float, transfer_s: float) -> None:
         await asyncio.gather(*(server.start_weight_update(control_s) for server in self.servers))
         await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
 
+    async def _phase(self, update: _Update, phase: str, *calls: Awaitable[Any]) -> None:
+        """Run one phase on every server at once and record its wall time, failed or not."""
+        started = self._clock()
+        try:
+            await asyncio.gather(*calls)
+        finally:
+            update.phases[phase] = update.phases.get(phase, 0.0) + self._clock() - started
+
     async def _pause(self, update: _Update, server: VLLMControlClient, mode: PauseModeName) -> None:
         update.paused.add(server.base_url)  # before the call: a pause that times out may still land
+        if update.paused_at is None:
+            update.paused_at = self._clock()
         await server.pause(mode, self.settings.control_timeout_s)
 
     def _pipeline_done(self, update: _Update, task: asyncio.Task[None]) -> None:
@@ -206,8 +252,12 @@ class WeightSyncCoordinator:
             new_version = self.version + 1
             control_s = self.settings.control_timeout_s
             try:
-                await asyncio.gather(*(s.finish_weight_update(str(new_version), control_s) for s in self.servers))
-                await asyncio.gather(*(s.reset_prefix_cache(control_s) for s in self.servers))
+                await self._phase(
+                    update, "finish", *(s.finish_weight_update(str(new_version), control_s) for s in self.servers)
+                )
+                await self._phase(
+                    update, "reset_prefix_cache", *(s.reset_prefix_cache(control_s) for s in self.servers)
+                )
             except WeightSyncError as exc:
                 # Some servers may have applied the weights: the group and the versions are
                 # no longer trustworthy, so the next update re-joins and re-sends everything.
@@ -218,7 +268,8 @@ class WeightSyncCoordinator:
             await self._resume(update)
             self._current = None
             self.updates_committed += 1
-        seconds = time.monotonic() - update.started
+            self._finished(update, committed=True)
+        seconds = self._clock() - update.started
         logger.info("weight update %s committed: policy version %d (%.2fs)", update_id, new_version, seconds)
         return new_version, seconds
 
@@ -244,6 +295,7 @@ class WeightSyncCoordinator:
         await self._resume(update)
         self._current = None
         self.updates_aborted += 1
+        self._finished(update, committed=False)
         logger.warning(
             "weight update %s aborted (%s); generation resumed on policy version %d",
             update.update_id,
@@ -252,6 +304,7 @@ class WeightSyncCoordinator:
         )
 
     async def _resume(self, update: _Update) -> None:
+        started = self._clock()
         for server in self.servers:
             if server.base_url in update.paused:
                 try:
@@ -261,6 +314,28 @@ class WeightSyncCoordinator:
                         "could not resume %s after weight update %s: %s", server.base_url, update.update_id, exc
                     )
         update.paused.clear()
+        if update.paused_at is not None:
+            now = self._clock()
+            update.phases["resume"] = now - started
+            update.paused_seconds = now - update.paused_at
+            update.paused_at = None
+            self._paused_seconds += update.paused_seconds
+            if self._metrics is not None:
+                self._metrics.weight_update_paused_seconds.inc(update.paused_seconds)
+
+    def paused_seconds(self) -> float:
+        """Seconds generation was paused for updates since start; one in progress counts up to now."""
+        current = self._current
+        running = current.paused_at if current is not None else None
+        return self._paused_seconds + (self._clock() - running if running is not None else 0.0)
+
+    def _finished(self, update: _Update, committed: bool) -> None:
+        """Record where the update's seconds went (``_resume`` has closed its pause)."""
+        self.last_update = UpdateTimes(update.update_id, committed, dict(update.phases), update.paused_seconds)
+        if self._metrics is not None:
+            self._metrics.weight_updates.labels("committed" if committed else "aborted").inc()
+            for phase, seconds in update.phases.items():
+                self._metrics.weight_update_phase_seconds.labels(phase).observe(seconds)
 
     def _get(self, update_id: str) -> _Update:
         current = self._current

@@ -90,7 +90,7 @@ async def sync_service(vllm_server, tiny_model: Path) -> AsyncIterator[tuple[Run
 
 
 async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_server, base_model) -> None:
-    _service, client = sync_service
+    service, client = sync_service
     run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
     before = await asyncio.to_thread(vllm_completion, vllm_server.url)
     assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
@@ -98,7 +98,19 @@ async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_serve
     pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
     new_model = perturbed(base_model)
     try:
+        stats_before = await client.stats()
         assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 1
+        stats = await client.stats()  # where the push's seconds went
+        assert stats.weight_updates_committed == stats_before.weight_updates_committed + 1
+        assert stats.weight_update_paused_seconds > stats_before.weight_update_paused_seconds
+        last = stats.last_weight_update
+        assert last.committed and last.pause_seconds > 0 and last.transfer_seconds > 0 and last.resume_seconds > 0
+        assert last.paused_seconds >= last.pause_seconds + last.transfer_seconds + last.finish_seconds
+        assert stats.weight_update_paused_seconds - stats_before.weight_update_paused_seconds == pytest.approx(
+            last.paused_seconds
+        )
+        exported = service.service.metrics.registry.get_sample_value("rollout_weight_update_paused_seconds_total")
+        assert exported == pytest.approx(stats.weight_update_paused_seconds)  # and on /metrics
         after = await asyncio.to_thread(vllm_completion, vllm_server.url)
         assert after != before  # vLLM samples from the new weights ...
         assert await vllm_matches(vllm_server.url, new_model) <= 1e-4  # ... exactly the trainer's
@@ -111,6 +123,12 @@ async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_serve
                 if all(s.policy_version_first == 1 for s in group.samples):
                     break  # groups started after the push carry the new version
         await stream.aclose()
+        stats = await client.stats()
+        assert stats.tokens_generated >= stats.runs[run.run_id].tokens_generated > 0
+        assert stats.uptime_seconds > 0 and stats.recent_window_seconds > 0
+        assert stats.recent_tokens_per_second > 0
+        assert 0 < stats.slots_busy_time_average <= stats.max_inflight
+        assert stats.slot_seconds_total > 0
 
         assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 2
         assert await vllm_matches(vllm_server.url, base_model) <= 1e-4

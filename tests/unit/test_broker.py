@@ -251,3 +251,35 @@ async def test_dropped_groups_do_not_count_as_trained_per_version() -> None:
     broker.ack("c", taken[4:], ACK_DROPPED_STALE)
     broker.set_policy_version(1)
     assert broker.trained_per_version == 4  # counting drops would admit more and drop more
+
+
+async def test_admission_wait_seconds_count_only_while_a_slot_is_free() -> None:
+    """A wait is measured on the free-slot clock: seconds with every slot busy cost nothing."""
+    clock, free = Clock(), Clock()
+    metrics = ServiceMetrics()
+    broker = RunBroker("r", 1, metrics, clock=clock, free_clock=free)
+    assert await broker.reserve()  # room: no wait
+    assert broker.admission_wait_seconds == 0.0
+    waiting = asyncio.ensure_future(broker.reserve())  # the buffer is full: held back
+    await asyncio.sleep(0)  # let it reach its wait
+    assert not waiting.done()
+    free.now = 4.0  # 4 s with a slot free ...
+    clock.now = 10.0  # ... out of 10 s of waiting
+    assert broker.admission_wait_seconds == 4.0  # a wait in progress counts up to now
+    await broker.unreserve()
+    assert await asyncio.wait_for(waiting, 5)
+    free.now = 9.0  # after the wait nothing more is counted
+    assert broker.admission_wait_seconds == 4.0
+    assert metrics.registry.get_sample_value("rollout_admission_wait_seconds_total", {"run": "r"}) == 4.0
+
+
+async def test_admission_wait_seconds_default_to_the_brokers_clock_and_end_at_close() -> None:
+    clock = Clock()
+    broker = RunBroker("r", 100, ServiceMetrics(), clock=clock, await_version=1)
+    waiting = asyncio.ensure_future(broker.reserve())  # held until the trainer's first push
+    await asyncio.sleep(0)
+    clock.now = 2.5
+    await broker.close()
+    assert not await asyncio.wait_for(waiting, 5)
+    clock.now = 7.0
+    assert broker.admission_wait_seconds == 2.5

@@ -3,6 +3,8 @@ import logging
 
 import pytest
 
+from rollout_service.convert import stats_to_pb
+from rollout_service.metrics import RecentRate
 from rollout_service.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
@@ -108,3 +110,45 @@ async def test_full_buffer_stops_new_groups() -> None:
     await run.broker.take("c")
     await wait_until(lambda: run.counters.groups_started > started, 5, "a new group")
     await service.delete_run(run.run_id)
+
+
+def test_recent_rate_covers_the_last_window_only() -> None:
+    now = [100.0]
+    rate = RecentRate(window_s=10, bucket_s=1, clock=lambda: now[0])
+    now[0] = 102.0
+    assert rate.rate() == (0.0, 2.0)  # just after start the window is the uptime
+    rate.add(40)
+    now[0] = 104.0
+    assert rate.rate() == (10.0, 4.0)
+    now[0] = 110.5
+    rate.add(30)
+    assert rate.rate() == pytest.approx((70 / 9.5, 9.5))  # the window: whole buckets 101..110
+    now[0] = 113.5
+    assert rate.rate() == pytest.approx((30 / 9.5, 9.5))  # the 40 tokens of t=102 left the window
+    assert rate.total == 70
+
+
+async def test_stats_account_tokens_slot_time_and_admission_waits() -> None:
+    """A run whose buffer fills while slots are free: GetStats shows its tokens, the slot
+    time it used, and the seconds admission then held it back."""
+    engine = ScriptedEngine()
+    service = make_service(engine, max_inflight=4, max_buffered=2)
+    run = await service.create_run(spec([[1]], group_size=2))
+    try:
+        await wait_until(lambda: len(run.broker.buffered) == 2 and run.counters.slots_busy == 0, 5, "a full buffer")
+        await wait_until(lambda: run.broker.admission_wait_seconds > 0, 5, "an admission wait")
+        stats = service.stats()
+        response = stats_to_pb(service)
+    finally:
+        await service.delete_run(run.run_id)
+    assert stats.tokens_generated == run.counters.tokens_generated == 2 * 2 * 4  # 2 groups of 2, 4 tokens each
+    assert response.tokens_generated == stats.tokens_generated
+    assert 0 < stats.recent_window_seconds <= stats.uptime_seconds + 1e-9
+    assert stats.recent_tokens_per_second == pytest.approx(stats.tokens_generated / stats.recent_window_seconds)
+    assert response.uptime_seconds > 0
+    assert response.slot_seconds_total > 0
+    assert 0 < response.slots_busy_time_average <= 4
+    assert response.runs[run.run_id].admission_wait_seconds > 0
+    assert response.weight_updates_committed == 0 and not response.HasField("last_weight_update")
+    gauge = service.metrics.registry.get_sample_value("rollout_slots_busy_time_average")
+    assert gauge is not None and 0 < gauge <= 4

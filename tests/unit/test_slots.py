@@ -120,3 +120,27 @@ async def test_an_idle_spell_earns_no_burst() -> None:
     assert waiting[0].done() and not waiting[1].done()  # a is not starved for b's idle past
     waiting[1].cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_busy_time_average_and_free_seconds_integrate_over_time() -> None:
+    now = [0.0]
+    slots = WeightedSlots(2, clock=lambda: now[0])
+    await slots.acquire("a")  # t 0-5: 1 busy, a slot free
+    now[0] = 5.0
+    await slots.acquire("b")  # t 5-8: 2 busy, none free
+    waiting = asyncio.ensure_future(slots.acquire("a"))
+    await settle()
+    now[0] = 8.0
+    slots.release("b")  # the waiter takes the freed slot at once: still none free
+    await settle()
+    assert waiting.done()
+    now[0] = 9.0
+    slots.release("a")  # t 9-10: 1 busy, a slot free
+    now[0] = 10.0
+    assert slots.busy_seconds() == pytest.approx(1 * 5 + 2 * 4 + 1 * 1)
+    assert slots.busy_time_average() == pytest.approx(14 / 10)
+    assert slots.free_seconds() == pytest.approx(5 + 1)
+    slots.release("a")
+    now[0] = 20.0  # idle: nothing busy, so the average falls
+    assert slots.busy_time_average() == pytest.approx(14 / 20)
+    assert slots.free_seconds() == pytest.approx(16)

