@@ -138,6 +138,7 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         lease_timeout_s=spec.lease_timeout_seconds,
         await_first_update=spec.await_first_update,
         serve_adapter=spec.serve_adapter,
+        trainer_version_lead=spec.trainer_version_lead,
     )
 
 
@@ -163,6 +164,7 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         lease_timeout_seconds=spec.lease_timeout_s,
         await_first_update=spec.await_first_update,
         serve_adapter=spec.serve_adapter,
+        trainer_version_lead=spec.trainer_version_lead,
     )
     if spec.episode.multi_turn:
         out.episode.CopyFrom(episode_to_pb(spec.episode))

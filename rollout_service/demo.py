@@ -79,6 +79,7 @@ def main(
 ) -> None:
     """Train the tiny model on the repeat_a task through the rollout service."""
     setup_logging("INFO")
+    from trainer_client.step_timing import format_split
     from trainer_client.train import RunOptions, cpu_training_config, train
 
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -97,6 +98,7 @@ def main(
     first, last = summary["reward_first_20pct"], summary["reward_last_20pct"]
     verdict = "[green]rose[/green]" if last > first else "[red]did not rise[/red]"
     console.print(f"reward {verdict}: first 20% of steps {first:.3f} -> last 20% {last:.3f}")
+    console.print(f"time split: {format_split(summary['time_split'])}")
     for name in ("metrics.jsonl", "summary.json", "reward_curve.svg"):
         console.print(f"wrote {output_dir / name}")
 

@@ -136,7 +136,8 @@ class RolloutService:
             max_buffered,
             self.metrics,
             lease_timeout_s=spec.lease_timeout_s or self.settings.lease_timeout_s,
-            max_staleness=spec.max_staleness if spec.admission == "staleness" else None,
+            # Staleness in the servers' versions: the trainer's lead is already spent.
+            max_staleness=spec.max_staleness - spec.trainer_version_lead if spec.admission == "staleness" else None,
             policy_version=version,
             await_version=version + 1 if spec.await_first_update else 0,
             free_clock=self.scheduler.slots.free_seconds,

@@ -70,10 +70,19 @@ def main(
     push: Annotated[
         bool, typer.Option(help="Push weights (--no-push: a follower of a run that another trainer pushes for)")
     ] = True,
+    torch_threads: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Torch threads; 0: the cores the managed vLLM leaves free when the service is on this host "
+            "(half of them), else all",
+        ),
+    ] = 0,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Train on the service's stream and print the summary as JSON."""
     logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
+    from trainer_client.step_timing import format_split
     from trainer_client.train import LoraOptions, RunOptions, cpu_training_config, train
 
     if not (model / "config.json").exists():
@@ -113,10 +122,19 @@ def main(
         admission,  # type: ignore[arg-type]
     )
     summary = train(
-        target, str(model), config, options, run_id=run_id, trainer_address=trainer_address, lora=lora, push=push
+        target,
+        str(model),
+        config,
+        options,
+        run_id=run_id,
+        trainer_address=trainer_address,
+        lora=lora,
+        push=push,
+        torch_threads=torch_threads,
     )
     if config.process_index == 0:
         typer.echo(json.dumps(summary, indent=2))
+        typer.echo(f"time split: {format_split(summary['time_split'])}", err=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ a group whose oldest token is more than ``max_staleness`` policy versions behind
 trainer's current version is dropped, counted, and acked as DROPPED_STALE so the service
 knows; every other group is acked as TRAINED once the step that used it has finished.
 Every group the feed receives is therefore either trained or counted as dropped.
+
+The version judged against is the one the trainer's weights will have once the pushes in
+flight commit (``training_version``): while a background push runs, the trainer already
+trains the next step with weights one version ahead of what vLLM serves.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, TypeVar
 
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.client import GroupStream, RolloutClient
+from trainer_client.step_timing import PhaseClock
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,7 +54,12 @@ class GroupFeed:
         self.credits = credits
         self.timeout_s = timeout_s
         self.current_version = 0
+        """The policy version of the last push that committed."""
+        self.pushes_in_flight = 0
+        """Pushes started in the background and not yet committed (0 or 1)."""
         self.min_version = 0
+        self.clock = PhaseClock()
+        """Seconds per phase of the current step; the feed adds ``wait_groups``, the trainer the rest."""
         self.counters = FeedCounters()
         self._groups: queue.Queue[pb.Group | BaseException] = queue.Queue(maxsize=credits)
         self._loop = asyncio.new_event_loop()
@@ -78,7 +88,16 @@ class GroupFeed:
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run a coroutine on the feed's loop (e.g. a weight push) and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s or self.timeout_s)
+        return self.submit(coro).result(timeout_s or self.timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start a coroutine on the feed's loop (e.g. a background weight push); its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @property
+    def training_version(self) -> int:
+        """The version of the trainer's weights once the pushes in flight commit."""
+        return self.current_version + self.pushes_in_flight
 
     @property
     def client(self) -> RolloutClient:
@@ -112,7 +131,8 @@ class GroupFeed:
         """The next group within ``max_staleness`` of ``current_version``; stale ones are
         dropped and acked as such on the way."""
         while True:
-            item = self._groups.get(timeout=timeout_s)
+            with self.clock.measure("wait_groups"):
+                item = self._groups.get(timeout=timeout_s)
             if isinstance(item, BaseException):
                 raise RuntimeError(f"the sample stream of run {self.run_id} ended: {item}") from item
             if not self.is_fresh(item.policy_version):
@@ -121,9 +141,9 @@ class GroupFeed:
             return item
 
     def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
-        """Within max_staleness of ``at_version`` (default: now) and not older than the
-        trainer's first push (samples of weights this trainer never had are not its policy's)."""
-        at = self.current_version if at_version is None else at_version
+        """Within max_staleness of ``at_version`` (default: ``training_version``) and not older
+        than the trainer's first push (samples of weights this trainer never had are not its policy's)."""
+        at = self.training_version if at_version is None else at_version
         return policy_version >= self.min_version and at - policy_version <= self.max_staleness
 
     def ack_trained(self, group_ids: list[str]) -> None:
@@ -138,4 +158,5 @@ class GroupFeed:
     def _ack(self, group_ids: list[str], status: pb.AckStatus.ValueType) -> None:
         stream = self._stream
         assert stream is not None
-        self._loop.call_soon_threadsafe(stream.ack, group_ids, status)
+        with self.clock.measure("ack"):
+            self._loop.call_soon_threadsafe(stream.ack, group_ids, status)

@@ -14,6 +14,7 @@ own consumer of the run, so the service hands the ranks disjoint groups.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -28,8 +29,11 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout_service.api import rollout_pb2 as pb
+from rollout_service.cpu_budget import trainer_threads
 from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.step_timing import summarize_seconds
 from trainer_client.stream import GroupFeed
+from trainer_client.svg_plot import line_plot
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
@@ -116,6 +120,8 @@ async def _create_run(
         # This trainer pushes before it trains and refuses groups of older weights: generating
         # before that push would only make groups to drop.
         spec.await_first_update = pushes
+        # While a background push lands, the trainer's weights are a version ahead of vLLM's.
+        spec.trainer_version_lead = int(pushes and config.pushes_in_background(not serve_adapter))
         return (await client.create_run(spec)).run_id
 
 
@@ -128,13 +134,16 @@ def train(
     trainer_address: str = "127.0.0.1",
     lora: LoraOptions | None = None,
     push: bool = True,
+    torch_threads: int = 0,
 ) -> dict[str, Any]:
     """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
 
     ``trainer_address`` is where vLLM's workers reach this process for the weight transfer.
     ``push=False`` makes a follower: it trains on its share of the run's groups but another
     trainer of the run pushes weights (its staleness follows the run's version).
+    ``torch_threads`` 0 takes the host's CPU budget (``rollout_service.cpu_budget``).
     """
+    threads = use_torch_threads(trainer_threads(target, torch_threads))
     main = config.process_index == 0
     if run_id is None and main:
         serve_adapter = lora is not None and lora.serving == "adapter"
@@ -171,6 +180,7 @@ def train(
         return rank_report  # rank 0 writes the run's summary
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records, run_id, *(int(total) for total in totals))
+    summary["torch_threads"] = threads
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_reward_curve(records, output_dir / "reward_curve.svg")
     return summary
@@ -181,7 +191,17 @@ def make_pusher(
 ) -> WeightPusher | AdapterPusher:
     if lora is not None and lora.serving == "adapter":
         return AdapterPusher(feed.client, run_id)
-    return WeightPusher(feed.client, run_id, trainer_address=trainer_address)
+    return WeightPusher(feed.client, run_id, trainer_address=trainer_address, clock=feed.clock)
+
+
+def use_torch_threads(threads: int) -> int:
+    """Set torch's intra-op threads (one inter-op thread: the trainer runs one op at a time)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before the first parallel work
+        torch.set_num_interop_threads(1)
+    logger.info("trainer uses %d torch thread(s)", threads)
+    return threads
 
 
 def load_policy(model_path: str, lora: LoraOptions | None) -> PreTrainedModel:
@@ -214,31 +234,10 @@ def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained
         "groups_trained": trained,
         "groups_dropped_stale": dropped,
         "max_staleness_trained": max((r["max_staleness_trained"] for r in records), default=0),
+        "time_split": summarize_seconds(records),
     }
 
 
-def write_reward_curve(records: list[dict[str, Any]], path: Path, width: int = 640, height: int = 320) -> None:
-    """A dependency-free SVG line plot of reward_mean per step."""
-    points = [(r["step"], r["reward_mean"]) for r in records if r["reward_mean"] == r["reward_mean"]]
-    if len(points) < 2:
-        return
-    pad = 40
-    (x0, x1), (y0, y1) = (points[0][0], points[-1][0]), (min(p[1] for p in points), max(p[1] for p in points))
-    y1 = y1 if y1 > y0 else y0 + 1e-6
-
-    def xy(step: float, value: float) -> str:
-        x = pad + (step - x0) / max(x1 - x0, 1) * (width - 2 * pad)
-        y = height - pad - (value - y0) / (y1 - y0) * (height - 2 * pad)
-        return f"{x:.1f},{y:.1f}"
-
-    polyline = " ".join(xy(s, v) for s, v in points)
-    path.write_text(
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-        f'<rect width="100%" height="100%" fill="white"/>'
-        f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{polyline}"/>'
-        f'<text x="{pad}" y="20" font-family="sans-serif" font-size="14">reward_mean per step</text>'
-        f'<text x="{pad}" y="{height - 10}" font-family="sans-serif" font-size="12">step {x0} .. {x1}</text>'
-        f'<text x="5" y="{pad}" font-family="sans-serif" font-size="12">{y1:.3f}</text>'
-        f'<text x="5" y="{height - pad}" font-family="sans-serif" font-size="12">{y0:.3f}</text>'
-        "</svg>\n"
-    )
+def write_reward_curve(records: list[dict[str, Any]], path: Path) -> None:
+    """reward_mean per step, as an SVG line plot."""
+    line_plot({"reward_mean": [(r["step"], r["reward_mean"]) for r in records]}, path, "reward_mean per step", "step")

@@ -27,7 +27,9 @@ import copy
 import json
 import logging
 import statistics
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,8 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.logprobs import chunked_completion_logprobs
 from trainer_client.losses import LossConfig, compute_loss
-from trainer_client.policy_weights import is_peft_model
+from trainer_client.policy_weights import is_peft_model, policy_weights
+from trainer_client.step_timing import step_seconds
 from trainer_client.stream import GroupFeed
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
@@ -57,6 +60,11 @@ class AsyncGRPOConfig(TrainingArguments):
     """Groups whose oldest token is more than this many policy versions old are dropped."""
     weight_sync_steps: int = 1
     """Push weights into vLLM after every this many optimizer steps."""
+    background_push: bool = True
+    """Push a snapshot of the weights while the next step trains, instead of waiting for the
+    push. That step's groups are then judged one version older (its weights are a version
+    ahead of vLLM's until the push commits), so this needs ``max_staleness >= 1``; with 0,
+    data-parallel ranks, or adapter pushes the push stays on the step's path."""
     temperature: float = 1.0
     """Sampling temperature of the run: log-probs are computed on logits / temperature, as vLLM's."""
     logprob_chunk_size: int = 1024
@@ -92,6 +100,10 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError("max_steps must be > 0: the sample stream has no length")
         if self.beta < 0:
             raise ValueError(f"beta is {self.beta}; the KL coefficient must be >= 0")
+
+    def pushes_in_background(self, pushes_full_weights: bool) -> bool:
+        """Whether a trainer with these settings overlaps its pushes with the next step."""
+        return self.background_push and self.max_staleness >= 1 and self.world_size == 1 and pushes_full_weights
 
     @property
     def groups_per_step(self) -> int:
@@ -248,7 +260,14 @@ class AsyncGRPOTrainer(Trainer):
         if args.beta > 0 and not is_peft_model(model):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(self.args.device)
         self.book = _StepBook()
+        self.clock = feed.clock
+        self._forward_s = 0.0
         self.add_callback(_SyncAndAck(self))
+
+    @property
+    def pushes_in_background(self) -> bool:
+        """Whether a push may overlap the next step (see ``AsyncGRPOConfig.background_push``)."""
+        return self.args.pushes_in_background(isinstance(self.pusher, WeightPusher))
 
     def get_train_dataloader(self) -> DataLoader:
         """A plain loader over this rank's own stream.
@@ -260,9 +279,28 @@ class AsyncGRPOTrainer(Trainer):
         makes staleness judged at fetch time one version early. Trainer moves each batch to
         the device itself.
         """
-        return DataLoader(self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator)
+        return DataLoader(self.train_dataset, batch_size=self._train_batch_size, collate_fn=self._timed_collate)
+
+    def _timed_collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        with self.clock.measure("collate"):
+            return self.data_collator(items)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
+        """Trainer's step (forward via ``compute_loss``, then backward), timed phase by phase."""
+        start = time.perf_counter()
+        self._forward_s = 0.0
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.clock.add("backward", time.perf_counter() - start - self._forward_s)
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
+        start = time.perf_counter()
+        loss = self._grpo_loss(model, inputs)
+        self._forward_s = time.perf_counter() - start
+        self.clock.add("forward", self._forward_s)
+        return loss
+
+    def _grpo_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         # Judge staleness again against the version this step trains at (a batch of several
         # accumulation steps, or a push between fetch and step): samples past max_staleness
         # are masked out of the loss and their groups acked as dropped.
@@ -289,7 +327,7 @@ class AsyncGRPOTrainer(Trainer):
             if keep:
                 self.book.group_ids.setdefault(group_id, None)
                 self.book.rewards.append(reward)
-                self.book.staleness.append(self.feed.current_version - version)
+                self.book.staleness.append(self.feed.training_version - version)
             else:
                 self.book.stale_group_ids.setdefault(group_id, None)
         for name, value in output.metrics.items():
@@ -325,7 +363,7 @@ class AsyncGRPOTrainer(Trainer):
         reward_sum, rewards, groups, dropped, trained, received = (int(v) if i else v for i, v in enumerate(sums))
         record: dict[str, Any] = {
             "step": step,
-            "policy_version": self.feed.current_version,
+            "policy_version": self.feed.training_version,
             "reward_mean": reward_sum / rewards if rewards else float("nan"),
             "groups": groups,
             "group_ids": list(book.group_ids),  # this process's
@@ -349,16 +387,33 @@ class AsyncGRPOTrainer(Trainer):
 
 
 class _SyncAndAck(TrainerCallback):
-    """At the end of each optimizer step: ack its groups, push weights when due, log a record."""
+    """At the end of each optimizer step: ack its groups, push weights when due, log a record.
+
+    A push in the background (``AsyncGRPOTrainer.pushes_in_background``) sends a snapshot of
+    the weights while the next step trains; the next push first waits for it, so at most one
+    is in flight and vLLM's weights are never more than one push behind the trainer's.
+    """
 
     def __init__(self, trainer: AsyncGRPOTrainer) -> None:
         self.trainer = trainer
+        self._push_in_flight: Future[int] | None = None
+        self._step_started = time.perf_counter()
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         # vLLM may serve other weights than this trainer's checkpoint (an earlier run, a
         # restarted trainer): push first, so every trained sample comes from this policy's line.
         self._push(state)
         self.trainer.feed.min_version = self.trainer.feed.current_version
+        self.trainer.clock.take()  # the first step's clock starts now
+        self._step_started = time.perf_counter()
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._optimizer_started = time.perf_counter()
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.trainer.clock.add("optimizer", time.perf_counter() - self._optimizer_started)
         return control
 
     def _push(self, state) -> None:  # type: ignore[no-untyped-def]
@@ -381,6 +436,29 @@ class _SyncAndAck(TrainerCallback):
             version = broadcast_object_list([version], from_process=0)[0]
         trainer.feed.current_version = version
 
+    def _push_in_background(self) -> None:
+        """Snapshot the weights and start their push; the trainer goes on at once."""
+        trainer = self.trainer
+        assert isinstance(trainer.pusher, WeightPusher)
+        self._wait_for_push()
+        with trainer.clock.measure("push_snapshot"):
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            snapshot = [(name, tensor.detach().clone()) for name, tensor in policy_weights(model)]
+        trainer.feed.pushes_in_flight = 1
+        self._push_in_flight = trainer.feed.submit(trainer.pusher.push(snapshot))
+
+    def _wait_for_push(self) -> None:
+        """Wait for the push in flight, if any, and train against the version it produced.
+        A failed push raises here, one step after it started."""
+        future, self._push_in_flight = self._push_in_flight, None
+        if future is None:
+            return
+        trainer = self.trainer
+        assert trainer.pusher is not None
+        with trainer.clock.measure("push_wait"):
+            version = future.result(timeout=trainer.pusher.timeout_s + 120)
+        trainer.feed.current_version, trainer.feed.pushes_in_flight = version, 0
+
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         trainer = self.trainer
         book, trainer.book = trainer.book, _StepBook()
@@ -388,19 +466,32 @@ class _SyncAndAck(TrainerCallback):
         trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
         record = trainer.step_record(state.global_step, book)  # at the version trained on
         config: AsyncGRPOConfig = trainer.args
+        background = trainer.pushes_in_background
         if state.global_step % config.weight_sync_steps == 0:
-            self._push(state)
+            if background:
+                self._push_in_background()
+            else:
+                self._push(state)
+        now = time.perf_counter()
+        record["seconds"] = step_seconds(trainer.clock.take(), now - self._step_started, not background)
+        self._step_started = now
         if state.is_world_process_zero:
             path = Path(args.output_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as out:
                 out.write(json.dumps(record) + "\n")
         logger.info(
-            "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d",
+            "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d, %.3fs (waiting for groups %.3fs)",
             record["step"],
             record["reward_mean"],
             record["policy_version"],
             record["groups"],
             record["dropped_stale"],
+            record["seconds"]["step"],
+            record["seconds"]["wait_groups"],
         )
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._wait_for_push()  # the last push lands before the run reports its version
         return control

@@ -20,6 +20,7 @@ from rollout_service.api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient
 from trainer_client.nccl_sender import NcclWeightSender
 from trainer_client.policy_weights import adapter_files, policy_weights
+from trainer_client.step_timing import PhaseClock
 from trainer_client.weights import GlooWeightSender, dtype_name, free_port
 
 SENDERS: dict[str, type[GlooWeightSender] | type[NcclWeightSender]] = {
@@ -47,8 +48,11 @@ class WeightPusher:
         trainer_address: str = "127.0.0.1",
         transfer_timeout_s: float = 120.0,
         pause_mode: pb.PauseMode.ValueType = pb.PAUSE_MODE_UNSPECIFIED,
+        clock: PhaseClock | None = None,
     ) -> None:
         self.client = client
+        self.clock = clock or PhaseClock()
+        """Gets each push's push_begin, push_transfer and push_commit seconds."""
         self.run_id = run_id
         self.address = trainer_address
         self.timeout_s = transfer_timeout_s
@@ -65,26 +69,15 @@ class WeightPusher:
     async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Send the tensors (HF names, broadcast order) and return the new policy version."""
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
-        ticket = await self.client.begin_weight_update(
-            self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode
-        )
+        with self.clock.measure("push_begin"):
+            ticket = await self.client.begin_weight_update(
+                self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode
+            )
         try:
-            if ticket.join_group:
-                # First push, or the servers dropped the group (a failure, a service restart):
-                # join again through the same store, under this join's epoch.
-                sender_class = sender_for(ticket.backend)
-                if (
-                    not isinstance(self._sender, sender_class)
-                    or self._sender.world_size != ticket.group_world_size
-                    or self._sender.master_port != self.port
-                ):
-                    self.close()
-                    self._sender = sender_class(self.address, self.port, ticket.group_world_size, self.timeout_s)
-                self._sender.leave()
-                await asyncio.to_thread(self._sender.connect, ticket.group_epoch)
-            assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
-            await asyncio.to_thread(self._sender.broadcast, tensors)
-            committed = await self.client.commit_weight_update(ticket.update_id, self.timeout_s + 60)
+            with self.clock.measure("push_transfer"):
+                await self._send(ticket, tensors)
+            with self.clock.measure("push_commit"):
+                committed = await self.client.commit_weight_update(ticket.update_id, self.timeout_s + 60)
         except BaseException as exc:
             if self._sender is not None:
                 self._sender.leave()  # frees workers blocked in a receive; the gloo store stays
@@ -97,6 +90,24 @@ class WeightPusher:
             "pushed %d tensors: policy version %d (%.2fs)", len(tensors), committed.policy_version, committed.seconds
         )
         return committed.policy_version
+
+    async def _send(self, ticket: pb.BeginWeightUpdateResponse, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast the tensors to the servers' workers, joining the transfer group first when asked."""
+        if ticket.join_group:
+            # First push, or the servers dropped the group (a failure, a service restart):
+            # join again through the same store, under this join's epoch.
+            sender_class = sender_for(ticket.backend)
+            if (
+                not isinstance(self._sender, sender_class)
+                or self._sender.world_size != ticket.group_world_size
+                or self._sender.master_port != self.port
+            ):
+                self.close()
+                self._sender = sender_class(self.address, self.port, ticket.group_world_size, self.timeout_s)
+            self._sender.leave()
+            await asyncio.to_thread(self._sender.connect, ticket.group_epoch)
+        assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
+        await asyncio.to_thread(self._sender.broadcast, tensors)
 
     def close(self) -> None:
         """Leave the group and stop hosting its store."""

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import restore_base_weights, serving
+from rollout_service.cpu_budget import CpuBudget
+from rollout_service.engine.managed import ManagedVLLMServer
+from tests.integration.conftest import REUSE_URL, restore_base_weights, serving
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
+from trainer_client.step_timing import ON_STEP_PATH
 
 pytestmark = pytest.mark.integration
 MAX_STALENESS = 1
@@ -42,6 +45,17 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     assert versions == sorted(versions) and versions[-1] > versions[0]  # a push after every step
     assert all(r["max_staleness_trained"] <= MAX_STALENESS for r in records)  # nothing stale reached the loss
     assert (out / "reward_curve.svg").read_text().startswith("<svg")
+    # The trainer next to its service takes the cores the managed vLLM leaves it.
+    assert summary["torch_threads"] == CpuBudget.split().trainer_threads
+    # Each step's phases on the training thread add up to no more than its wall time.
+    for r in records:
+        seconds = r["seconds"]
+        assert seconds["step"] > 0 and seconds["forward"] > 0 and seconds["backward"] > 0
+        assert sum(seconds[p] for p in ON_STEP_PATH) + seconds["other"] == pytest.approx(seconds["step"], abs=1e-3)
+        assert r["step"] == 1 or seconds["push_snapshot"] > 0  # the previous step started a background push
+    split = summary["time_split"]
+    assert split["steps"] == STEPS - 1 and split["bound"] in ("training", "generation")
+    assert sum(split["fraction"][p] for p in (*ON_STEP_PATH, "other")) == pytest.approx(1.0, abs=0.01)
 
     async with RolloutClient(service_process) as client:
         run = await client.get_run(summary["run_id"])
@@ -55,6 +69,40 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         held = stats.groups_buffered + stats.groups_leased
         assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + held
         await restore_base_weights(client, summary["run_id"], tiny_model)
+
+
+@pytest.mark.skipif(bool(REUSE_URL), reason="a reused server was started by someone else, with their binding")
+def test_managed_vllm_worker_is_bound_to_its_share_of_cores(vllm_server: ManagedVLLMServer) -> None:
+    """The session's server was started like the service's managed one: its worker's threads
+    run on the budget's vLLM cores only, leaving the rest to a trainer on this host."""
+    assert vllm_server._process is not None
+    group = os.getpgid(vllm_server._process.pid)
+    allowed: dict[str, set[frozenset[int]]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != group:
+                continue
+            name = (proc / "comm").read_text().strip()
+            for task in (proc / "task").iterdir():
+                cores = (task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+                allowed.setdefault(name, set()).add(cpu_list(cores))
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # a process or thread that ended while we looked
+    workers = {name: sets for name, sets in allowed.items() if "Worker" in name}
+    assert workers, f"no vLLM worker process in the server's group: {sorted(allowed)}"
+    # Its OpenMP threads (the compute) are pinned to exactly the budget's cores.
+    assert frozenset(CpuBudget.split().vllm_cores) in set.union(*workers.values()), workers
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """Linux's Cpus_allowed_list ("0-2,5") as a set of core ids."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return frozenset(cores)
 
 
 async def test_data_parallel_ranks_train_disjoint_groups_in_step(

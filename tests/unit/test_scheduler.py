@@ -4,6 +4,7 @@ import logging
 import pytest
 
 from rollout_service.convert import stats_to_pb
+from rollout_service.errors import InvalidArgument
 from rollout_service.metrics import RecentRate
 from rollout_service.prompts import PromptSpec
 from rollout_service.runs import RunSpec
@@ -152,3 +153,18 @@ async def test_stats_account_tokens_slot_time_and_admission_waits() -> None:
     assert response.weight_updates_committed == 0 and not response.HasField("last_weight_update")
     gauge = service.metrics.registry.get_sample_value("rollout_slots_busy_time_average")
     assert gauge is not None and 0 < gauge <= 4
+
+
+async def test_a_trainer_that_pushes_in_the_background_gets_admission_one_version_tighter() -> None:
+    """Its weights run a version ahead of the servers', so a group admitted by the servers'
+    versions must be trainable within max_staleness - 1 of them."""
+    service = make_service(ScriptedEngine(hold=True))
+    waiting = await service.create_run(spec([[1]], max_staleness=2))
+    leading = await service.create_run(spec([[1]], max_staleness=2, trainer_version_lead=1))
+    try:
+        assert waiting.broker.max_staleness == 2
+        assert leading.broker.max_staleness == 1
+    finally:
+        await service.close()
+    with pytest.raises(InvalidArgument, match="trainer_version_lead is 1 but max_staleness is 0"):
+        spec([[1]], max_staleness=0, trainer_version_lead=1).validate()

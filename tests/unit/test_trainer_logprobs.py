@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.tiny_model import build_tiny_model
+from trainer_client.step_timing import PhaseClock
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer, GroupCollator
 
 
@@ -25,7 +26,11 @@ class StillFeed:
     """A feed at version 0 where everything is fresh: these tests exercise the loss path only."""
 
     current_version = 0
+    training_version = 0
     min_version = 0
+
+    def __init__(self) -> None:
+        self.clock = PhaseClock()
 
     def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
         return True

@@ -1,0 +1,51 @@
+"""Per-step time accounting: phases add up to the step's wall time, and the run's split."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from trainer_client.step_timing import PHASES, PhaseClock, format_split, step_seconds, summarize_seconds
+
+
+def test_clock_accumulates_phases_from_several_threads_and_starts_afresh() -> None:
+    clock = PhaseClock()
+    clock.add("forward", 0.25)
+    threads = [threading.Thread(target=clock.add, args=("push_transfer", 0.01)) for _ in range(50)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=5)
+    with clock.measure("backward"):
+        pass
+    seconds = clock.take()
+    assert seconds["forward"] == 0.25
+    assert seconds["push_transfer"] == pytest.approx(0.5)
+    assert 0 <= seconds["backward"] < 0.1
+    assert clock.take() == {}
+
+
+def test_other_is_the_wall_time_no_phase_explains() -> None:
+    phases = {"wait_groups": 0.1, "forward": 0.2, "backward": 0.3, "push_begin": 0.05, "push_commit": 0.05}
+    background = step_seconds(phases, wall_s=1.0, synchronous_push=False)
+    assert set(PHASES) < set(background)
+    assert background["other"] == pytest.approx(0.4)  # the push overlapped the next step
+    synchronous = step_seconds(phases, wall_s=1.0, synchronous_push=True)
+    assert synchronous["other"] == pytest.approx(0.3)  # the push was on the step's path
+
+
+def record(wait: float, compute: float) -> dict:
+    return {"seconds": step_seconds({"wait_groups": wait, "forward": compute}, wait + compute, False)}
+
+
+def test_summary_skips_the_first_step_and_names_the_bound() -> None:
+    records = [record(5.0, 0.1)] + [record(0.05, 0.2)] * 4  # a slow first step, then training-bound
+    split = summarize_seconds(records)
+    assert split["steps"] == 4
+    assert split["steps_per_second"] == pytest.approx(4 / 1.0)
+    assert split["fraction"]["wait_groups"] == pytest.approx(0.2)
+    assert split["bound"] == "training"
+    assert summarize_seconds([record(0.5, 0.1)] * 3)["bound"] == "generation"
+    assert "training-bound" in format_split(split) and "forward 80%" in format_split(split)
+    assert summarize_seconds([]) == {}

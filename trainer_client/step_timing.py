@@ -1,0 +1,113 @@
+"""Where each second of a training run goes, per optimizer step.
+
+Why: an async RL run is either generation-bound (the trainer waits for groups) or
+training-bound (groups wait for the trainer), and the cure differs: more rollout capacity,
+or a faster step. The trainer adds up the wall time of each phase of a step here; each
+``metrics.jsonl`` record carries the step's split and the summary the run's totals, so
+the answer is one glance away.
+
+Phases (seconds; a step's phases add up to its wall time, ``other`` is the rest: Trainer
+bookkeeping, logging, callbacks):
+
+- ``wait_groups``: blocked on the stream, no fresh group at hand;
+- ``collate``: turning samples into padded tensors;
+- ``forward``: log-probs and loss; ``backward``; ``optimizer`` (clipping included);
+- ``push_snapshot``: copying the weights for a background push; ``push_wait``: waiting for
+  the previous push to finish before starting the next one (both on the step's path);
+- ``push_begin``, ``push_transfer``, ``push_commit``: the weight push's RPCs and broadcast.
+  A synchronous push runs on the step's path; a background push overlaps the next step,
+  and its phases are reported in the step during which it finished (so they may exceed
+  that step's share of them);
+- ``ack``: acking the step's groups.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+ON_STEP_PATH = ("wait_groups", "collate", "forward", "backward", "optimizer", "push_snapshot", "push_wait", "ack")
+"""Phases that run on the training thread: with ``other`` they add up to the step's wall time."""
+PUSH_PHASES = ("push_begin", "push_transfer", "push_commit")
+PHASES = ON_STEP_PATH + PUSH_PHASES
+
+
+class PhaseClock:
+    """Accumulates seconds per phase until ``take`` hands them over (thread-safe: a
+    background weight push reports its phases from the feed's thread)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start)
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        """The seconds gathered since the last ``take``, and start afresh."""
+        with self._lock:
+            seconds, self._seconds = self._seconds, {}
+        return seconds
+
+
+def step_seconds(phases: dict[str, float], wall_s: float, synchronous_push: bool) -> dict[str, float]:
+    """A step's record: every phase (0 when absent), ``other`` and the step's wall time."""
+    record = {phase: round(phases.get(phase, 0.0), 6) for phase in PHASES}
+    on_path = sum(record[p] for p in ON_STEP_PATH)
+    if synchronous_push:
+        on_path += sum(record[p] for p in PUSH_PHASES)
+    record["other"] = round(max(wall_s - on_path, 0.0), 6)
+    record["step"] = round(wall_s, 6)
+    return record
+
+
+def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, Any]:
+    """Totals and fractions of wall time per phase over the steps, and which side bounds the run.
+
+    The first ``skip_first`` steps are left out of the split: they hold one-off costs
+    (the first groups' generation after the first push) that say nothing of the steady state.
+    """
+    steady = [r["seconds"] for r in records[skip_first:] if "seconds" in r] or [
+        r["seconds"] for r in records if "seconds" in r
+    ]
+    if not steady:
+        return {}
+    wall = sum(s["step"] for s in steady)
+    totals = {phase: sum(s.get(phase, 0.0) for s in steady) for phase in (*PHASES, "other")}
+    fractions = {phase: (seconds / wall if wall else 0.0) for phase, seconds in totals.items()}
+    compute = fractions["forward"] + fractions["backward"] + fractions["optimizer"]
+    return {
+        "steps": len(steady),
+        "wall_seconds": round(wall, 3),
+        "steps_per_second": round(len(steady) / wall, 3) if wall else None,
+        "seconds": {phase: round(value, 3) for phase, value in totals.items()},
+        "fraction": {phase: round(value, 4) for phase, value in fractions.items()},
+        "bound": "generation" if fractions["wait_groups"] > compute else "training",
+    }
+
+
+def format_split(split: dict[str, Any]) -> str:
+    """One line a person reads: the big phases, as percentages of the steady-state wall time."""
+    if not split:
+        return "no steps timed"
+    shown = sorted(
+        ((phase, fraction) for phase, fraction in split["fraction"].items() if fraction >= 0.005),
+        key=lambda item: -item[1],
+    )
+    parts = ", ".join(f"{phase} {100 * fraction:.0f}%" for phase, fraction in shown)
+    return (
+        f"{split['steps']} steps at {split['steps_per_second']} steps/s, {split['bound']}-bound: {parts}"
+        " (push_begin/transfer/commit overlap the next step when the push runs in the background)"
+    )
