@@ -14,6 +14,11 @@ The episode records the run's policy version before its first request and after 
 one returns, so the trainer judges the staleness of a long episode by its oldest token. A
 weight sync that pauses with in-flight requests kept only delays a turn; a turn the engine
 aborts ends the episode with ``abort``, its ids kept as generated.
+
+Two views of the text: ``messages`` keep special tokens (the chat template's rendering of
+the conversation, and what tool parsers read, since ``<tool_call>`` may be a special
+token); ``reward_text`` / ``reward_messages`` are what TRL's reward functions get, the ids
+decoded with ``skip_special_tokens=True``. Neither changes the ids or logprobs.
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from rollout_service.engine.protocol import Engine
 from rollout_service.environments import EnvironmentFactory, maybe_await
-from rollout_service.tools import ToolResult, ToolSet
+from rollout_service.tools import ParsedCall, ToolCall, ToolResult, ToolSet
 from rollout_service.types import EpisodeResult, FinishReason, PromptItem, SamplingParams
 
 DEFAULT_MAX_TURNS = 8
@@ -34,12 +39,27 @@ DEFAULT_MAX_TURNS = 8
 _MARKER = "ASSISTANT_TURN_MARKER"
 
 
+class Decode(Protocol):
+    """Token ids to text, as ``tokenizer.decode`` (``PromptRenderer.decode``)."""
+
+    def __call__(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+def _tool_calls(calls: Sequence[ParsedCall]) -> list[dict[str, Any]]:
+    """The calls the parser could read, in TRL's (and the chat template's) message form."""
+    return [
+        {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}
+        for c in calls
+        if isinstance(c, ToolCall)
+    ]
+
+
 async def run_single_turn(
     engine: Engine,
     prompt: PromptItem,
     params: SamplingParams,
     policy_version: Callable[[], int],
-    decode: Callable[[list[int]], str],
+    decode: Decode,
     affinity: str | None = None,
 ) -> EpisodeResult:
     version_first = policy_version()
@@ -47,6 +67,7 @@ async def run_single_turn(
     # Decoded here from the ids, not vLLM's incremental text (which holds back a partial
     # UTF-8 tail), so rewards see exactly what the ids say.
     text = decode(completion.token_ids)
+    reward_text = decode(completion.token_ids, skip_special_tokens=True)
     return EpisodeResult(
         completion_ids=completion.token_ids,
         logprobs=completion.logprobs,
@@ -56,6 +77,8 @@ async def run_single_turn(
         policy_version_first=version_first,
         policy_version_last=policy_version(),
         messages=({"role": "assistant", "content": text},),
+        reward_text=reward_text,
+        reward_messages=({"role": "assistant", "content": reward_text},),
     )
 
 
@@ -131,13 +154,15 @@ class MultiTurnConfig:
 
 
 class _Transcript:
-    """The growing completion: ids, behaviour logprobs, mask and the conversation as messages."""
+    """The growing completion: ids, behaviour logprobs, mask and the conversation as messages
+    (as the template renders them, and as reward functions see them)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.mask: list[int] = []
         self.messages: list[dict[str, str]] = []
+        self.reward_messages: list[dict[str, Any]] = []
 
     def add_generated(self, ids: list[int], logprobs: list[float]) -> None:
         self.ids += ids
@@ -149,6 +174,7 @@ class _Transcript:
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
         self.messages += messages
+        self.reward_messages += [dict(m) for m in messages]
 
 
 async def run_episode(
@@ -157,7 +183,7 @@ async def run_episode(
     params: SamplingParams,
     config: MultiTurnConfig,
     policy_version: Callable[[], int],
-    decode: Callable[[list[int]], str],
+    decode: Decode,
     affinity: str | None = None,
     on_tool_result: Callable[[ToolResult], None] | None = None,
 ) -> EpisodeResult:
@@ -202,6 +228,8 @@ async def run_episode(
         turn_ids = completion.token_ids
         transcript.add_generated(turn_ids, completion.logprobs)
         transcript.messages.append({"role": "assistant", "content": decode(config.template.content(turn_ids))})
+        turn_message: dict[str, Any] = {"role": "assistant", "content": decode(turn_ids, skip_special_tokens=True)}
+        transcript.reward_messages.append(turn_message)
         if completion.finish_reason != "stop":
             lowered = completion.finish_reason == "length" and cap < params.max_tokens
             finish = limit if lowered else completion.finish_reason  # the budget, not max_tokens, cut the turn
@@ -211,6 +239,8 @@ async def run_episode(
         new_messages: list[dict[str, str]]
         if calls:
             assert tools is not None
+            if readable := _tool_calls(calls):
+                turn_message["tool_calls"] = readable
             if turns >= config.max_turns:
                 finish = "max_turns"  # its results could never be shown to the model
                 break
@@ -251,4 +281,6 @@ async def run_episode(
         num_tool_failures=tool_failures,
         messages=tuple(transcript.messages),
         env_reward=env_reward,
+        reward_text=decode(transcript.ids, skip_special_tokens=True),
+        reward_messages=tuple(transcript.reward_messages),
     )

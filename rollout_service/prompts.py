@@ -153,8 +153,9 @@ class PromptRenderer:
             )
         return ids, self.decode(ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Special tokens are kept unless asked: samples and tool parsers see them, rewards do not."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class PromptSource(Protocol):

@@ -1,10 +1,31 @@
-"""Reward functions with TRL's signature and their registry.
+"""Reward functions with TRL's signature, their registry, and the inputs they are called with.
 
 A reward function is ``f(prompts, completions, completion_ids, **kwargs) -> list[float | None]``,
-sync or async. kwargs carry each prompt's metadata as lists (one entry per completion), as
-TRL passes dataset columns. Sync functions run in a worker thread so a slow one does not
-stall generation; every call has a timeout. A function that raises, times out or returns
-the wrong number of values fails its group with ``RewardError``; the service goes on.
+sync or async, called with keyword arguments exactly as TRL's ``GRPOTrainer`` calls it, with
+the same inputs (``reward_inputs``), so a TRL reward function (``trl.rewards`` included) scores
+a completion here as it would there:
+
+- ``completions``: the completion ids decoded with ``skip_special_tokens=True`` (no trailing
+  ``<|im_end|>``). For a conversational prompt (given as messages) each completion is
+  ``[{"role": "assistant", "content": text}]``, else the text. A multi-turn episode's
+  completion is always its message list: assistant turns (with ``tool_calls`` when the tool
+  parser read any), ``{"role": "tool", "name", "content"}`` results and environment
+  observations as user messages.
+- ``prompts``: the prompt's original messages (a conversational prompt), else its text.
+- ``completion_ids``: every completion id (template and tool ids of multi-turn episodes too).
+- kwargs: each prompt metadata key as a list (one entry per completion), as TRL passes
+  dataset columns; ``trainer_state`` (None: the service has no trainer state),
+  ``log_extra`` and ``log_metric`` (accepted, logged at debug level, not recorded); and the
+  service's own ``messages``, ``completion_messages``, ``env_reward``, ``num_turns``,
+  ``num_tool_calls``, ``num_tool_failures``. These names win over metadata keys of the same
+  name; metadata keys named ``prompts``, ``completions`` or ``completion_ids`` are not passed.
+
+TRL 1.16 no longer prepends a final assistant prompt message to the completion, and a chat
+prompt here always ends with a fresh assistant header, so there is no bootstrap prefix.
+
+Sync functions run in a worker thread so a slow one does not stall generation; every call
+has a timeout. A function that raises, times out or returns the wrong number of values
+fails its group with ``RewardError``; the service goes on.
 """
 
 from __future__ import annotations
@@ -12,54 +33,124 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_service.errors import InvalidArgument, RewardError
+from rollout_service.types import EpisodeResult, PromptItem
+
+logger = logging.getLogger(__name__)
 
 RewardFunction = Callable[..., list[float | None] | Awaitable[list[float | None]]]
 
+Message = dict[str, Any]
+Completion = str | list[Message]
+"""A completion as reward functions see it: a text, or (conversational) a message list."""
 
-def char_fraction(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs: Any):
-    """Fraction of the completion's non-space characters equal to the prompt's ``target_char``."""
+POSITIONAL = ("prompts", "completions", "completion_ids")
+"""The three inputs every reward function gets; never taken from prompt metadata."""
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """What every reward function of a group is called with (TRL's inputs)."""
+
+    prompts: list[str | list[Message]]
+    completions: list[Completion]
+    completion_ids: list[list[int]]
+    kwargs: dict[str, Any]
+
+
+def _log_extra(column: str, values: list[Any]) -> None:
+    logger.debug("reward log_extra %s: %.200r", column, values)
+
+
+def _log_metric(name: str, value: float) -> None:
+    logger.debug("reward log_metric %s: %r", name, value)
+
+
+def reward_inputs(prompt: PromptItem, episodes: Sequence[EpisodeResult], multi_turn: bool = False) -> RewardInputs:
+    """TRL's reward inputs for one group: ``prompt`` and its G finished ``episodes``.
+
+    ``multi_turn`` (a run with tools, an environment or several turns) makes every completion
+    a message list, whatever the prompt's form.
+    """
+    size = len(episodes)
+    conversational = bool(prompt.messages)
+    prompts: list[str | list[Message]] = [
+        [dict(m) for m in prompt.messages] if conversational else prompt.text for _ in episodes
+    ]
+    completions: list[Completion] = [
+        [dict(m) for m in e.reward_messages] if conversational or multi_turn else e.reward_text for e in episodes
+    ]
+    kwargs: dict[str, Any] = {key: [value] * size for key, value in prompt.metadata.items() if key not in POSITIONAL}
+    kwargs.update(
+        trainer_state=None,
+        log_extra=_log_extra,
+        log_metric=_log_metric,
+        messages=[[*(dict(m) for m in prompt.messages), *(dict(m) for m in e.reward_messages)] for e in episodes],
+        completion_messages=[[dict(m) for m in e.reward_messages] for e in episodes],
+        env_reward=[e.env_reward for e in episodes],
+        num_turns=[e.num_turns for e in episodes],
+        num_tool_calls=[e.num_tool_calls for e in episodes],
+        num_tool_failures=[e.num_tool_failures for e in episodes],
+    )
+    return RewardInputs(prompts, completions, [list(e.completion_ids) for e in episodes], kwargs)
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (multimodal content blocks: their text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
+
+
+def assistant_texts(completion: Completion) -> list[str]:
+    """The model's texts in a completion: the text itself, or each assistant message's content."""
+    if isinstance(completion, str):
+        return [completion]
+    return [_text(m.get("content")) for m in completion if m.get("role") == "assistant"]
+
+
+def char_fraction(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs: Any):
+    """Fraction of the non-space characters the model wrote (all its turns) equal to the
+    prompt's ``target_char``."""
     targets = kwargs.get("target_char") or ["a"] * len(completions)
     out: list[float | None] = []
-    for text, target in zip(completions, targets, strict=True):
-        chars = [c for c in text if not c.isspace()]
+    for completion, target in zip(completions, targets, strict=True):
+        chars = [c for text in assistant_texts(completion) for c in text if not c.isspace()]
         out.append(sum(c == target for c in chars) / len(chars) if chars else 0.0)
     return out
 
 
-def exact_answer(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs: Any):
+def exact_answer(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs: Any):
     """1.0 when the first number in the completion equals the prompt's ``answer``, else 0.0;
     None for prompts without an answer. In a multi-turn episode the completion is the model's
     last message (earlier turns hold tool calls and their arguments)."""
     answers = kwargs.get("answer") or [None] * len(completions)
-    finals = [_last_assistant(m) for m in kwargs.get("completion_messages") or [[]] * len(completions)]
     out: list[float | None] = []
-    for text, final, answer in zip(completions, finals, answers, strict=True):
-        text = text if final is None else final
+    for completion, answer in zip(completions, answers, strict=True):
         if answer is None:
             out.append(None)
             continue
-        match = re.search(r"-?\d+", text)
+        texts = assistant_texts(completion)
+        match = re.search(r"-?\d+", texts[-1] if texts else "")
         out.append(1.0 if match and match.group() == str(answer) else 0.0)
     return out
 
 
-def _last_assistant(messages: list[dict[str, str]]) -> str | None:
-    contents = [m.get("content", "") for m in messages if m.get("role") == "assistant"]
-    return contents[-1] if contents else None
-
-
-def completion_length(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs):
+def completion_length(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs):
     """Number of completion tokens (a diagnostic reward; weight it negatively to prefer short)."""
     return [float(len(ids)) for ids in completion_ids]
 
 
-def env_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs: Any):
+def env_reward(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs: Any):
     """The environment's summed step rewards of each episode (None for runs without an environment)."""
     return list(kwargs.get("env_reward") or [None] * len(completions))
 
@@ -102,28 +193,25 @@ class RewardRegistry:
             raise InvalidArgument(f"unknown reward function {name!r}; registered: {', '.join(self.names())}") from None
 
 
-async def call_reward(
-    name: str,
-    function: RewardFunction,
-    prompts: list[str],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    kwargs: dict[str, list[Any]],
-    timeout_s: float,
-) -> list[float]:
-    """One reward function over one group; None becomes NaN."""
+async def call_reward(name: str, function: RewardFunction, inputs: RewardInputs, timeout_s: float) -> list[float]:
+    """One reward function over one group, called as TRL calls it (keyword arguments); None becomes NaN."""
+    arguments = dict(
+        inputs.kwargs, prompts=inputs.prompts, completions=inputs.completions, completion_ids=inputs.completion_ids
+    )
+    expected = len(inputs.completions)
     try:
-        if inspect.iscoroutinefunction(function):
-            pending = function(prompts, completions, completion_ids, **kwargs)
+        # An instance of a class with ``async def __call__`` is async too (TRL's is_async_callable).
+        if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(type(function).__call__):
+            pending = function(**arguments)
         else:
-            pending = asyncio.to_thread(function, prompts, completions, completion_ids, **kwargs)
+            pending = asyncio.to_thread(function, **arguments)
         values = await asyncio.wait_for(pending, timeout_s)
     except TimeoutError:
         raise RewardError(f"reward {name!r} took longer than {timeout_s:.0f}s") from None
     except Exception as exc:
         raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
-    if not isinstance(values, list | tuple) or len(values) != len(completions):
-        raise RewardError(f"reward {name!r} returned {values!r:.80}; expected a list of {len(completions)}")
+    if not isinstance(values, list | tuple) or len(values) != expected:
+        raise RewardError(f"reward {name!r} returned {values!r:.80}; expected a list of {expected}")
     try:
         return [math.nan if v is None else float(v) for v in values]
     except (TypeError, ValueError) as exc:

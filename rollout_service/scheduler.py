@@ -31,7 +31,7 @@ from rollout_service.engine.protocol import Engine
 from rollout_service.episode import run_episode, run_single_turn
 from rollout_service.errors import EngineError, RewardError
 from rollout_service.metrics import RecentRate, ServiceMetrics
-from rollout_service.rewards import RewardRegistry, call_reward
+from rollout_service.rewards import RewardRegistry, call_reward, reward_inputs
 from rollout_service.runs import Run
 from rollout_service.slots import WeightedSlots
 from rollout_service.tools import ToolResult
@@ -247,25 +247,10 @@ class Scheduler:
         self, run: Run, prompt: PromptItem, group_id: str, episodes: list[EpisodeResult], seconds: float
     ) -> ScoredGroup:
         size = len(episodes)
-        prompts = [prompt.text] * size
-        completions = [e.text for e in episodes]
-        completion_ids = [e.completion_ids for e in episodes]
-        kwargs: dict[str, list[Any]] = {key: [value] * size for key, value in prompt.metadata.items()}
-        kwargs.update(_episode_kwargs(prompt, episodes))
+        inputs = reward_inputs(prompt, episodes, multi_turn=run.episode is not None)  # TRL's inputs
         names = [name for name, _ in run.spec.rewards]
         values = await asyncio.gather(
-            *(
-                call_reward(
-                    name,
-                    self.rewards.get(name),
-                    prompts,
-                    completions,
-                    completion_ids,
-                    kwargs,
-                    self.reward_timeout_s,
-                )
-                for name in names
-            )
+            *(call_reward(name, self.rewards.get(name), inputs, self.reward_timeout_s) for name in names)
         )
         components = dict(zip(names, values, strict=True))
         weights = run.reward_weights()
@@ -283,21 +268,6 @@ class Scheduler:
             advantages=run.advantages(totals),
             generation_seconds=seconds,
         )
-
-
-def _episode_kwargs(prompt: PromptItem, episodes: list[EpisodeResult]) -> dict[str, list[Any]]:
-    """What reward functions may see of each episode beyond its text: the whole conversation
-    (``messages``: the prompt's messages, then ``completion_messages``), the environment's
-    summed reward (``env_reward``, None without one), turns and tool calls. These names are
-    reserved: they win over prompt metadata keys of the same name."""
-    return {
-        "messages": [[*prompt.messages, *e.messages] for e in episodes],
-        "completion_messages": [list(e.messages) for e in episodes],
-        "env_reward": [e.env_reward for e in episodes],
-        "num_turns": [e.num_turns for e in episodes],
-        "num_tool_calls": [e.num_tool_calls for e in episodes],
-        "num_tool_failures": [e.num_tool_failures for e in episodes],
-    }
 
 
 def _member_params(base: SamplingParams, prompt_index: int, member: int, group_size: int) -> SamplingParams:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "max_turns", "max_episode_tokens", "max_model_len"]
 """Why an episode ended. ``stop``: the model ended its turn with nothing left to do (no tool
@@ -97,9 +97,16 @@ class EpisodeResult:
     num_tool_calls: int = 0
     num_tool_failures: int = 0
     messages: tuple[dict[str, str], ...] = ()
-    """The completion as a conversation (assistant turns, tool results, observations), for rewards."""
+    """The completion as a conversation (assistant turns, tool results, observations) as the
+    chat template renders it: special tokens kept (``<tool_call>`` of tool turns)."""
     env_reward: float | None = None
     """Sum of the environment's step rewards; None without an environment."""
+    reward_text: str = ""
+    """The completion ids decoded with ``skip_special_tokens=True``: TRL's completion text."""
+    reward_messages: tuple[dict[str, Any], ...] = ()
+    """The completion as TRL's reward functions see it: assistant messages whose content is
+    the turn's ids decoded with ``skip_special_tokens=True`` (plus ``tool_calls`` in TRL's
+    form when the tool parser read calls), then tool results and observations."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,11 @@
-"""Reward functions loaded through the ``reward_modules`` setting by the failure tests."""
+"""Reward functions loaded through the ``reward_modules`` setting by the integration tests:
+broken ones (test_failures.py), and TRL's own, unchanged, beside a recorder of what reward
+functions are given (test_trl_rewards.py)."""
 
 import asyncio
+import threading
+
+from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
 
 
 def always_raises(prompts, completions, completion_ids, **kwargs):
@@ -15,4 +20,34 @@ def constant(prompts, completions, completion_ids, **kwargs):
     return [1.0 for _ in completions]
 
 
-REWARD_FUNCTIONS = {"always_raises": always_raises, "hangs": hangs, "constant": constant}
+def exact_match(completions, answer, **kwargs):
+    """TRL style: 1.0 when the completion's text is exactly the prompt's ``answer``."""
+    return [float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)]
+
+
+RECORDED: list[dict] = []
+"""Every call of ``record_inputs``: its keyword arguments (the service runs in the test's process)."""
+_RECORDED_LOCK = threading.Lock()
+
+
+def record_inputs(**kwargs):
+    with _RECORDED_LOCK:
+        RECORDED.append(kwargs)
+    return [0.0 for _ in kwargs["completions"]]
+
+
+TRL_REWARDS = {
+    "trl_think_format": think_format_reward,
+    "trl_repetition_penalty": get_repetition_penalty_reward(ngram_size=2),
+    "trl_soft_overlong": get_soft_overlong_punishment(max_completion_len=16, soft_punish_cache=8),
+}
+"""TRL's reward functions as ``trl.rewards`` ships them (accuracy_reward needs math_verify)."""
+
+REWARD_FUNCTIONS = {
+    "always_raises": always_raises,
+    "hangs": hangs,
+    "constant": constant,
+    "exact_match": exact_match,
+    "record_inputs": record_inputs,
+    **TRL_REWARDS,
+}

@@ -61,7 +61,9 @@ async def test_groups_carry_consistent_samples(client: RolloutClient, tiny_model
             assert all(lp <= 0.0 for lp in sample.completion_logprobs)
             assert list(sample.prompt_token_ids) == expected_prompt
             assert sample.completion_text == tokenizer.decode(sample.completion_token_ids)
-            assert sample.reward == pytest.approx(reference_char_fraction(sample.completion_text, target), abs=1e-6)
+            # Rewards see TRL's completion: the ids decoded without special tokens (no <|im_end|>).
+            reward_text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+            assert sample.reward == pytest.approx(reference_char_fraction(reward_text, target), abs=1e-6)
             assert [c.name for c in sample.reward_components] == ["char_fraction"]
             assert sample.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
             assert sample.policy_version_first == sample.policy_version_last == 0

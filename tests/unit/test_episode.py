@@ -180,7 +180,7 @@ async def test_rewards_see_the_whole_conversation_and_the_environment_reward(tok
     seen: list[dict[str, Any]] = []
 
     def record(prompts, completions, completion_ids, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(kwargs)
+        seen.append({**kwargs, "prompts": prompts, "completions": completions})
         return [0.0] * len(completions)
 
     rewards = RewardRegistry()
@@ -205,6 +205,8 @@ async def test_rewards_see_the_whole_conversation_and_the_environment_reward(tok
         {"role": "assistant", "content": "3"},
     ]
     assert kwargs["completion_messages"][0] == kwargs["messages"][0][1:]
+    # TRL's form: the prompt's messages, the completion as its conversation.
+    assert kwargs["prompts"][0] == [user] and kwargs["completions"][0] == kwargs["completion_messages"][0]
     sample = group_to_pb(group).samples[0]
     assert (sample.num_turns, sample.num_tool_calls, sample.finish_reason) == (2, 0, pb.FINISH_REASON_STOP)
     assert run.counters.turns == 4

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from rollout_service.errors import InvalidArgument, RewardError
-from rollout_service.rewards import RewardRegistry, call_reward, char_fraction, exact_answer
+from rollout_service.rewards import RewardInputs, RewardRegistry, call_reward, char_fraction, exact_answer
 
 
 def test_char_fraction_counts_non_space_characters() -> None:
@@ -29,7 +29,7 @@ def test_unknown_reward_lists_the_registered_ones() -> None:
 
 
 async def _call(function, timeout_s: float = 5.0) -> list[float]:
-    return await call_reward("f", function, ["p", "q"], ["a", "b"], [[1], [2]], {}, timeout_s)
+    return await call_reward("f", function, RewardInputs(["p", "q"], ["a", "b"], [[1], [2]], {}), timeout_s)
 
 
 async def test_sync_and_async_functions_and_none_as_nan() -> None:
@@ -47,9 +47,9 @@ async def test_sync_and_async_functions_and_none_as_nan() -> None:
 @pytest.mark.parametrize(
     ("function", "message"),
     [
-        (lambda p, c, ids, **kw: 1 / 0, "raised ZeroDivisionError"),
-        (lambda p, c, ids, **kw: [1.0], "expected a list of 2"),
-        (lambda p, c, ids, **kw: ["x", 1.0], "non-number"),
+        (lambda prompts, completions, completion_ids, **kw: 1 / 0, "raised ZeroDivisionError"),
+        (lambda prompts, completions, completion_ids, **kw: [1.0], "expected a list of 2"),
+        (lambda prompts, completions, completion_ids, **kw: ["x", 1.0], "non-number"),
     ],
 )
 async def test_bad_reward_functions_raise_reward_error(function, message: str) -> None:
