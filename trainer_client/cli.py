@@ -45,7 +45,9 @@ def main(
     max_tokens: Annotated[int, typer.Option(help="Tokens per completion")] = 32,
     max_steps: Annotated[int, typer.Option(help="Optimizer steps")] = 60,
     learning_rate: Annotated[float, typer.Option()] = 5e-3,
-    max_staleness: Annotated[int, typer.Option(help="Drop groups older than this many versions")] = 2,
+    max_staleness: Annotated[
+        int, typer.Option(help="Drop groups older than this many versions (1 reached the target fastest)")
+    ] = 1,
     weight_sync_steps: Annotated[int, typer.Option(help="Push weights every this many steps")] = 1,
     loss_type: Annotated[str, typer.Option(help="grpo, bnpo, dr_grpo, dapo, cispo, sapo, ...")] = "dapo",
     beta: Annotated[float, typer.Option(help="KL coefficient to the starting policy (0: no reference model)")] = 0.0,
@@ -58,6 +60,13 @@ def main(
         str, typer.Option(help="merged: push base+adapter weights; adapter: vLLM serves the run's adapter")
     ] = "merged",
     max_buffered_groups: Annotated[int, typer.Option(help="Service-side buffer of the run")] = 8,
+    max_inflight: Annotated[
+        int, typer.Option(min=0, help="Episodes of the run generating at once (0: the service's slots)")
+    ] = 0,
+    background_push: Annotated[
+        bool,
+        typer.Option(help="Push while the next step trains (needs --max-staleness >= 1); --no-background-push waits"),
+    ] = True,
     admission: Annotated[
         str, typer.Option(help="staleness: generate only what trains within max-staleness; buffer: fill the buffer")
     ] = "staleness",
@@ -103,6 +112,7 @@ def main(
             loss_type=loss_type,
             max_tokens=max_tokens,
             beta=beta,
+            background_push=background_push,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -120,6 +130,7 @@ def main(
         max_tokens,
         max_buffered_groups,
         admission,  # type: ignore[arg-type]
+        max_inflight=max_inflight,
     )
     summary = train(
         target,

