@@ -11,7 +11,8 @@ bookkeeping, logging, callbacks):
 
 - ``wait_groups``: blocked on the stream, no fresh group at hand;
 - ``collate``: turning samples into padded tensors;
-- ``forward``: log-probs and loss; ``backward``; ``optimizer`` (clipping included);
+- ``forward``: log-probs and loss; ``backward``; ``optimizer`` (the step itself; gradient
+  clipping runs before it and counts in ``other``);
 - ``push_snapshot``: copying the weights for a background push; ``push_wait``: waiting for
   the previous push to finish before starting the next one (both on the step's path);
 - ``push_begin``, ``push_transfer``, ``push_commit``: the weight push's RPCs and broadcast.

@@ -430,11 +430,15 @@ class _SyncAndAck(TrainerCallback):
         version = None
         if state.is_world_process_zero:
             model = trainer.accelerator.unwrap_model(trainer.model)
-            timeout_s = trainer.pusher.timeout_s + 120
-            version = trainer.feed.call(trainer.pusher.push_policy(model), timeout_s=timeout_s)
+            version = trainer.feed.call(trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s())
         if trainer.args.world_size > 1:
             version = broadcast_object_list([version], from_process=0)[0]
         trainer.feed.current_version = version
+
+    def _push_timeout_s(self) -> float:
+        """How long the training thread waits for one push: the transfer bound plus the RPCs'."""
+        assert self.trainer.pusher is not None
+        return self.trainer.pusher.timeout_s + 120
 
     def _push_in_background(self) -> None:
         """Snapshot the weights and start their push; the trainer goes on at once."""
@@ -456,7 +460,7 @@ class _SyncAndAck(TrainerCallback):
         trainer = self.trainer
         assert trainer.pusher is not None
         with trainer.clock.measure("push_wait"):
-            version = future.result(timeout=trainer.pusher.timeout_s + 120)
+            version = future.result(timeout=self._push_timeout_s())
         trainer.feed.current_version, trainer.feed.pushes_in_flight = version, 0
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
