@@ -136,7 +136,11 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
         )
         stack.push_async_callback(service.close)
         service.weight_sync = WeightSyncCoordinator(
-            controls, settings.weight_sync, service.set_policy_version, metrics=metrics
+            controls,
+            settings.weight_sync,
+            service.set_policy_version,
+            metrics=metrics,
+            on_trainer_version=service.set_trainer_version,
         )
         service.adapters = AdapterPublisher(
             settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(engine_settings)

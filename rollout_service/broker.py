@@ -7,17 +7,22 @@ consumers at once. Acks are idempotent by group id.
 
 Staleness-aware admission: with ``max_staleness`` set, the broker also keeps the groups
 started but not yet consumed (reserved + buffered + leased) within what the consumers will
-train before those groups exceed max_staleness. It learns C, the groups trained per policy
-version, from the trained acks between version bumps (drops do not count: counting them
-would let more in after every drop, and drop more). A group admitted now, behind P pending
-groups and with k groups already trained at this version, trains about (k + P) / C versions
-from now, so it is admitted only while k + P < (max_staleness + 1) * C, and always while P
-is below one version's worth (the trainer is never starved because the estimate is off).
-Until C is measured, the consumers' credits stand in for it (a trainer asks for one step's
-worth), once some trainer has pushed: a run whose policy never changes has nothing to go
-stale, so before the first version bump only max_buffered applies. ``await_version`` holds a run's generation
-until the servers hold at least that version (the trainer's first push), so no group is
-generated from weights its trainer will refuse.
+train before those groups exceed max_staleness. Two versions matter: V, what the servers
+hold (a group admitted now samples from it), and T, the trainer's, which runs one ahead of
+V while a push is in flight (``set_trainer_version`` at its begin, and at an abort). A group
+admitted now, behind P pending groups and with k groups already trained at T, trains at
+about T + (k + P) / C, so it is admitted only while k + P < (max_staleness - (T - V) + 1) * C,
+where C is the groups trained per trainer version. Acks say the version they were trained
+at (an ack without one counts at T), so an ack that reaches the service after the next
+push's begin still lands on the version it was trained at; C is learned as T moves on.
+When T == V, a run whose pending groups are below one version's worth is always admitted,
+so an estimate that is off never starves the trainer; while a push is in flight the
+commit will come and re-open admission. Until C is measured, the consumers' credits
+stand in for it (a trainer asks for one step's worth), once some trainer has pushed: a run
+whose policy never changes has nothing to go stale, so before the first version bump only
+max_buffered applies. ``await_version`` holds a run's generation until the servers hold at
+least that version (the trainer's first push), so no group is generated from weights its
+trainer will refuse.
 
 Lease timeout: a consumer that stays connected but stops acking (a hung trainer) would hold
 its groups for ever. With ``lease_timeout_s`` set, a lease older than that returns to the
@@ -84,8 +89,10 @@ class RunBroker:
         self.max_staleness = max_staleness
         self.policy_version = policy_version
         self.await_version = await_version
-        self.trained_at_version = 0
-        """Groups acked as trained since the last policy-version bump."""
+        self.trainer_version = policy_version
+        """T: the servers' version, plus one while a push is in flight."""
+        self.trained_by_version: dict[int, int] = {}
+        """Groups acked as trained, by the trainer version they were trained at (recent ones)."""
         self.trained_per_version: float | None = None
         """C: moving average of groups trained per version; None until measured."""
         self.credits: dict[str, int] = {}
@@ -129,8 +136,14 @@ class RunBroker:
         if self.max_staleness is None or per_version is None:
             return True
         pending = self.reserved + len(self.buffered) + self.num_leased
-        budget = (self.max_staleness + 1) * per_version - self.trained_at_version
-        return pending < max(budget, per_version)
+        lag = self.trainer_version - self.policy_version
+        budget = (self.max_staleness - lag + 1) * per_version - self.trained_at_version
+        return pending < budget or (lag == 0 and pending < per_version)
+
+    @property
+    def trained_at_version(self) -> int:
+        """k: groups acked as trained at the trainer's current version."""
+        return self.trained_by_version.get(self.trainer_version, 0)
 
     async def reserve(self) -> bool:
         """Wait for room and reserve a place for one group; False once the run is closed."""
@@ -173,18 +186,37 @@ class RunBroker:
             self.metrics.admission_wait_seconds.labels(self.run_id).inc(waited)
 
     def set_policy_version(self, version: int) -> None:
-        """The servers now hold this version: learn C from the groups trained since the last
-        bump (a bump with nothing trained, like a trainer's first push, teaches nothing)."""
+        """The servers now hold this version (a push committed)."""
         if version <= self.policy_version:
             return
-        if self.trained_at_version:
-            sample = self.trained_at_version / (version - self.policy_version)
-            previous = self.trained_per_version
-            self.trained_per_version = sample if previous is None else 0.5 * previous + 0.5 * sample
         self.policy_version = version
         self.version_bumped = True
-        self.trained_at_version = 0
+        self._advance_trainer(max(version, self.trainer_version))
         self._wake_soon()
+
+    def set_trainer_version(self, version: int) -> None:
+        """The trainer's weights are at this version: one ahead of the servers' when a push
+        begins, the servers' again when it is aborted."""
+        if version > self.trainer_version:
+            self._advance_trainer(version)
+        elif version < self.trainer_version:
+            self.trainer_version = max(version, self.policy_version)
+        self._wake_soon()
+
+    def _advance_trainer(self, version: int) -> None:
+        """Move T forward and learn C from the version that just ended (one with nothing
+        trained, like the one before a trainer's first push, teaches nothing)."""
+        ended = self.trainer_version
+        if version <= ended:
+            return
+        self.trainer_version = version
+        trained = self.trained_by_version.pop(ended, 0)
+        if trained:
+            sample = trained / (version - ended)
+            previous = self.trained_per_version
+            self.trained_per_version = sample if previous is None else 0.5 * previous + 0.5 * sample
+        for old in [v for v in self.trained_by_version if v < ended]:
+            del self.trained_by_version[old]
 
     def _wake_soon(self) -> None:
         """Wake waiters from synchronous code (notify needs the condition's lock)."""
@@ -273,8 +305,9 @@ class RunBroker:
             self.metrics.groups_returned.labels(self.run_id, "lease_expired").inc(len(returned))
             self._update_gauges()
 
-    def ack(self, consumer_id: str, group_ids: list[str], status: str) -> int:
-        """Remove acked groups; returns how many were newly acked. Repeats are no-ops."""
+    def ack(self, consumer_id: str, group_ids: list[str], status: str, trained_at: int | None = None) -> int:
+        """Remove acked groups; returns how many were newly acked. Repeats are no-ops.
+        ``trained_at``: the trainer version they were trained at (None: the current T)."""
         leased = self.leases.get(consumer_id, {})
         newly = 0
         for group_id in group_ids:
@@ -296,7 +329,9 @@ class RunBroker:
                 del self.expired_from[group_id]  # it came back to this consumer, which acked it
             self._remember(self.acked, group_id, status)
             self.ack_counts[status] += 1
-            self.trained_at_version += status == ACK_TRAINED
+            if status == ACK_TRAINED:
+                version = self.trainer_version if trained_at is None else trained_at
+                self.trained_by_version[version] = self.trained_by_version.get(version, 0) + 1
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             newly += 1
         self._update_gauges()

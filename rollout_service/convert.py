@@ -138,7 +138,6 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         lease_timeout_s=spec.lease_timeout_seconds,
         await_first_update=spec.await_first_update,
         serve_adapter=spec.serve_adapter,
-        trainer_version_lead=spec.trainer_version_lead,
     )
 
 
@@ -164,7 +163,6 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         lease_timeout_seconds=spec.lease_timeout_s,
         await_first_update=spec.await_first_update,
         serve_adapter=spec.serve_adapter,
-        trainer_version_lead=spec.trainer_version_lead,
     )
     if spec.episode.multi_turn:
         out.episode.CopyFrom(episode_to_pb(spec.episode))

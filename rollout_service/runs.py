@@ -43,8 +43,6 @@ class RunSpec:
     """0: the service's default."""
     await_first_update: bool = False
     serve_adapter: bool = False
-    trainer_version_lead: int = 0
-    """Versions the trainer's weights run ahead of the servers' (1: it pushes in the background)."""
 
     def validate(self) -> None:
         if self.group_size < 2:
@@ -54,11 +52,6 @@ class RunSpec:
             )
         if self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness is {self.max_staleness}; it must be >= 0")
-        if self.trainer_version_lead > self.max_staleness:
-            raise InvalidArgument(
-                f"trainer_version_lead is {self.trainer_version_lead} but max_staleness is {self.max_staleness}: "
-                "every group would be too old when trained; raise max_staleness or let the trainer wait for its pushes"
-            )
         if not self.rewards:
             raise InvalidArgument("reward_functions is empty; name at least one reward function")
         names = [name for name, _ in self.rewards]

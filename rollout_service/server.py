@@ -119,7 +119,9 @@ class ConsumerSession:
         elif kind == "ack":
             if message.ack.status not in ACK_FROM_PB:
                 raise InvalidArgument(f"ack.status {message.ack.status} is not a known AckStatus")
-            self.broker.ack(self.consumer_id, list(message.ack.group_ids), ACK_FROM_PB[message.ack.status])
+            ack = message.ack
+            trained_at = ack.policy_version if ack.HasField("policy_version") else None
+            self.broker.ack(self.consumer_id, list(ack.group_ids), ACK_FROM_PB[ack.status], trained_at)
         elif kind == "subscribe":
             raise InvalidArgument("subscribe may only be the first message of a stream")
         else:

@@ -102,6 +102,13 @@ class RolloutService:
             if not run.spec.serve_adapter:
                 run.broker.set_policy_version(version)
 
+    def set_trainer_version(self, version: int) -> None:
+        """A push of base weights began (version: the servers' plus one) or was aborted
+        (theirs): admission plans with the trainer's version, which leads the servers'."""
+        for run in self.runs.values():
+            if not run.spec.serve_adapter:
+                run.broker.set_trainer_version(version)
+
     async def create_run(self, spec: RunSpec) -> Run:
         spec.validate()
         for name, _ in spec.rewards:
@@ -136,8 +143,7 @@ class RolloutService:
             max_buffered,
             self.metrics,
             lease_timeout_s=spec.lease_timeout_s or self.settings.lease_timeout_s,
-            # Staleness in the servers' versions: the trainer's lead is already spent.
-            max_staleness=spec.max_staleness - spec.trainer_version_lead if spec.admission == "staleness" else None,
+            max_staleness=spec.max_staleness if spec.admission == "staleness" else None,
             policy_version=version,
             await_version=version + 1 if spec.await_first_update else 0,
             free_clock=self.scheduler.slots.free_seconds,

@@ -100,6 +100,7 @@ class WeightSyncCoordinator:
         settings: WeightSyncSettings,
         on_version: Callable[[int], None],
         version: int = 0,
+        on_trainer_version: Callable[[int], None] = lambda version: None,
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -114,6 +115,8 @@ class WeightSyncCoordinator:
         self._metrics = metrics
         self._clock = clock
         self._on_version = on_version
+        self._on_trainer_version = on_trainer_version
+        """Told the trainer's version: one ahead of the servers' from a begin, theirs again on an abort."""
         self._current: _Update | None = None
         self._last_aborted: _Update | None = None
         self._group: tuple[str, int] | None = None
@@ -148,6 +151,7 @@ class WeightSyncCoordinator:
             )
             update.pipeline.add_done_callback(lambda task: self._pipeline_done(update, task))
             self._current = update
+            self._on_trainer_version(self.version + 1)
             self._spawn(self._watchdog(update))
         logger.info(
             "weight update %s begun for run %s (%d tensors, join=%s)", update.update_id, run_id, len(tensors), join
@@ -294,6 +298,7 @@ class WeightSyncCoordinator:
         self._group = None  # a failed transfer group cannot be trusted: re-join next time
         await self._resume(update)
         self._current = None
+        self._on_trainer_version(self.version)
         self.updates_aborted += 1
         self._finished(update, committed=False)
         logger.warning(

@@ -51,9 +51,12 @@ class GroupStream:
         group_ids: list[str],
         status: pb.AckStatus.ValueType = pb.ACK_STATUS_TRAINED,
         regrant: bool = True,
+        policy_version: int | None = None,
     ) -> None:
-        """Ack groups and (by default) grant as many new credits."""
-        self._outbox.put_nowait(pb.StreamSamplesRequest(ack=pb.Ack(group_ids=group_ids, status=status)))
+        """Ack groups and (by default) grant as many new credits. ``policy_version``: the
+        version they were trained at, so the service's admission counts them there."""
+        ack = pb.Ack(group_ids=group_ids, status=status, policy_version=policy_version)
+        self._outbox.put_nowait(pb.StreamSamplesRequest(ack=ack))
         if regrant and group_ids:
             self.grant(len(group_ids))
 

@@ -16,6 +16,7 @@ trains the next step with weights one version ahead of what vLLM serves.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -149,14 +150,14 @@ class GroupFeed:
     def ack_trained(self, group_ids: list[str]) -> None:
         self.counters.trained += len(group_ids)
         self.counters.trained_group_ids.extend(group_ids)
-        self._ack(group_ids, pb.ACK_STATUS_TRAINED)
+        self._ack(group_ids, pb.ACK_STATUS_TRAINED, self.training_version)
 
     def ack_dropped_stale(self, group_ids: list[str]) -> None:
         self.counters.dropped_stale += len(group_ids)
         self._ack(group_ids, pb.ACK_STATUS_DROPPED_STALE)
 
-    def _ack(self, group_ids: list[str], status: pb.AckStatus.ValueType) -> None:
+    def _ack(self, group_ids: list[str], status: pb.AckStatus.ValueType, version: int | None = None) -> None:
         stream = self._stream
         assert stream is not None
         with self.clock.measure("ack"):
-            self._loop.call_soon_threadsafe(stream.ack, group_ids, status)
+            self._loop.call_soon_threadsafe(functools.partial(stream.ack, group_ids, status, policy_version=version))

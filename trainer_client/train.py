@@ -125,8 +125,6 @@ async def _create_run(
         # This trainer pushes before it trains and refuses groups of older weights: generating
         # before that push would only make groups to drop.
         spec.await_first_update = pushes
-        # While a background push lands, the trainer's weights are a version ahead of vLLM's.
-        spec.trainer_version_lead = int(pushes and config.pushes_in_background(not serve_adapter))
         return (await client.create_run(spec)).run_id
 
 

@@ -187,6 +187,48 @@ async def test_admission_keeps_pending_groups_within_what_trains_before_max_stal
     assert not broker.has_room()
 
 
+async def test_one_step_off_policy_pipeline_generates_the_next_step_while_this_one_trains() -> None:
+    """max_staleness 1, a trainer that pushes in the background: while step s trains on its
+    leased groups, the next step's groups are generated from the weights step s-1 made."""
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker.subscribe("c", credits=4)
+    broker.set_trainer_version(1)  # the first push begins ...
+    broker.set_policy_version(1)  # ... and lands
+    await produce(broker, *(f"a{i}" for i in range(4)))
+    taken = [(await broker.take("c")).group_id for _ in range(4)]  # step 1 trains at version 1
+    await produce(broker, *(f"b{i}" for i in range(4)))  # step 2's groups, generated meanwhile
+    assert not broker.has_room()  # a third step's worth would be two versions old
+    broker.ack("c", taken, ACK_TRAINED, trained_at=1)
+    broker.set_trainer_version(2)  # step 1's push begins; the servers still hold version 1
+    assert not broker.has_room()  # admitted now, from version 1, it would train at version 3
+    broker.set_policy_version(2)  # the push lands: generating from version 2 is fine again
+    assert broker.trained_per_version == 4
+    assert broker.has_room()
+
+
+async def test_an_ack_that_arrives_after_the_next_push_began_counts_where_it_was_trained() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker.subscribe("c", credits=4)
+    broker.set_trainer_version(1)
+    broker.set_policy_version(1)
+    await produce(broker, *(f"a{i}" for i in range(4)))
+    taken = [(await broker.take("c")).group_id for _ in range(4)]
+    broker.set_trainer_version(2)  # the begin overtook the ack
+    broker.ack("c", taken, ACK_TRAINED, trained_at=1)
+    assert broker.trained_at_version == 0  # nothing is trained at version 2 yet
+
+
+async def test_an_aborted_push_gives_the_trainer_the_servers_version_back() -> None:
+    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=0)
+    broker.subscribe("c", credits=2)
+    broker.set_policy_version(1)
+    assert broker.has_room()
+    broker.set_trainer_version(2)  # a push begins: anything admitted now would be stale
+    assert not broker.has_room()
+    broker.set_trainer_version(1)  # aborted: the trainer goes on from version 1
+    assert broker.has_room()
+
+
 async def test_admission_never_starves_below_one_versions_worth() -> None:
     broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=0)
     broker.subscribe("c")

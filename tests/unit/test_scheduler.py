@@ -4,7 +4,6 @@ import logging
 import pytest
 
 from rollout_service.convert import stats_to_pb
-from rollout_service.errors import InvalidArgument
 from rollout_service.metrics import RecentRate
 from rollout_service.prompts import PromptSpec
 from rollout_service.runs import RunSpec
@@ -155,16 +154,16 @@ async def test_stats_account_tokens_slot_time_and_admission_waits() -> None:
     assert gauge is not None and 0 < gauge <= 4
 
 
-async def test_a_trainer_that_pushes_in_the_background_gets_admission_one_version_tighter() -> None:
-    """Its weights run a version ahead of the servers', so a group admitted by the servers'
-    versions must be trainable within max_staleness - 1 of them."""
+async def test_a_push_that_begins_moves_the_trainer_version_of_runs_on_the_base_weights() -> None:
+    """Admission plans with the trainer's version, which leads the servers' while a push lands."""
     service = make_service(ScriptedEngine(hold=True))
-    waiting = await service.create_run(spec([[1]], max_staleness=2))
-    leading = await service.create_run(spec([[1]], max_staleness=2, trainer_version_lead=1))
+    base = await service.create_run(spec([[1]], max_staleness=2))
+    adapter = await service.create_run(spec([[1]], max_staleness=2, serve_adapter=True))
     try:
-        assert waiting.broker.max_staleness == 2
-        assert leading.broker.max_staleness == 1
+        service.set_trainer_version(1)
+        assert (base.broker.trainer_version, base.broker.policy_version) == (1, 0)
+        assert adapter.broker.trainer_version == 0  # its versions count its own adapter pushes
+        service.set_policy_version(1)
+        assert (base.broker.trainer_version, base.broker.policy_version) == (1, 1)
     finally:
         await service.close()
-    with pytest.raises(InvalidArgument, match="trainer_version_lead is 1 but max_staleness is 0"):
-        spec([[1]], max_staleness=0, trainer_version_lead=1).validate()
