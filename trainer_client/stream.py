@@ -147,10 +147,11 @@ class GroupFeed:
         at = self.training_version if at_version is None else at_version
         return policy_version >= self.min_version and at - policy_version <= self.max_staleness
 
-    def ack_trained(self, group_ids: list[str]) -> None:
+    def ack_trained(self, group_ids: list[str], version: int | None = None) -> None:
+        """``version``: the policy version they were trained at (default: the trainer's now)."""
         self.counters.trained += len(group_ids)
         self.counters.trained_group_ids.extend(group_ids)
-        self._ack(group_ids, pb.ACK_STATUS_TRAINED, self.training_version)
+        self._ack(group_ids, pb.ACK_STATUS_TRAINED, self.training_version if version is None else version)
 
     def ack_dropped_stale(self, group_ids: list[str]) -> None:
         self.counters.dropped_stale += len(group_ids)

@@ -346,8 +346,9 @@ class AsyncGRPOTrainer(Trainer):
         with policy.disable_adapter():  # PEFT: the base model is the reference
             return self._completion_logprobs(policy, inputs)
 
-    def step_record(self, step: int, book: _StepBook) -> dict[str, Any]:
-        """The step's metrics over all data-parallel ranks (every rank must call this)."""
+    def step_record(self, step: int, book: _StepBook, version: int) -> dict[str, Any]:
+        """The step's metrics over all data-parallel ranks (every rank must call this);
+        ``version``: the policy version the step trained at."""
         counters = self.feed.counters
         sums, maxima = self.over_ranks(
             [
@@ -363,7 +364,7 @@ class AsyncGRPOTrainer(Trainer):
         reward_sum, rewards, groups, dropped, trained, received = (int(v) if i else v for i, v in enumerate(sums))
         record: dict[str, Any] = {
             "step": step,
-            "policy_version": self.feed.training_version,
+            "policy_version": version,
             "reward_mean": reward_sum / rewards if rewards else float("nan"),
             "groups": groups,
             "group_ids": list(book.group_ids),  # this process's
@@ -466,16 +467,19 @@ class _SyncAndAck(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         trainer = self.trainer
         book, trainer.book = trainer.book, _StepBook()
-        trainer.feed.ack_trained(list(book.group_ids))
-        trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
-        record = trainer.step_record(state.global_step, book)  # at the version trained on
+        trained_at = trainer.feed.training_version
         config: AsyncGRPOConfig = trainer.args
         background = trainer.pushes_in_background
-        if state.global_step % config.weight_sync_steps == 0:
-            if background:
-                self._push_in_background()
-            else:
-                self._push(state)
+        due = state.global_step % config.weight_sync_steps == 0
+        if due and not background:
+            # Push before acking: an ack frees admission for the next groups, which must
+            # sample from the new weights (with max_staleness 0 the old ones are too old).
+            self._push(state)
+        trainer.feed.ack_trained(list(book.group_ids), trained_at)
+        trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
+        record = trainer.step_record(state.global_step, book, trained_at)
+        if due and background:
+            self._push_in_background()
         now = time.perf_counter()
         record["seconds"] = step_seconds(trainer.clock.take(), now - self._step_started, not background)
         self._step_started = now
