@@ -24,9 +24,10 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
-from rollout_service.engine.protocol import Engine
+from rollout_service.engine.protocol import Engine, GroupEngine
 from rollout_service.errors import FailedPrecondition, InvalidArgument
 from rollout_service.types import Completion, SamplingParams
 
@@ -171,7 +172,15 @@ class AdapterRouting:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, affinity: str | None = None
     ) -> Completion:
+        return await self.engine.generate(prompt_ids, self._with_adapter(params), affinity=affinity)
+
+    async def generate_many(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
+    ) -> list[Completion]:
+        """Only called when the wrapped engine is a ``GroupEngine`` (the scheduler checks)."""
+        engine = cast(GroupEngine, self.engine)
+        return await engine.generate_many(prompt_ids, self._with_adapter(params), n, affinity=affinity)
+
+    def _with_adapter(self, params: SamplingParams) -> SamplingParams:
         adapter = self.current()
-        if adapter is not None:
-            params = replace(params, model=adapter)
-        return await self.engine.generate(prompt_ids, params, affinity=affinity)
+        return params if adapter is None else replace(params, model=adapter)

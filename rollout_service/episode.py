@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from rollout_service.engine.protocol import Engine
+from rollout_service.engine.protocol import Engine, GroupEngine
 from rollout_service.environments import EnvironmentFactory, maybe_await
 from rollout_service.tools import ParsedCall, ToolCall, ToolResult, ToolSet
-from rollout_service.types import EpisodeResult, FinishReason, PromptItem, SamplingParams
+from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams
 
 DEFAULT_MAX_TURNS = 8
 """Model turns of a tool or environment episode when the run does not say."""
@@ -64,6 +64,26 @@ async def run_single_turn(
 ) -> EpisodeResult:
     version_first = policy_version()
     completion = await engine.generate(prompt.token_ids, params, affinity=affinity)
+    return _single_turn_result(completion, version_first, policy_version(), decode)
+
+
+async def run_single_turn_group(
+    engine: GroupEngine,
+    prompt: PromptItem,
+    params: SamplingParams,
+    size: int,
+    policy_version: Callable[[], int],
+    decode: Decode,
+    affinity: str | None = None,
+) -> list[EpisodeResult]:
+    """A whole single-turn group from one request (see ``GroupEngine``)."""
+    version_first = policy_version()
+    completions = await engine.generate_many(prompt.token_ids, params, size, affinity=affinity)
+    version_last = policy_version()
+    return [_single_turn_result(c, version_first, version_last, decode) for c in completions]
+
+
+def _single_turn_result(completion: Completion, version_first: int, version_last: int, decode: Decode) -> EpisodeResult:
     # Decoded here from the ids, not vLLM's incremental text (which holds back a partial
     # UTF-8 tail), so rewards see exactly what the ids say.
     text = decode(completion.token_ids)
@@ -75,7 +95,7 @@ async def run_single_turn(
         finish_reason=completion.finish_reason,
         text=text,
         policy_version_first=version_first,
-        policy_version_last=policy_version(),
+        policy_version_last=version_last,
         messages=({"role": "assistant", "content": text},),
         reward_text=reward_text,
         reward_messages=({"role": "assistant", "content": reward_text},),

@@ -8,7 +8,9 @@ Invariants:
 - a group reaches its run's broker exactly once, scored, or is dropped and counted:
   a failed request, a failed reward or a cancelled member drops the whole group (a group
   with a missing member would bias its advantages);
-- each group is scored the moment its last member finishes, while generation goes on.
+- each group is scored the moment its last member finishes, while generation goes on;
+- a single-turn group without per-member seeds is one request for all G samples when the
+  engine can (``GroupEngine``), holding G slots like G members would.
 
 Every task is owned: the scheduler keeps it until it ends, and a feeder that dies marks
 its run failed with the error instead of vanishing.
@@ -23,12 +25,12 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from rollout_service.adapters import AdapterRouting
 from rollout_service.advantages import weighted_total
-from rollout_service.engine.protocol import Engine
-from rollout_service.episode import run_episode, run_single_turn
+from rollout_service.engine.protocol import Engine, GroupEngine, samples_groups_at_once
+from rollout_service.episode import run_episode, run_single_turn, run_single_turn_group
 from rollout_service.errors import EngineError, RewardError
 from rollout_service.metrics import RecentRate, ServiceMetrics
 from rollout_service.rewards import RewardRegistry, call_reward, reward_inputs
@@ -146,7 +148,19 @@ class Scheduler:
         run.counters.groups_started += 1
         self.metrics.groups_started.labels(run.run_id).inc()
         started = time.monotonic()
-        members: list[asyncio.Task[EpisodeResult]] = []
+        if self._samples_group_at_once(run):
+            members, expected = await self._start_group_request(run, prompt, group_id), 1
+        else:
+            members, expected = await self._start_members(run, prompt, group_id), run.spec.group_size
+        self._spawn(run, self._finish_group(run, prompt, group_id, members, expected, started), f"score-{group_id}")
+
+    def _samples_group_at_once(self, run: Run) -> bool:
+        """One request per group: single-turn, and no per-member seeds to honour."""
+        return run.episode is None and run.spec.sampling.seed is None and samples_groups_at_once(self.engine)
+
+    async def _start_members(self, run: Run, prompt: PromptItem, group_id: str) -> list[asyncio.Task[Any]]:
+        """One task per member, each in its own slot, started as slots free up."""
+        members: list[asyncio.Task[Any]] = []
         for index in range(run.spec.group_size):
             if any(m.done() and not m.cancelled() and m.exception() for m in members):
                 break  # the group is already lost; do not spend more slots on it
@@ -156,7 +170,22 @@ class Scheduler:
             # A done-callback, not a finally: it also runs for a task cancelled before it started.
             member.add_done_callback(lambda _, run=run: self._release_slot(run))
             members.append(member)
-        self._spawn(run, self._finish_group(run, prompt, group_id, members, started), f"score-{group_id}")
+        return members
+
+    async def _start_group_request(self, run: Run, prompt: PromptItem, group_id: str) -> list[asyncio.Task[Any]]:
+        """One task for the whole group; it holds G slots, as G members would."""
+        size, held = run.spec.group_size, 0
+        try:
+            while held < size:
+                await self._acquire_slot(run)
+                held += 1
+        except BaseException:  # cancelled (run stopped) while waiting: give back what it held
+            for _ in range(held):
+                self._release_slot(run)
+            raise
+        request = self._spawn(run, self._run_group_request(run, prompt, group_id), group_id)
+        request.add_done_callback(lambda _, run=run: [self._release_slot(run) for _ in range(size)])
+        return [request]
 
     def _engine_for(self, run: Run) -> Engine:
         """Runs that serve their own LoRA adapter name it in every request."""
@@ -181,6 +210,20 @@ class Scheduler:
                 affinity=group_id,
                 on_tool_result=lambda r: self._tool_called(run, r),
             )
+        self._count_episode(run, result)
+        return result
+
+    async def _run_group_request(self, run: Run, prompt: PromptItem, group_id: str) -> list[EpisodeResult]:
+        engine = cast(GroupEngine, self._engine_for(run))
+        size = run.spec.group_size
+        results = await run_single_turn_group(
+            engine, prompt, run.spec.sampling, size, lambda: run.policy_version, self.decode, affinity=group_id
+        )
+        for result in results:
+            self._count_episode(run, result)
+        return results
+
+    def _count_episode(self, run: Run, result: EpisodeResult) -> None:
         tokens = sum(result.mask)
         run.counters.tokens_generated += tokens
         self.tokens.add(tokens)
@@ -188,7 +231,6 @@ class Scheduler:
         self.metrics.tokens_generated.labels(run.run_id).inc(tokens)
         self.metrics.episode_turns.labels(run.run_id).observe(result.num_turns)
         self.metrics.episodes_finished.labels(run.run_id, result.finish_reason).inc()
-        return result
 
     def _tool_called(self, run: Run, result: ToolResult) -> None:
         """Counted as each call returns, not when its episode ends, so long episodes show up live."""
@@ -206,13 +248,16 @@ class Scheduler:
         run: Run,
         prompt: PromptItem,
         group_id: str,
-        members: list[asyncio.Task[EpisodeResult]],
+        members: list[asyncio.Task[Any]],
+        expected: int,
         started: float,
     ) -> None:
+        """``members``: ``expected`` tasks, each an ``EpisodeResult`` or a list of them (a
+        group request); fewer when a member failed before the others could start."""
         try:
             done, pending = await asyncio.wait(members, return_when=asyncio.FIRST_EXCEPTION)
             failed = [t for t in done if t.exception() is not None]
-            if failed or len(members) < run.spec.group_size:
+            if failed or len(members) < expected:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
@@ -223,7 +268,7 @@ class Scheduler:
                 elif error is not None:
                     logger.error("group %s failed unexpectedly", group_id, exc_info=error)
                 return
-            episodes = [t.result() for t in members]
+            episodes = [episode for task in members for episode in _episodes(task.result())]
             try:
                 scored = await self._score(run, prompt, group_id, episodes, time.monotonic() - started)
             except RewardError as exc:
@@ -268,6 +313,11 @@ class Scheduler:
             advantages=run.advantages(totals),
             generation_seconds=seconds,
         )
+
+
+def _episodes(result: EpisodeResult | list[EpisodeResult]) -> list[EpisodeResult]:
+    """A member's episode, or a group request's episodes."""
+    return result if isinstance(result, list) else [result]
 
 
 def _member_params(base: SamplingParams, prompt_index: int, member: int, group_size: int) -> SamplingParams:

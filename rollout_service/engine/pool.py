@@ -47,3 +47,8 @@ class EnginePool:
         self, prompt_ids: list[int], params: SamplingParams, *, affinity: str | None = None
     ) -> Completion:
         return await self.pick(affinity).generate(prompt_ids, params)
+
+    async def generate_many(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
+    ) -> list[Completion]:
+        return await self.pick(affinity).generate_many(prompt_ids, params, n)

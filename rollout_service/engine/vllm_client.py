@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -22,6 +23,7 @@ from rollout_service.types import Completion, FinishReason, SamplingParams
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+T = TypeVar("T")
 
 
 class _Retryable(Exception):
@@ -49,7 +51,18 @@ def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -
 
 
 def parse_completion(payload: dict[str, Any], server: str) -> Completion:
-    choice = payload["choices"][0]
+    return _parse_choice(payload["choices"][0], server)
+
+
+def parse_completions(payload: dict[str, Any], server: str, n: int) -> list[Completion]:
+    """The ``n`` choices of one request, in index order."""
+    choices = sorted(payload["choices"], key=lambda choice: choice.get("index", 0))
+    if len(choices) != n:
+        raise EngineError(server, f"{len(choices)} choices for n={n}")
+    return [_parse_choice(choice, server) for choice in choices]
+
+
+def _parse_choice(choice: dict[str, Any], server: str) -> Completion:
     token_ids = list(choice["token_ids"])
     logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
     if len(logprobs) != len(token_ids):
@@ -93,23 +106,43 @@ class VLLMServerClient:
             self._session = None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        body = completion_body(self.model, prompt_ids, params)
-        self.inflight += 1
+        payload = await self._complete(completion_body(self.model, prompt_ids, params), 1)
+        return self._parsed(parse_completion, payload)
+
+    async def generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
+        """``n`` samples of one prompt in one request (vLLM's ``n``)."""
+        body = {**completion_body(self.model, prompt_ids, params), "n": n}
+        payload = await self._complete(body, n)
+        return self._parsed(lambda p, server: parse_completions(p, server, n), payload)
+
+    async def _complete(self, body: dict[str, Any], sequences: int) -> dict[str, Any]:
+        """POST one completion request; ``inflight`` counts sequences, which is what loads a server."""
+        self.inflight += sequences
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         start = time.perf_counter()
         try:
             payload = await self._post_with_retries("/v1/completions", body)
-            completion = parse_completion(payload, self.base_url)
         except EngineError:
-            self.consecutive_failures += 1
-            self.metrics.request_failures.labels(self.base_url).inc()
+            self._failed()
             raise
         finally:
-            self.inflight -= 1
+            self.inflight -= sequences
             self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
-        self.consecutive_failures = 0
         self.metrics.request_latency.labels(self.base_url).observe(time.perf_counter() - start)
-        return completion
+        return payload
+
+    def _parsed(self, parse: Callable[[dict[str, Any], str], T], payload: dict[str, Any]) -> T:
+        try:
+            result = parse(payload, self.base_url)
+        except EngineError:
+            self._failed()
+            raise
+        self.consecutive_failures = 0
+        return result
+
+    def _failed(self) -> None:
+        self.consecutive_failures += 1
+        self.metrics.request_failures.labels(self.base_url).inc()
 
     async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         attempts = self.settings.max_retries + 1

@@ -136,3 +136,26 @@ async def test_unacked_groups_return_when_a_consumer_leaves(client: RolloutClien
     first.cancel()  # leaves without acking
     redelivered = await take_groups(client, run.run_id, 2, consumer="b")
     assert [g.group_id for g in redelivered] == received
+
+
+async def test_a_single_turn_group_is_sampled_in_one_request(service, client: RolloutClient) -> None:
+    """vLLM's n: one request per group, G independent samples with their own logprobs."""
+    registry = service.service.metrics.registry
+    url = service.engine_urls[0]
+
+    def requests() -> float:
+        return registry.get_sample_value("rollout_engine_request_seconds_count", {"server": url}) or 0.0
+
+    before = requests()
+    spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=16)
+    spec.sampling.temperature = 1.0
+    run = await client.create_run(spec)
+    groups = await take_groups(client, run.run_id, 3)
+    await client.delete_run(run.run_id)
+    stats = (await client.get_run(run.run_id)).stats
+    assert requests() - before == stats.groups_scored  # completed requests: one per group, not G
+    for group in groups:
+        completions = {tuple(s.completion_token_ids) for s in group.samples}
+        assert len(group.samples) == 4 and len(completions) > 1  # independent samples, not copies
+        for sample in group.samples:
+            assert len(sample.completion_logprobs) == len(sample.completion_token_ids) > 0

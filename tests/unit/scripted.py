@@ -36,6 +36,7 @@ class ScriptedEngine:
         self.active = 0
         self.max_active = 0
         self.calls = 0
+        self.group_calls = 0
         self.pending: list[tuple[str | None, asyncio.Future[None]]] = []
         self.changed = asyncio.Event()
 
@@ -59,6 +60,10 @@ class ScriptedEngine:
             self.active -= 1
             self.changed.set()
 
+    async def _generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int, affinity: str | None):
+        self.group_calls += 1
+        return [await self.generate(prompt_ids, params, affinity=affinity)] * n
+
     def release(self, affinity: str | None = None, count: int | None = None) -> int:
         """Let held requests finish (those of one group if ``affinity`` is given)."""
         released = 0
@@ -76,6 +81,16 @@ class ScriptedEngine:
                 await self.changed.wait()
 
         await asyncio.wait_for(loop(), timeout_s)
+
+
+class ScriptedGroupEngine(ScriptedEngine):
+    """Also samples a whole group in one request (``GroupEngine``), as the vLLM pool does;
+    one held request stands for the group's, so ``active`` counts requests."""
+
+    async def generate_many(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
+    ) -> list[Completion]:
+        return await self._generate_many(prompt_ids, params, n, affinity)
 
 
 def make_service(engine: ScriptedEngine, max_inflight: int = 4, max_buffered: int = 64, rewards=None):

@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -9,7 +10,7 @@ from rollout_service.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
 from tests.support import wait_until
-from tests.unit.scripted import FAIL_TOKEN, ScriptedEngine, make_service
+from tests.unit.scripted import FAIL_TOKEN, ScriptedEngine, ScriptedGroupEngine, make_service
 
 
 def spec(prompts: list[list[int]], group_size: int = 3, rewards=(("completion_length", 1.0),), **kw) -> RunSpec:
@@ -110,6 +111,48 @@ async def test_full_buffer_stops_new_groups() -> None:
     await run.broker.take("c")
     await wait_until(lambda: run.counters.groups_started > started, 5, "a new group")
     await service.delete_run(run.run_id)
+
+
+async def test_a_single_turn_group_is_one_request_that_holds_g_slots() -> None:
+    engine = ScriptedGroupEngine(hold=True)
+    service = make_service(engine, max_inflight=7)
+    run = await service.create_run(spec([[1, 2]], group_size=3))
+    try:
+        await engine.wait_for(lambda: engine.group_calls == 2)  # 2 x 3 slots ...
+        await wait_until(lambda: service.scheduler.slots_busy == 7, 5, "the third group's first slot")
+        assert engine.active == 2  # ... and the third group holds 1 slot until it has its 3
+        group_id = engine.pending[0][0]
+        assert engine.release(affinity=group_id) == 1
+        run.broker.subscribe("t")
+        group = await asyncio.wait_for(run.broker.take("t"), 5)
+        assert group.group_id == group_id and len(group.episodes) == 3 and len(group.advantages) == 3
+        await engine.wait_for(lambda: engine.group_calls == 3)  # its 3 slots went to the next group
+        assert engine.calls == engine.group_calls  # no per-member requests
+    finally:
+        await service.delete_run(run.run_id)
+    assert service.scheduler.slots_busy == 0
+
+
+async def test_seeded_runs_keep_one_request_per_member_for_their_per_member_seeds() -> None:
+    engine = ScriptedGroupEngine(hold=True)
+    service = make_service(engine, max_inflight=3)
+    seeded = dataclasses.replace(spec([[1]], group_size=3), sampling=SamplingParams(max_tokens=4, seed=7))
+    run = await service.create_run(seeded)
+    try:
+        await engine.wait_for(lambda: engine.active == 3)
+        assert engine.group_calls == 0 and engine.calls == 3
+    finally:
+        await service.delete_run(run.run_id)
+
+
+async def test_a_failed_group_request_drops_the_group_and_frees_its_slots() -> None:
+    engine = ScriptedGroupEngine()
+    service = make_service(engine, max_inflight=4, max_buffered=3)
+    run = await service.create_run(spec([[FAIL_TOKEN]], group_size=2))
+    await wait_until(lambda: run.counters.groups_dropped >= 3, 5, "dropped groups")
+    await service.delete_run(run.run_id)
+    assert run.counters.groups_scored == 0 and service.scheduler.slots_busy == 0
+    assert service.scheduler.engine_failures == run.counters.groups_dropped
 
 
 def test_recent_rate_covers_the_last_window_only() -> None:
