@@ -51,6 +51,14 @@ def main(
     weight_sync_steps: Annotated[int, typer.Option(help="Push weights every this many steps")] = 1,
     loss_type: Annotated[str, typer.Option(help="grpo, bnpo, dr_grpo, dapo, cispo, sapo, ...")] = "dapo",
     beta: Annotated[float, typer.Option(help="KL coefficient to the starting policy (0: no reference model)")] = 0.0,
+    vllm_is_mode: Annotated[
+        str,
+        typer.Option(
+            help="Correction of pi_trainer / pi_vllm: sequence_mask, sequence_truncate, token_mask, token_truncate "
+            "(TRL's vllm_importance_sampling_mode), or none"
+        ),
+    ] = "sequence_mask",
+    vllm_is_cap: Annotated[float, typer.Option(help="Ratio above which the correction truncates or masks")] = 3.0,
     lora_rank: Annotated[int, typer.Option(help="Train a LoRA adapter of this rank (0: the full model)")] = 0,
     lora_alpha: Annotated[int, typer.Option(help="LoRA scaling numerator")] = 32,
     lora_target_modules: Annotated[str, typer.Option(help="Comma-separated module names to adapt")] = (
@@ -113,6 +121,8 @@ def main(
             max_tokens=max_tokens,
             beta=beta,
             background_push=background_push,
+            vllm_is_mode=vllm_is_mode,
+            vllm_is_cap=vllm_is_cap,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

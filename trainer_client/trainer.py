@@ -41,7 +41,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 
 from rollout_service.api import rollout_pb2 as pb
 from trainer_client.logprobs import chunked_completion_logprobs
-from trainer_client.losses import LossConfig, compute_loss
+from trainer_client.losses import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig, compute_loss
 from trainer_client.policy_weights import is_peft_model, policy_weights
 from trainer_client.step_timing import step_seconds
 from trainer_client.stream import GroupFeed
@@ -100,6 +100,14 @@ class AsyncGRPOConfig(TrainingArguments):
             raise ValueError("max_steps must be > 0: the sample stream has no length")
         if self.beta < 0:
             raise ValueError(f"beta is {self.beta}; the KL coefficient must be >= 0")
+        if self.vllm_importance_sampling_mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
+            raise ValueError(
+                f"vllm_importance_sampling_mode is {self.vllm_importance_sampling_mode!r}; "
+                f"choose one of {', '.join(VLLM_IMPORTANCE_SAMPLING_MODES)}"
+            )
+        cap = self.vllm_importance_sampling_cap
+        if cap is not None and cap <= 1:
+            raise ValueError(f"vllm_importance_sampling_cap is {cap}; it must be > 1 (the ratio of equal policies)")
 
     def pushes_in_background(self, pushes_full_weights: bool) -> bool:
         """Whether a trainer with these settings overlaps its pushes with the next step."""

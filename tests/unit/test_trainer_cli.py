@@ -1,0 +1,35 @@
+"""The trainer CLI refuses bad loss options with one line that says what to change."""
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from trainer_client.cli import app
+from trainer_client.train import cpu_training_config
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--vllm-is-mode", "sequence"], "choose one of token_truncate, token_mask, sequence_truncate, sequence_mask"),
+        (["--vllm-is-cap", "0.5"], "it must be > 1"),
+    ],
+)
+def test_bad_importance_sampling_options_are_refused_before_anything_starts(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["--model", str(tmp_path), "--output-dir", str(tmp_path / "out"), *flags])
+    assert result.exit_code == 2
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())  # rich wraps it in a box
+    assert message in text
+
+
+def test_none_turns_the_correction_off(tmp_path: Path) -> None:
+    config = cpu_training_config(tmp_path, 1, vllm_is_mode="none")
+    assert not config.vllm_importance_sampling_correction
+    config = cpu_training_config(tmp_path, 1, vllm_is_mode="token_truncate", vllm_is_cap=2.0)
+    assert config.vllm_importance_sampling_correction
+    assert (config.vllm_importance_sampling_mode, config.vllm_importance_sampling_cap) == ("token_truncate", 2.0)
