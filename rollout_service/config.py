@@ -95,6 +95,10 @@ class SchedulerSettings(BaseModel):
     lease_timeout_s: float = Field(default=600.0, gt=0)
     """A consumer that holds a group this long without acking it loses it to another consumer
     of the run (runs may set their own); long enough for a slow training step."""
+    group_requests: bool = True
+    """Sample a single-turn group as one request (vLLM's ``n``): the prompt is parsed and
+    prefilled once. Its G slots stay held until its longest completion ends, so completions
+    of very different lengths leave slots idle; off: one request per member."""
 
 
 class AdapterSettings(BaseModel):

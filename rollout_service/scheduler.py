@@ -51,8 +51,11 @@ class Scheduler:
         max_inflight: int,
         decode: Callable[[list[int]], str],
         reward_timeout_s: float = 60.0,
+        group_requests: bool = True,
     ) -> None:
         self.engine = engine
+        self.group_requests = group_requests
+        """Single-turn groups as one request when the engine can (``SchedulerSettings``)."""
         self.decode = decode
         self.rewards = rewards
         self.metrics = metrics
@@ -156,7 +159,12 @@ class Scheduler:
 
     def _samples_group_at_once(self, run: Run) -> bool:
         """One request per group: single-turn, and no per-member seeds to honour."""
-        return run.episode is None and run.spec.sampling.seed is None and samples_groups_at_once(self.engine)
+        return (
+            self.group_requests
+            and run.episode is None
+            and run.spec.sampling.seed is None
+            and samples_groups_at_once(self.engine)
+        )
 
     async def _start_members(self, run: Run, prompt: PromptItem, group_id: str) -> list[asyncio.Task[Any]]:
         """One task per member, each in its own slot, started as slots free up."""

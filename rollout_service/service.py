@@ -85,7 +85,13 @@ class RolloutService:
         self.settings = settings
         self.info = info
         self.scheduler = Scheduler(
-            engine, rewards, metrics, settings.max_inflight, renderer.decode, settings.reward_timeout_s
+            engine,
+            rewards,
+            metrics,
+            settings.max_inflight,
+            renderer.decode,
+            settings.reward_timeout_s,
+            group_requests=settings.group_requests,
         )
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.runs: dict[str, Run] = {}
