@@ -57,7 +57,7 @@ def main(
             help="Correction of pi_trainer / pi_vllm: sequence_mask, sequence_truncate, token_mask, token_truncate "
             "(TRL's vllm_importance_sampling_mode), or none"
         ),
-    ] = "sequence_mask",
+    ] = "token_truncate",
     vllm_is_cap: Annotated[float, typer.Option(help="Ratio above which the correction truncates or masks")] = 3.0,
     lora_rank: Annotated[int, typer.Option(help="Train a LoRA adapter of this rank (0: the full model)")] = 0,
     lora_alpha: Annotated[int, typer.Option(help="LoRA scaling numerator")] = 32,

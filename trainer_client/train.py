@@ -84,7 +84,7 @@ def cpu_training_config(
     max_tokens: int = 32,
     beta: float = 0.0,
     background_push: bool = True,
-    vllm_is_mode: str = "sequence_mask",
+    vllm_is_mode: str = "token_truncate",
     vllm_is_cap: float = 3.0,
 ) -> AsyncGRPOConfig:
     """The settings the CLI and the demo train the embedded default with (constant LR, a log
@@ -102,7 +102,7 @@ def cpu_training_config(
         beta=beta,
         background_push=background_push,
         vllm_importance_sampling_correction=vllm_is_mode != "none",
-        vllm_importance_sampling_mode=vllm_is_mode if vllm_is_mode != "none" else "sequence_mask",
+        vllm_importance_sampling_mode=vllm_is_mode if vllm_is_mode != "none" else "token_truncate",
         vllm_importance_sampling_cap=vllm_is_cap,
         max_completion_length=max_tokens,
         logging_steps=1,
