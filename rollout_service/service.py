@@ -104,16 +104,18 @@ class RolloutService:
         """The servers now hold base weights of this version. Runs on the base weights share
         it; runs that serve their own adapter count their adapter pushes instead."""
         self.policy_version = version
-        for run in self.runs.values():
-            if not run.spec.serve_adapter:
-                run.broker.set_policy_version(version)
+        for run in self._runs_on_base_weights():
+            run.broker.set_policy_version(version)
 
     def set_trainer_version(self, version: int) -> None:
         """A push of base weights began (version: the servers' plus one) or was aborted
         (theirs): admission plans with the trainer's version, which leads the servers'."""
-        for run in self.runs.values():
-            if not run.spec.serve_adapter:
-                run.broker.set_trainer_version(version)
+        for run in self._runs_on_base_weights():
+            run.broker.set_trainer_version(version)
+
+    def _runs_on_base_weights(self) -> list[Run]:
+        """Runs that sample the servers' base weights (not their own adapter)."""
+        return [run for run in self.runs.values() if not run.spec.serve_adapter]
 
     async def create_run(self, spec: RunSpec) -> Run:
         spec.validate()

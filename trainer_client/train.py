@@ -89,6 +89,7 @@ def cpu_training_config(
 ) -> AsyncGRPOConfig:
     """The settings the CLI and the demo train the embedded default with (constant LR, a log
     line and a metrics record every step, no checkpoints). Raises ValueError on bad values."""
+    correction = vllm_is_mode != "none"
     return AsyncGRPOConfig(
         output_dir=str(output_dir),
         max_steps=max_steps,
@@ -101,8 +102,8 @@ def cpu_training_config(
         loss_type=loss_type,
         beta=beta,
         background_push=background_push,
-        vllm_importance_sampling_correction=vllm_is_mode != "none",
-        vllm_importance_sampling_mode=vllm_is_mode if vllm_is_mode != "none" else "token_truncate",
+        vllm_importance_sampling_correction=correction,
+        vllm_importance_sampling_mode=vllm_is_mode if correction else AsyncGRPOConfig.vllm_importance_sampling_mode,
         vllm_importance_sampling_cap=vllm_is_cap,
         max_completion_length=max_tokens,
         logging_steps=1,

@@ -179,22 +179,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         (``trainer_client.weights.broadcast_buckets``), and keep them for finish."""
         group = self._require_group()
         specs = update_info.specs()
+        numels = [math.prod(shape) for _, _, shape in specs]
         received: list[tuple[str, torch.Tensor]] = []
         name = "<none>"
-        buckets = broadcast_buckets([(dtype, math.prod(shape)) for _, dtype, shape in specs])
+        buckets = broadcast_buckets([(dtype, numel) for (_, dtype, _), numel in zip(specs, numels, strict=True)])
         try:
             for bucket in buckets:
                 name = specs[bucket[0]][0]
-                flat = torch.empty(sum(math.prod(specs[i][2]) for i in bucket), dtype=specs[bucket[0]][1])
+                flat = torch.empty(sum(numels[i] for i in bucket), dtype=specs[bucket[0]][1])
                 group.broadcast(flat, 0).wait()
                 offset = 0
                 for i in bucket:
                     tensor_name, _, shape = specs[i]
-                    numel = math.prod(shape)
-                    received.append((tensor_name, flat[offset : offset + numel].view(shape)))
-                    offset += numel
+                    received.append((tensor_name, flat[offset : offset + numels[i]].view(shape)))
+                    offset += numels[i]
             name = "<trailer>"
-            announced = packing_trailer(sum(math.prod(shape) for _, _, shape in specs), len(buckets))
+            announced = packing_trailer(sum(numels), len(buckets))
             sent = torch.empty_like(announced)
             group.broadcast(sent, 0).wait()
             if not torch.equal(sent, announced):

@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 
@@ -23,7 +22,6 @@ from rollout_service.types import Completion, FinishReason, SamplingParams
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
-T = TypeVar("T")
 
 
 class _Retryable(Exception):
@@ -106,43 +104,30 @@ class VLLMServerClient:
             self._session = None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        payload = await self._complete(completion_body(self.model, prompt_ids, params), 1)
-        return self._parsed(parse_completion, payload)
+        return (await self.generate_many(prompt_ids, params, 1))[0]
 
     async def generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
-        """``n`` samples of one prompt in one request (vLLM's ``n``)."""
-        body = {**completion_body(self.model, prompt_ids, params), "n": n}
-        payload = await self._complete(body, n)
-        return self._parsed(lambda p, server: parse_completions(p, server, n), payload)
-
-    async def _complete(self, body: dict[str, Any], sequences: int) -> dict[str, Any]:
-        """POST one completion request; ``inflight`` counts sequences, which is what loads a server."""
-        self.inflight += sequences
+        """``n`` samples of one prompt in one request (vLLM's ``n``); ``inflight`` counts
+        sequences, which is what loads a server."""
+        body = completion_body(self.model, prompt_ids, params)
+        if n > 1:
+            body["n"] = n
+        self.inflight += n
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         start = time.perf_counter()
         try:
             payload = await self._post_with_retries("/v1/completions", body)
+            completions = parse_completions(payload, self.base_url, n)
         except EngineError:
-            self._failed()
+            self.consecutive_failures += 1
+            self.metrics.request_failures.labels(self.base_url).inc()
             raise
         finally:
-            self.inflight -= sequences
+            self.inflight -= n
             self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
-        self.metrics.request_latency.labels(self.base_url).observe(time.perf_counter() - start)
-        return payload
-
-    def _parsed(self, parse: Callable[[dict[str, Any], str], T], payload: dict[str, Any]) -> T:
-        try:
-            result = parse(payload, self.base_url)
-        except EngineError:
-            self._failed()
-            raise
         self.consecutive_failures = 0
-        return result
-
-    def _failed(self) -> None:
-        self.consecutive_failures += 1
-        self.metrics.request_failures.labels(self.base_url).inc()
+        self.metrics.request_latency.labels(self.base_url).observe(time.perf_counter() - start)
+        return completions
 
     async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         attempts = self.settings.max_retries + 1

@@ -60,10 +60,6 @@ class ScriptedEngine:
             self.active -= 1
             self.changed.set()
 
-    async def _generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int, affinity: str | None):
-        self.group_calls += 1
-        return [await self.generate(prompt_ids, params, affinity=affinity)] * n
-
     def release(self, affinity: str | None = None, count: int | None = None) -> int:
         """Let held requests finish (those of one group if ``affinity`` is given)."""
         released = 0
@@ -90,7 +86,8 @@ class ScriptedGroupEngine(ScriptedEngine):
     async def generate_many(
         self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
     ) -> list[Completion]:
-        return await self._generate_many(prompt_ids, params, n, affinity)
+        self.group_calls += 1
+        return [await self.generate(prompt_ids, params, affinity=affinity)] * n
 
 
 def make_service(engine: ScriptedEngine, max_inflight: int = 4, max_buffered: int = 64, rewards=None):
