@@ -82,6 +82,16 @@ def is_local_target(target: str) -> bool:
         return False
 
 
+def pin_local_trainer(target: str) -> tuple[int, ...] | None:
+    """Pin this process to the budget's trainer cores when the service at ``target`` is on
+    this host (its managed vLLM pins itself to the others); returns the cores, or None."""
+    if not is_local_target(target) or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = CpuBudget.split().trainer_cores
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
 def trainer_threads(target: str, requested: int = 0) -> int:
     """Torch threads for a trainer of the service at ``target``: ``requested`` if > 0, else
     the cores the budget leaves it when the service is local, else every core."""

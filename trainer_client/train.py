@@ -29,7 +29,7 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout_service.api import rollout_pb2 as pb
-from rollout_service.cpu_budget import trainer_threads
+from rollout_service.cpu_budget import pin_local_trainer, trainer_threads
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.step_timing import summarize_seconds
 from trainer_client.stream import GroupFeed
@@ -153,6 +153,8 @@ def train(
     ``torch_threads`` 0 takes the host's CPU budget (``rollout_service.cpu_budget``).
     """
     threads = use_torch_threads(trainer_threads(target, torch_threads))
+    if torch_threads == 0 and (cores := pin_local_trainer(target)):
+        logger.info("trainer pinned to cores %s, the CPU budget's share beside a local vLLM", list(cores))
     main = config.process_index == 0
     if run_id is None and main:
         serve_adapter = lora is not None and lora.serving == "adapter"

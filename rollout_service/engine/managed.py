@@ -8,6 +8,7 @@ worker processes too, and nothing else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -89,8 +90,26 @@ class ManagedVLLMServer:
             env.setdefault(VLLM_BIND_ENV, CpuBudget.split(vllm_cores=self.settings.cpu_cores).vllm_bind())
         return env
 
+    def pinned_cores(self) -> tuple[int, ...] | None:
+        """Cores every process of the server is pinned to; None leaves them unpinned (a GPU
+        server, ``pin_processes`` off, or a binding the user set in the environment)."""
+        s = self.settings
+        if s.device != "cpu" or not s.pin_processes or VLLM_BIND_ENV in os.environ:
+            return None
+        if not hasattr(os, "sched_setaffinity"):  # not on macOS
+            return None
+        return CpuBudget.split(vllm_cores=s.cpu_cores).vllm_cores
+
+    @property
+    def pid(self) -> int | None:
+        """The API server's process id while it runs (its engine and workers are its children)."""
+        return None if self._process is None else self._process.pid
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cores = self.pinned_cores()
+        # Set in the child before exec, so vLLM's engine and worker processes inherit it.
+        pin = functools.partial(os.sched_setaffinity, 0, cores) if cores else None
         logger.info("starting vLLM on %s serving %s (log: %s)", self.url, self.settings.model, self.log_path)
         with open(self.log_path, "ab") as log:
             # A neutral working directory: a folder named like a vLLM plugin package in the
@@ -102,6 +121,7 @@ class ManagedVLLMServer:
                 env=self.environment(),
                 cwd=tempfile.gettempdir(),
                 start_new_session=True,
+                preexec_fn=pin,
             )
         try:
             self._wait_healthy()

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
 import pytest
 
 from rollout_service.config import ManagedServerSettings
@@ -68,3 +75,66 @@ def test_trainer_threads_follow_the_budget_only_next_to_its_service() -> None:
     assert trainer_threads("127.0.0.1:50051", requested=3) == 3
     with pytest.raises(ValueError, match="positive"):
         trainer_threads("127.0.0.1:50051", requested=-1)
+
+
+def test_managed_cpu_server_pins_every_process_to_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
+    assert ManagedVLLMServer(ManagedServerSettings(port=1)).pinned_cores() == CpuBudget.split().vllm_cores
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).pinned_cores() is None
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).pinned_cores() is None
+    monkeypatch.setenv(VLLM_BIND_ENV, "0-3")  # the user's own binding: do not second-guess it
+    assert ManagedVLLMServer(ManagedServerSettings(port=1)).pinned_cores() is None
+
+
+PIN_AND_REPORT = (
+    "import json, os, sys; from rollout_service.cpu_budget import pin_local_trainer; "
+    "cores = pin_local_trainer(sys.argv[1]); "
+    "print(json.dumps([cores and list(cores), sorted(os.sched_getaffinity(0))]))"
+)
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:50051", "rollout.example.com:50051"])
+def test_a_trainer_pins_itself_to_its_share_only_next_to_its_service(target: str) -> None:
+    # In a child process: affinity set here would stay with the test process.
+    out = subprocess.run(
+        [sys.executable, "-c", PIN_AND_REPORT, target], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    pinned, affinity = json.loads(out)
+    if is_local_target(target):
+        assert pinned == affinity == list(CpuBudget.split().trainer_cores)
+    else:
+        assert pinned is None
+        assert affinity == list(available_cores())
+
+
+# A stand-in for vLLM's API server: it starts a child (as vLLM starts its engine core), answers
+# /health, and reports both processes' cores. Real processes: the affinity is set by the OS.
+STAND_IN_SERVER = r"""
+import http.server, json, os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+cores = {"server": sorted(os.sched_getaffinity(0)), "child": sorted(os.sched_getaffinity(child.pid))}
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps(cores).encode()
+        self.send_response(200); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+class StandInServer(ManagedVLLMServer):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", STAND_IN_SERVER, str(self.port)]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_the_managed_server_and_its_children_start_on_the_vllm_cores(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
+    settings = ManagedServerSettings(startup_timeout_s=30, log_file=tmp_path / "server.log")
+    with StandInServer(settings) as server, urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
+        cores = json.loads(resp.read())
+    expected = list(CpuBudget.split().vllm_cores)
+    assert cores == {"server": expected, "child": expected}
+    assert sorted(os.sched_getaffinity(0)) == list(available_cores())  # the launching process keeps all its cores
