@@ -38,6 +38,7 @@ class GroupStream:
     async def _requests(self) -> AsyncIterator[pb.StreamSamplesRequest]:
         while (message := await self._outbox.get()) is not None:
             yield message
+            self._outbox.task_done()  # gRPC asks for the next message once this one is written
 
     async def __aiter__(self) -> AsyncIterator[pb.Group]:
         async for response in self._call:
@@ -59,6 +60,10 @@ class GroupStream:
         self._outbox.put_nowait(pb.StreamSamplesRequest(ack=ack))
         if regrant and group_ids:
             self.grant(len(group_ids))
+
+    async def flushed(self) -> None:
+        """Return once every ack and credit queued so far has been written to the call."""
+        await self._outbox.join()
 
     def grant(self, groups: int) -> None:
         self._outbox.put_nowait(pb.StreamSamplesRequest(credit=pb.Credit(groups=groups)))

@@ -157,6 +157,20 @@ class GroupFeed:
         self.counters.dropped_stale += len(group_ids)
         self._ack(group_ids, pb.ACK_STATUS_DROPPED_STALE)
 
+    def flush_acks(self, timeout_s: float = 10.0) -> None:
+        """Wait until the acks sent so far are written to the stream. A step is recorded as
+        trained only after this: a trainer killed between its record and its acks would
+        otherwise report groups the service hands out again."""
+        stream = self._stream
+        assert stream is not None
+        flushed = self.submit(stream.flushed())
+        try:
+            with self.clock.measure("ack"):
+                flushed.result(timeout_s)
+        except TimeoutError:
+            flushed.cancel()
+            logger.warning("acks not written within %.0fs; the stream may be down", timeout_s)
+
     def _ack(self, group_ids: list[str], status: pb.AckStatus.ValueType, version: int | None = None) -> None:
         stream = self._stream
         assert stream is not None

@@ -491,6 +491,7 @@ class _SyncAndAck(TrainerCallback):
             self._push(state)
         trainer.feed.ack_trained(list(book.group_ids), trained_at)
         trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
+        trainer.feed.flush_acks()
         record = trainer.step_record(state.global_step, book, trained_at)
         if due and background:
             self._push_in_background()
