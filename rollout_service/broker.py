@@ -27,9 +27,11 @@ trainer will refuse.
 Lease timeout: a consumer that stays connected but stops acking (a hung trainer) would hold
 its groups for ever. With ``lease_timeout_s`` set, a lease older than that returns to the
 front of the buffer for another consumer, and the late ack of the first holder is refused
-with a message that says so; that consumer must not count the group as trained. Expiry is
-checked whenever a consumer waits for a group, so an expired group is handed out as soon
-as anyone can take it.
+with a message that says so; that consumer must not count the group as trained. The
+consumer it expired on does not get it back while its stream lasts (both copies would be
+trained and acked as one): another consumer takes it, or the same id after it reconnects.
+Expiry is checked whenever a consumer waits for a group, so an expired group is handed out
+as soon as anyone can take it.
 
 Backpressure: the scheduler reserves a place (``reserve``) before it starts a group and
 fills it with ``put`` or gives it back with ``unreserve`` (a dropped group); at most
@@ -83,6 +85,9 @@ class RunBroker:
         """group id -> when its lease expires (only with a lease timeout), in lease order."""
         self.expired_from: OrderedDict[str, str] = OrderedDict()
         """group id -> the consumer whose lease on it expired, to explain a late ack."""
+        self.expired_holder: dict[str, str] = {}
+        """Buffered group id -> the consumer its lease expired on, which may not take it back
+        while its stream lasts (it may still train its first copy)."""
         self.leases_expired = 0
         self.groups_returned = 0
         """Leased groups put back for another consumer (the consumer left, or its lease expired)."""
@@ -261,22 +266,33 @@ class RunBroker:
         async with self._changed:
             while True:
                 self._expire_leases()
-                if self.buffered or self.closed or consumer_id not in self.leases:
+                index = self._first_for(consumer_id)
+                if index is not None or self.closed or consumer_id not in self.leases:
                     break
                 try:
                     async with asyncio.timeout(self._seconds_to_next_expiry()):
                         await self._changed.wait()
                 except TimeoutError:
                     pass  # a lease expired: loop to return it to the buffer
-            if not self.buffered or consumer_id not in self.leases:
+            if index is None or consumer_id not in self.leases:
                 return None
-            group = self.buffered.popleft()
+            group = self.buffered[index]
+            del self.buffered[index]
+            self.expired_holder.pop(group.group_id, None)
             self.leases[consumer_id][group.group_id] = group
             if self.lease_timeout_s is not None:
                 self.lease_deadlines[group.group_id] = self.clock() + self.lease_timeout_s
             self._update_gauges()
             self._changed.notify_all()
             return group
+
+    def _first_for(self, consumer_id: str) -> int | None:
+        """Index of the oldest buffered group this consumer may take: any but those whose
+        lease expired on it (it may still hold and train its first copy)."""
+        for index, group in enumerate(self.buffered):
+            if self.expired_holder.get(group.group_id) != consumer_id:
+                return index
+        return None
 
     def _seconds_to_next_expiry(self) -> float | None:
         if not self.lease_deadlines:
@@ -297,6 +313,7 @@ class RunBroker:
                 if group_id in leased:
                     returned.append(leased.pop(group_id))
                     self._remember(self.expired_from, group_id, consumer_id)
+                    self.expired_holder[group_id] = consumer_id
                     break
         if returned:
             self.buffered.extendleft(reversed(returned))
@@ -344,6 +361,9 @@ class RunBroker:
         async with self._changed:
             leased = self.leases.pop(consumer_id, {})
             self.credits.pop(consumer_id, None)
+            # Its stream is gone, so it holds no first copy: its expired groups may go to anyone.
+            for group_id in [g for g, holder in self.expired_holder.items() if holder == consumer_id]:
+                del self.expired_holder[group_id]
             for group_id in leased:
                 self.lease_deadlines.pop(group_id, None)
             self.buffered.extendleft(reversed(list(leased.values())))

@@ -31,7 +31,7 @@ from rollout_service.convert import (
     stats_to_pb,
     tensors_from_pb,
 )
-from rollout_service.errors import InvalidArgument, ServiceError
+from rollout_service.errors import FailedPrecondition, InvalidArgument, ServiceError
 from rollout_service.service import RolloutService
 
 logger = logging.getLogger(__name__)
@@ -149,9 +149,16 @@ class ConsumerSession:
                 if not take.done():
                     take.cancel()
                     await asyncio.gather(take, return_exceptions=True)
-            if not take.cancelled() and (group := take.result()) is not None:
-                self.credits -= 1
-                return group_to_pb(group)
+            if take.cancelled():
+                continue
+            if (group := take.result()) is None:
+                if self.broker.closed:
+                    return None
+                raise FailedPrecondition(
+                    f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"
+                )
+            self.credits -= 1
+            return group_to_pb(group)
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -238,8 +245,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         reader: asyncio.Task[None] | None = None
         try:
             subscribe = await self._first_message(request_iterator)
-            session = ConsumerSession(self.service, subscribe.run_id, subscribe.consumer_id, subscribe.initial_credits)
-            session.broker.subscribe(subscribe.consumer_id, subscribe.initial_credits)
+            consumer_id, credits = subscribe.consumer_id, subscribe.initial_credits
+            candidate = ConsumerSession(self.service, subscribe.run_id, consumer_id, credits)
+            candidate.broker.subscribe(consumer_id, credits)
+            # Only a stream that subscribed may release: a refused duplicate must not hand
+            # back the leases of the live stream that holds this consumer id.
+            session = candidate
             reader = asyncio.create_task(session.read(request_iterator), name=f"read-{subscribe.consumer_id}")
             yield pb.StreamSamplesResponse(
                 subscribed=pb.Subscribed(
@@ -255,7 +266,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         finally:
             if reader is not None:
                 reader.cancel()
-            if session is not None and session.consumer_id in session.broker.leases:
+            if session is not None:
                 returned = await session.broker.release(session.consumer_id)
                 if returned:
                     logger.info("consumer %s left; %d unacked groups returned", session.consumer_id, returned)

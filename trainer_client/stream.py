@@ -38,6 +38,8 @@ class FeedCounters:
     received: int = 0
     trained: int = 0
     dropped_stale: int = 0
+    duplicates: int = 0
+    """Deliveries of a group id this consumer already held or trained, skipped."""
     trained_group_ids: list[str] = field(default_factory=list)
     """In ack order; what a data-parallel check compares across ranks (disjoint, none twice)."""
 
@@ -62,6 +64,8 @@ class GroupFeed:
         self.clock = PhaseClock()
         """Seconds per phase of the current step; the feed adds ``wait_groups``, the trainer the rest."""
         self.counters = FeedCounters()
+        self._seen: set[str] = set()
+        """Every group id taken from the stream: none is trained twice, whatever the service sends."""
         self._groups: queue.Queue[pb.Group | BaseException] = queue.Queue(maxsize=credits)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"feed-{consumer_id}", daemon=True)
@@ -136,10 +140,23 @@ class GroupFeed:
                 item = self._groups.get(timeout=timeout_s)
             if isinstance(item, BaseException):
                 raise RuntimeError(f"the sample stream of run {self.run_id} ended: {item}") from item
+            if item.group_id in self._seen:
+                self._skip_duplicate(item.group_id)
+                continue
+            self._seen.add(item.group_id)
             if not self.is_fresh(item.policy_version):
                 self.ack_dropped_stale([item.group_id])
                 continue
             return item
+
+    def _skip_duplicate(self, group_id: str) -> None:
+        """Not trained and not acked (the first copy's ack covers the id); the credit it used
+        is granted back so that the stream does not shrink."""
+        self.counters.duplicates += 1
+        logger.warning("group %s was delivered again; skipped (it is trained once)", group_id)
+        stream = self._stream
+        assert stream is not None
+        self._loop.call_soon_threadsafe(stream.grant, 1)
 
     def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
         """Within max_staleness of ``at_version`` (default: ``training_version``) and not older

@@ -183,6 +183,7 @@ def train(
         "rank": config.process_index,
         "groups_trained": counters.trained,
         "groups_dropped_stale": counters.dropped_stale,
+        "groups_duplicate_skipped": counters.duplicates,
         "trained_group_ids": counters.trained_group_ids,
         "weights_fingerprint": weights_fingerprint(model),
     }

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from rollout_service.api import rollout_pb2 as pb
+from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 
 pytestmark = pytest.mark.integration
@@ -43,6 +44,17 @@ async def test_unknown_run(client: RolloutClient) -> None:
         (lambda s: setattr(s.sampling, "temperature", -1.0), ["sampling.temperature"]),
         (lambda s: setattr(s.sampling, "max_tokens", 5000), ["exceeds the model's context", "max_tokens"]),
         (lambda s: setattr(s, "max_inflight", 10_000), ["max_inflight 10000 exceeds"]),
+        # Upper bounds on what sizes memory and work
+        (lambda s: setattr(s, "group_size", 100_000), ["group_size is 100000", "<= 1024"]),
+        (lambda s: setattr(s, "max_buffered_groups", 2**32 - 1), ["max_buffered_groups is 4294967295"]),
+        (lambda s: setattr(s, "weight", 1e9), ["weight is 1000000000.0", "(0, 1000]"]),
+        (lambda s: setattr(s.sampling, "max_tokens", 2**31), ["sampling.max_tokens is 2147483648"]),
+        (lambda s: s.sampling.stop.extend(["x"] * 33), ["sampling.stop has 33 strings"]),
+        (lambda s: setattr(s, "display_name", "n" * 1000), ["display_name has 1000 characters"]),
+        # Non-finite or huge reward weights
+        (lambda s: setattr(s.reward_functions[0], "weight", float("inf")), ["'char_fraction' has weight inf"]),
+        (lambda s: setattr(s.reward_functions[0], "weight", float("nan")), ["has weight nan", "finite"]),
+        (lambda s: setattr(s.reward_functions[0], "weight", 1e9), ["has weight 1000000000.0"]),
     ],
 )
 async def test_bad_run_specs_are_invalid_argument(client: RolloutClient, mutate, fragments: list[str]) -> None:
@@ -109,16 +121,53 @@ async def test_malformed_stream_messages(client: RolloutClient, messages, code, 
     assert fragment in error.details()
 
 
-async def test_duplicate_consumer_is_refused(client: RolloutClient) -> None:
+async def test_duplicate_consumer_is_refused_and_the_live_stream_keeps_its_leases(client: RolloutClient) -> None:
     run = await client.create_run(letters())
-    first = client.stream(run.run_id, "same", credits=1)
+    first = client.stream(run.run_id, "same", credits=2)
+    received = aiter(first)
     async with asyncio.timeout(60):
-        async for _ in first:
-            break
-    error = await open_stream(client, subscribe(run.run_id, consumer="same"))
-    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert "unique consumer_id" in error.details()
+        held = [(await anext(received)).group_id for _ in range(2)]
+    for _ in range(2):  # a refused duplicate must not release the first stream's leases, twice over
+        error = await open_stream(client, subscribe(run.run_id, consumer="same"))
+        assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "unique consumer_id" in error.details()
+        stats = (await client.get_run(run.run_id)).stats
+        assert (stats.groups_leased, stats.groups_returned) == (2, 0)
+    first.ack(held)  # the first stream still owns them, and goes on
+    async with asyncio.timeout(60):
+        assert (await anext(received)).group_id not in held
+    assert (await client.get_run(run.run_id)).stats.groups_trained == 2
     await first.aclose()
+    await client.delete_run(run.run_id)
+
+
+async def test_a_broken_stream_returns_its_leases_to_the_front_for_the_next_consumer(client: RolloutClient) -> None:
+    run = await client.create_run(letters(max_buffered_groups=4))
+    doomed = client.stream(run.run_id, "doomed", credits=2)
+    received = aiter(doomed)
+    async with asyncio.timeout(60):
+        held = [(await anext(received)).group_id for _ in range(2)]
+    doomed.cancel()  # as a killed process's connection would: no acks, no goodbye
+
+    async def returned() -> bool:
+        stats = (await client.get_run(run.run_id)).stats
+        return stats.groups_returned == 2 and stats.groups_leased == 0
+
+    await wait_until(returned, 30, "the broken stream's leases to return")
+    heir = client.stream(run.run_id, "heir", credits=2)
+    async with asyncio.timeout(60):
+        assert [group.group_id async for group in _first(heir, 2)] == held  # oldest first
+    await heir.aclose()
+    await client.delete_run(run.run_id)
+
+
+async def _first(stream, n: int):
+    count = 0
+    async for group in stream:
+        yield group
+        count += 1
+        if count == n:
+            return
 
 
 async def test_deleted_run_ends_its_streams_and_refuses_new_ones(client: RolloutClient) -> None:

@@ -92,6 +92,9 @@ async def _buffer_full(client: RolloutClient, run_id: str) -> bool:
 def trainer_command(target: str, model: Path, out: Path, *options: str) -> list[str]:
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(model)]
     command += ["--group-size", "4", "--max-tokens", "16", "--output-dir", str(out), *options]
+    # One thread, unpinned: the session's vLLM is unpinned too (conftest), so pinning the
+    # trainer to "its" core would only crowd it under the suite's load.
+    command += ["--torch-threads", "1"]
     return command
 
 
@@ -140,9 +143,9 @@ async def test_a_killed_trainer_loses_no_group_and_none_is_trained_twice(
         doomed_ids = [i for r in records(tmp_path / "doomed" / "metrics.jsonl") for i in r["group_ids"]]
         assert len(set(main_ids)) == len(main_ids) == 20 and len(set(doomed_ids)) == len(doomed_ids) >= 4
         assert not set(main_ids) & set(doomed_ids)  # no group trained twice
-        # The killed trainer's stream broke; its unacked groups went back to the run, and
+        # The killed trainer's stream broke; any unacked groups went back to the run (whether
+        # it held one at the kill is timing; test_api_errors covers the return itself), and
         # nothing is lost: every scored group is trained, dropped as stale, or still held.
-        assert stats.groups_returned >= 1
         doomed_acked = stats.groups_trained - len(main_ids)
         assert len(doomed_ids) <= doomed_acked <= len(doomed_ids) + 2  # at most its last step unrecorded
         assert stats.groups_leased == 0

@@ -118,16 +118,26 @@ async def test_expired_lease_goes_to_another_consumer_and_the_late_ack_is_refuse
     assert broker.ack_counts[ACK_TRAINED] == 2
 
 
-async def test_a_group_whose_lease_expired_can_come_back_to_the_same_consumer() -> None:
+async def test_an_expired_group_does_not_come_back_to_the_stream_that_still_holds_it() -> None:
+    """Handed back on the same stream, both copies would be trained and acked as one."""
     clock = Clock()
     broker = RunBroker("r", 8, ServiceMetrics(), lease_timeout_s=5, clock=clock)
-    assert await broker.reserve()
-    await broker.put(group("g1"))
+    for group_id in ("g1", "g2"):
+        assert await broker.reserve()
+        await broker.put(group(group_id))
     broker.subscribe("c")
-    await broker.take("c")
-    clock.now = 6
     assert (await broker.take("c")).group_id == "g1"
-    assert broker.ack("c", ["g1"], ACK_TRAINED) == 1
+    clock.now = 6  # g1's lease expires: it goes back to the front of the buffer ...
+    assert (await broker.take("c")).group_id == "g2"  # ... but not to "c", which gets the next one
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(broker.take("c"), 0.1)
+    assert [g.group_id for g in broker.buffered] == ["g1"]
+    # Once "c" reconnects (its first copy is gone with its stream), g1 may go to it again.
+    await broker.release("c")
+    broker.subscribe("c")
+    assert (await broker.take("c")).group_id == "g2"  # the returned lease comes first, oldest first
+    assert (await broker.take("c")).group_id == "g1"
+    assert broker.ack("c", ["g1", "g2"], ACK_TRAINED) == 2
     assert broker.ack("c", ["g1"], ACK_TRAINED) == 0  # repeats stay no-ops
 
 
