@@ -213,6 +213,15 @@ async def call_reward(name: str, function: RewardFunction, inputs: RewardInputs,
     if not isinstance(values, list | tuple) or len(values) != expected:
         raise RewardError(f"reward {name!r} returned {values!r:.80}; expected a list of {expected}")
     try:
-        return [math.nan if v is None else float(v) for v in values]
-    except (TypeError, ValueError) as exc:
+        numbers = [math.nan if v is None else float(v) for v in values]
+    except (TypeError, ValueError, OverflowError) as exc:
         raise RewardError(f"reward {name!r} returned a non-number: {exc}") from None
+    for index, (value, number) in enumerate(zip(values, numbers, strict=True)):
+        if value is not None and not math.isfinite(number):
+            # NaN stands for None (no reward for this sample) from here on: a NaN or inf the
+            # function returned is a bug in it, not a skipped sample.
+            raise RewardError(
+                f"reward {name!r} returned {number} for completion {index}; return a finite number, "
+                "or None to leave the sample unscored by it"
+            )
+    return numbers

@@ -15,6 +15,17 @@ from rollout_service.errors import InvalidArgument
 from rollout_service.prompts import PromptSource, PromptSpec
 from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams
 
+# Upper bounds on what sizes the service's memory and work: each protects one machine from a
+# typo (group_size 100000) or a hostile client; raise them here if a real workload needs it.
+MAX_GROUP_SIZE = 1024
+MAX_BUFFERED_GROUPS = 10_000
+MAX_RUN_WEIGHT = 1000.0
+MAX_REWARD_WEIGHT = 1e6
+MAX_TOKENS = 1 << 20
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+MAX_DISPLAY_NAME_CHARS = 256
+
 PromptSourceKind = Literal["dataset", "prompts", "submitted"]
 RunState = Literal["running", "stopped", "failed"]
 AdmissionMode = Literal["staleness", "buffer"]
@@ -50,24 +61,40 @@ class RunSpec:
                 f"group_size is {self.group_size}; it must be >= 2 so that advantages can be "
                 "normalised within the group"
             )
+        if self.group_size > MAX_GROUP_SIZE:
+            raise InvalidArgument(f"group_size is {self.group_size}; it must be <= {MAX_GROUP_SIZE}")
         if self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness is {self.max_staleness}; it must be >= 0")
-        if not self.rewards:
-            raise InvalidArgument("reward_functions is empty; name at least one reward function")
-        names = [name for name, _ in self.rewards]
-        if len(set(names)) != len(names):
-            raise InvalidArgument(f"reward_functions names a function twice: {names}")
+        if self.max_buffered_groups > MAX_BUFFERED_GROUPS:
+            raise InvalidArgument(
+                f"max_buffered_groups is {self.max_buffered_groups}; it must be <= {MAX_BUFFERED_GROUPS} "
+                "(0: the service's default)"
+            )
+        if len(self.display_name) > MAX_DISPLAY_NAME_CHARS:
+            raise InvalidArgument(
+                f"display_name has {len(self.display_name)} characters; give at most {MAX_DISPLAY_NAME_CHARS}"
+            )
+        self._validate_rewards()
         s = self.sampling
         if s.max_tokens <= 0:
             raise InvalidArgument("sampling.max_tokens must be > 0")
+        if s.max_tokens > MAX_TOKENS:
+            raise InvalidArgument(f"sampling.max_tokens is {s.max_tokens}; it must be <= {MAX_TOKENS}")
+        if len(s.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in s.stop):
+            raise InvalidArgument(
+                f"sampling.stop has {len(s.stop)} strings of up to {max(map(len, s.stop))} characters; "
+                f"give at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each"
+            )
         if s.temperature < 0:
             raise InvalidArgument(f"sampling.temperature is {s.temperature}; it must be >= 0")
         if not 0 < s.top_p <= 1:
             raise InvalidArgument(f"sampling.top_p is {s.top_p}; it must be in (0, 1]")
         if s.top_k < 0:
             raise InvalidArgument(f"sampling.top_k is {s.top_k}; it must be >= 0 (0 disables)")
-        if not math.isfinite(self.weight) or self.weight <= 0:
-            raise InvalidArgument(f"weight is {self.weight}; it must be a finite number > 0 (0 on the wire means 1)")
+        if not math.isfinite(self.weight) or not 0 < self.weight <= MAX_RUN_WEIGHT:
+            raise InvalidArgument(
+                f"weight is {self.weight}; it must be a number in (0, {MAX_RUN_WEIGHT:g}] (0 on the wire means 1)"
+            )
         if not math.isfinite(self.lease_timeout_s) or self.lease_timeout_s < 0:
             raise InvalidArgument(
                 f"lease_timeout_seconds is {self.lease_timeout_s}; it must be a finite number >= 0 (0: the default)"
@@ -75,6 +102,19 @@ class RunSpec:
         if self.source_kind == "prompts" and not self.prompts:
             raise InvalidArgument("prompt_source.prompts is empty; give at least one prompt")
         self._validate_episode()
+
+    def _validate_rewards(self) -> None:
+        if not self.rewards:
+            raise InvalidArgument("reward_functions is empty; name at least one reward function")
+        names = [name for name, _ in self.rewards]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"reward_functions names a function twice: {names}")
+        for name, weight in self.rewards:
+            if not math.isfinite(weight) or abs(weight) > MAX_REWARD_WEIGHT:
+                raise InvalidArgument(
+                    f"reward function {name!r} has weight {weight}; it must be a finite number "
+                    f"within +-{MAX_REWARD_WEIGHT:g}"
+                )
 
     def _validate_episode(self) -> None:
         """Names are checked against the registries by the service; here only the values."""

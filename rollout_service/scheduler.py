@@ -282,6 +282,10 @@ class Scheduler:
             except RewardError as exc:
                 await self._drop(run, group_id, "reward", exc)
                 return
+            except Exception as exc:  # never let a group die unobserved: its buffer place would leak
+                logger.error("scoring group %s failed unexpectedly", group_id, exc_info=exc)
+                await self._drop(run, group_id, "internal", exc)
+                return
             run.counters.groups_scored += 1
             self.metrics.groups_scored.labels(run.run_id).inc()
             await run.broker.put(scored)
@@ -310,6 +314,8 @@ class Scheduler:
         totals = weighted_total(components, weights, size)
         if any(math.isnan(t) for t in totals):
             raise RewardError("every reward function returned None for a sample of the group")
+        if not all(math.isfinite(t) for t in totals):
+            raise RewardError(f"the weighted reward overflowed ({totals}); use smaller rewards or weights")
         return ScoredGroup(
             group_id=group_id,
             run_id=run.run_id,

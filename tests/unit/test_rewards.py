@@ -50,6 +50,10 @@ async def test_sync_and_async_functions_and_none_as_nan() -> None:
         (lambda prompts, completions, completion_ids, **kw: 1 / 0, "raised ZeroDivisionError"),
         (lambda prompts, completions, completion_ids, **kw: [1.0], "expected a list of 2"),
         (lambda prompts, completions, completion_ids, **kw: ["x", 1.0], "non-number"),
+        # NaN means "no reward" inside the service; a NaN or inf a function returns is its bug.
+        (lambda prompts, completions, completion_ids, **kw: [float("nan"), 1.0], "returned nan for completion 0"),
+        (lambda prompts, completions, completion_ids, **kw: [1.0, float("-inf")], "returned -inf for completion 1"),
+        (lambda prompts, completions, completion_ids, **kw: [10**400, 1.0], "non-number"),
     ],
 )
 async def test_bad_reward_functions_raise_reward_error(function, message: str) -> None:

@@ -96,6 +96,25 @@ async def test_failing_reward_drops_the_group_with_a_warning(caplog: pytest.LogC
     assert run.state == "stopped"
 
 
+async def test_an_unexpected_scoring_failure_drops_the_group_and_frees_its_buffer_place(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before, such a task died unobserved and kept its place: after max_buffered_groups of
+    them the run stopped generating while it still said running."""
+    service = make_service(ScriptedEngine(), max_inflight=2)
+    run = await service.create_run(spec([[1]], group_size=2, max_buffered_groups=2))
+
+    def broken_advantages(rewards):
+        raise AttributeError("advantage bug")
+
+    run.advantages = broken_advantages  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        await wait_until(lambda: run.counters.groups_dropped >= 5, 5, "more drops than buffer places")
+    await service.delete_run(run.run_id)
+    assert run.counters.groups_scored == 0 and run.state == "stopped"
+    assert any("(internal)" in r.message and "advantage bug" in r.message for r in caplog.records)
+
+
 async def test_full_buffer_stops_new_groups() -> None:
     engine = ScriptedEngine()
     service = make_service(engine, max_inflight=4, max_buffered=3)
