@@ -118,6 +118,8 @@ class RunBroker:
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
         self.reserved = 0
         self.closed = False
+        self.closed_event = asyncio.Event()
+        """Set by ``close``: wakes a consumer stream that has no credits to take with."""
         self._changed = asyncio.Condition()
 
     # -- producer side -------------------------------------------------------------------
@@ -374,9 +376,24 @@ class RunBroker:
             self._changed.notify_all()
         return len(leased)
 
+    def discard_all(self) -> int:
+        """After ``close`` (the run was deleted): drop every group and the memories of acks,
+        expiries and versions; returns how many groups were buffered or leased."""
+        freed = len(self.buffered) + self.num_leased
+        self.buffered.clear()
+        self.leases.clear()
+        self.credits.clear()
+        self.lease_deadlines.clear()
+        self.acked.clear()
+        self.expired_from.clear()
+        self.expired_holder.clear()
+        self.trained_by_version.clear()
+        return freed
+
     async def close(self) -> None:
         async with self._changed:
             self.closed = True
+            self.closed_event.set()
             self._changed.notify_all()
 
     @staticmethod
@@ -391,5 +408,7 @@ class RunBroker:
         return sum(len(v) for v in self.leases.values())
 
     def _update_gauges(self) -> None:
+        if self.closed:
+            return  # a deleted run's series are removed; a late release must not bring them back
         self.metrics.queue_depth.labels(self.run_id).set(len(self.buffered))
         self.metrics.groups_leased.labels(self.run_id).set(self.num_leased)

@@ -99,6 +99,11 @@ class SchedulerSettings(BaseModel):
     lease_timeout_s: float = Field(default=600.0, gt=0)
     """A consumer that holds a group this long without acking it loses it to another consumer
     of the run (runs may set their own); long enough for a slow training step."""
+    max_group_bytes: int = Field(default=4 << 20, ge=1 << 10, le=64 << 20)
+    """Largest scored group sent to consumers (an upper bound of its gRPC message size). The
+    default is gRPC's default receive limit, so a client in any language can take every
+    group; a larger group is dropped (reason ``too_large``) instead of failing every
+    consumer for ever. Raise it, up to the server's 64 MiB, with your clients' limit."""
     group_requests: bool = True
     """Sample a single-turn group as one request (vLLM's ``n``): the prompt is parsed and
     prefilled once. Its G slots stay held until its longest completion ends, so completions

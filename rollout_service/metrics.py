@@ -118,6 +118,17 @@ class ServiceMetrics:
             registry=r,
         )
 
+    def forget_run(self, run_id: str) -> None:
+        """Remove every series labelled with this run (it was deleted); they would otherwise
+        be exported for ever. prometheus_client lists a metric's children only through its
+        private ``_labelnames`` / ``_metrics``."""
+        for metric in vars(self).values():
+            if not isinstance(metric, Counter | Gauge | Histogram) or "run" not in metric._labelnames:
+                continue
+            index = metric._labelnames.index("run")
+            for labels in [labels for labels in list(metric._metrics) if labels[index] == run_id]:
+                metric.remove(*labels)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -25,6 +25,12 @@ class PromptSpec:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
+MAX_METADATA_BYTES = 64 << 10
+"""Per prompt: metadata rides along with every group of the prompt to every consumer."""
+MAX_CHARS_PER_TOKEN = 64
+"""A prompt longer than this many characters per context token cannot fit, whatever it says."""
+
+
 def _letters() -> list[PromptSpec]:
     return [
         PromptSpec(
@@ -127,6 +133,7 @@ class PromptRenderer:
         forms = [spec.messages is not None, spec.text is not None, spec.token_ids is not None]
         if sum(forms) != 1:
             raise InvalidArgument("a prompt needs exactly one of messages, text or token_ids")
+        self._check_sizes(spec)
         if spec.messages is not None:
             if not spec.messages:
                 raise InvalidArgument("a chat prompt needs at least one message")
@@ -153,6 +160,27 @@ class PromptRenderer:
             )
         return ids, self.decode(ids)
 
+    def _check_sizes(self, spec: PromptSpec) -> None:
+        """Refuse what cannot fit before tokenizing it: a 20 MB prompt took the tokenizer 36 s
+        on the event loop, and every RPC of the service waited."""
+        metadata_bytes = sum(len(k.encode()) + len(v.encode()) for k, v in spec.metadata.items())
+        if metadata_bytes > MAX_METADATA_BYTES:
+            raise InvalidArgument(
+                f"prompt metadata is {metadata_bytes} bytes; keep it within {MAX_METADATA_BYTES} "
+                "(it travels with every group of the prompt)"
+            )
+        chars = len(spec.text or "") + sum(len(m.get("content") or "") for m in spec.messages or [])
+        max_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > max_chars:
+            raise InvalidArgument(
+                f"prompt of {chars} characters cannot fit the model's context of {self.max_model_len} tokens "
+                f"(at most {max_chars} characters are read); shorten it"
+            )
+        if spec.token_ids is not None and len(spec.token_ids) > self.max_model_len:
+            raise InvalidArgument(
+                f"prompt of {len(spec.token_ids)} token ids exceeds the model's context of {self.max_model_len}"
+            )
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Special tokens are kept unless asked: samples and tool parsers see them, rewards do not."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -162,6 +190,9 @@ class PromptSource(Protocol):
     """Yields the next prompt of a run; may wait (submitted prompts)."""
 
     async def next(self) -> PromptItem: ...
+
+    def discard(self) -> None:
+        """The run was deleted: free the prompts it holds."""
 
 
 class CyclingPromptSource:
@@ -175,6 +206,9 @@ class CyclingPromptSource:
 
     async def next(self) -> PromptItem:
         return next(self._cycle).item(next(self._count))
+
+    def discard(self) -> None:
+        self._cycle = itertools.cycle([])
 
 
 class SubmittedPromptSource:
@@ -197,3 +231,7 @@ class SubmittedPromptSource:
 
     async def next(self) -> PromptItem:
         return await self._queue.get()
+
+    def discard(self) -> None:
+        while not self._queue.empty():
+            self._queue.get_nowait()

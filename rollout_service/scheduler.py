@@ -52,8 +52,10 @@ class Scheduler:
         decode: Callable[[list[int]], str],
         reward_timeout_s: float = 60.0,
         group_requests: bool = True,
+        max_group_bytes: int = 4 << 20,
     ) -> None:
         self.engine = engine
+        self.max_group_bytes = max_group_bytes
         self.group_requests = group_requests
         """Single-turn groups as one request when the engine can (``SchedulerSettings``)."""
         self.decode = decode
@@ -286,6 +288,14 @@ class Scheduler:
                 logger.error("scoring group %s failed unexpectedly", group_id, exc_info=exc)
                 await self._drop(run, group_id, "internal", exc)
                 return
+            if (size := scored.wire_bytes_upper_bound()) > self.max_group_bytes:
+                # Buffered, it would fail every consumer's stream and come back, for ever.
+                message = (
+                    f"about {size} bytes, over scheduler.max_group_bytes ({self.max_group_bytes}); lower the run's "
+                    "max_tokens, group_size or prompt metadata, or raise the setting with the clients' receive limit"
+                )
+                await self._drop(run, group_id, "too_large", message)
+                return
             run.counters.groups_scored += 1
             self.metrics.groups_scored.labels(run.run_id).inc()
             await run.broker.put(scored)
@@ -294,7 +304,7 @@ class Scheduler:
             if forget is not None:
                 forget(group_id)
 
-    async def _drop(self, run: Run, group_id: str, reason: str, error: BaseException | None) -> None:
+    async def _drop(self, run: Run, group_id: str, reason: str, error: BaseException | str | None) -> None:
         await run.broker.unreserve()
         run.counters.groups_dropped += 1
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()

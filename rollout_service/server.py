@@ -132,11 +132,24 @@ class ConsumerSession:
         while True:
             if self.error is not None:
                 raise self.error
-            if self.client_done or self.broker.closed:
+            if self.client_done:
                 return None
+            if self.broker.closed:
+                run = self.run
+                why = f": {run.error}" if run.error else ""
+                raise FailedPrecondition(
+                    f"run {run.run_id} is {run.state}{why} (deleted, or the service is stopping); "
+                    "its unacked groups are gone; create a new run"
+                )
             self._changed.clear()
-            if self.credits <= 0:
-                await self._changed.wait()
+            if self.credits <= 0:  # wait for a credit, or for the run to end
+                changed = asyncio.ensure_future(self._changed.wait())
+                closed = asyncio.ensure_future(self.broker.closed_event.wait())
+                try:
+                    await asyncio.wait({changed, closed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                    closed.cancel()
                 continue
             take = asyncio.ensure_future(self.broker.take(self.consumer_id))
             changed = asyncio.ensure_future(self._changed.wait())
@@ -153,7 +166,7 @@ class ConsumerSession:
                 continue
             if (group := take.result()) is None:
                 if self.broker.closed:
-                    return None
+                    continue  # said at the top of the loop
                 raise FailedPrecondition(
                     f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"
                 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ from rollout_service.runs import Run, RunSpec
 from rollout_service.scheduler import Scheduler
 from rollout_service.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, ToolRegistry
 from rollout_service.weight_sync import UpdateTimes, WeightSyncCoordinator
+
+DELETED_RUNS_KEPT = 256
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +95,14 @@ class RolloutService:
             renderer.decode,
             settings.reward_timeout_s,
             group_requests=settings.group_requests,
+            max_group_bytes=settings.max_group_bytes,
         )
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.runs: dict[str, Run] = {}
+        """Live runs (running or failed): what ListRuns shows and GetStats reports."""
+        self.deleted: OrderedDict[str, Run] = OrderedDict()
+        """The last ``DELETED_RUNS_KEPT`` deleted runs, their groups and metric series freed, so
+        that GetRun and a late subscriber can still be told what happened."""
         self.policy_version = 0
         self.weight_sync: WeightSyncCoordinator | None = None
         self.adapters: AdapterPublisher | None = None
@@ -200,20 +208,31 @@ class RolloutService:
         return rendered
 
     def get_run(self, run_id: str) -> Run:
-        try:
-            return self.runs[run_id]
-        except KeyError:
+        run = self.runs.get(run_id) or self.deleted.get(run_id)
+        if run is None:
             known = ", ".join(self.runs) or "none"
-            raise NotFound(f"no run {run_id!r}; existing runs: {known}") from None
+            raise NotFound(f"no run {run_id!r}; existing runs: {known}")
+        return run
 
     async def delete_run(self, run_id: str) -> Run:
+        """Stop the run and free what it holds: its buffered and leased groups, ack memory,
+        prompt queue and metric series. Its record stays among the last deleted runs."""
         run = self.get_run(run_id)
+        if run_id in self.deleted:
+            return run  # deleting twice is a no-op
         if run.state == "running":
             run.state = "stopped"
         await self.scheduler.stop_run(run)
         if self.adapters is not None:
             await self.adapters.forget(run_id)
-        logger.info("stopped run %s", run_id)
+        freed = run.broker.discard_all()
+        run.source.discard()
+        self.metrics.forget_run(run_id)
+        del self.runs[run_id]
+        self.deleted[run_id] = run
+        while len(self.deleted) > DELETED_RUNS_KEPT:
+            self.deleted.popitem(last=False)
+        logger.info("deleted run %s (%d unconsumed groups freed)", run_id, freed)
         return run
 
     async def publish_adapter(self, run_id: str, files: dict[str, bytes]) -> tuple[int, str]:

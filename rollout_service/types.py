@@ -131,3 +131,22 @@ class ScoredGroup:
     @property
     def num_generated_tokens(self) -> int:
         return sum(sum(e.mask) for e in self.episodes)
+
+    def wire_bytes_upper_bound(self) -> int:
+        """An upper bound of this group's size as a ``rollout.v1.Group`` message, without
+        building it: packed varints take at most 5 bytes (ids, mask), floats 4, and every
+        field and sample gets generous room for its tag and length."""
+        prompt = 5 * len(self.prompt.token_ids) + len(self.prompt.text.encode())
+        metadata = sum(len(k.encode()) + len(v.encode()) + 16 for k, v in self.prompt.metadata.items())
+        components = sum(len(name.encode()) + 32 for name in self.reward_components)
+        samples = sum(
+            5 * len(self.prompt.token_ids)  # every sample carries the prompt's ids
+            + 5 * len(e.completion_ids)
+            + 4 * len(e.logprobs)
+            + 5 * len(e.mask)
+            + len(e.text.encode())
+            + components
+            + 128
+            for e in self.episodes
+        )
+        return prompt + metadata + samples + 256

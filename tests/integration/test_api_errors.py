@@ -8,6 +8,8 @@ import grpc
 import pytest
 
 from rollout_service.api import rollout_pb2 as pb
+from rollout_service.app import RunningService
+from tests.integration.test_discovery import fetch_text
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 
@@ -71,6 +73,11 @@ async def test_bad_prompts(client: RolloutClient) -> None:
     run = await client.create_run(spec)
     await expect_error(client.submit_prompts(run.run_id, [pb.Prompt()]), INVALID, "none of messages, text")
     await expect_error(client.submit_prompts(run.run_id, []), INVALID, "at least one prompt")
+    # Refused by size before the tokenizer sees them (a 20 MB prompt once froze the service).
+    huge = pb.Prompt(text="a" * (20 << 20))
+    await expect_error(client.submit_prompts(run.run_id, [huge]), INVALID, "characters cannot fit", "shorten it")
+    heavy = pb.Prompt(text="hi", metadata={"notes": "x" * (100 << 10)})
+    await expect_error(client.submit_prompts(run.run_id, [heavy]), INVALID, "prompt metadata is 102405 bytes")
     dataset_run = await client.create_run(letters())
     await expect_error(
         client.submit_prompts(dataset_run.run_id, [pb.Prompt(text="hi")]),
@@ -177,3 +184,33 @@ async def test_deleted_run_ends_its_streams_and_refuses_new_ones(client: Rollout
     error = await open_stream(client, subscribe(run.run_id))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "create a new run" in error.details()
+
+
+async def test_deleting_a_run_frees_its_groups_and_series_and_tells_its_consumers(
+    service: RunningService, client: RolloutClient
+) -> None:
+    run = await client.create_run(letters(max_buffered_groups=4))
+    stream = client.stream(run.run_id, "c", credits=1)
+    received = aiter(stream)
+    async with asyncio.timeout(60):
+        await anext(received)
+    await wait_until(lambda: _buffered(client, run.run_id, 4), 60, "the buffer to fill")
+    await client.delete_run(run.run_id)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # the live stream is told why it ends
+        async with asyncio.timeout(30):
+            await anext(received)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "is stopped" in info.value.details() and "create a new run" in info.value.details()
+    after = await client.get_run(run.run_id)  # still readable, its groups freed
+    assert after.state == pb.RUN_STATE_STOPPED
+    assert (after.stats.groups_buffered, after.stats.groups_leased) == (0, 0)
+    assert run.run_id not in [r.run_id for r in (await client.stub.ListRuns(pb.ListRunsRequest(), timeout=10)).runs]
+    assert run.run_id not in (await client.stats()).runs
+    metrics = await asyncio.to_thread(fetch_text, f"http://127.0.0.1:{service.metrics_port}/metrics")
+    assert f'run="{run.run_id}"' not in metrics
+    assert (await client.delete_run(run.run_id)).state == pb.RUN_STATE_STOPPED  # twice: a no-op
+
+
+async def _buffered(client: RolloutClient, run_id: str, groups: int) -> bool:
+    return (await client.get_run(run_id)).stats.groups_buffered >= groups

@@ -90,7 +90,7 @@ class ScriptedGroupEngine(ScriptedEngine):
         return [await self.generate(prompt_ids, params, affinity=affinity)] * n
 
 
-def make_service(engine: ScriptedEngine, max_inflight: int = 4, max_buffered: int = 64, rewards=None):
+def make_service(engine: ScriptedEngine, max_inflight: int = 4, max_buffered: int = 64, rewards=None, **settings):
     registry = RewardRegistry()
     for name, fn in (rewards or {}).items():
         registry.register(name, fn)
@@ -99,6 +99,6 @@ def make_service(engine: ScriptedEngine, max_inflight: int = 4, max_buffered: in
         renderer=PromptRenderer(ScriptedTokenizer(), max_model_len=4096),
         rewards=registry,
         metrics=ServiceMetrics(),
-        settings=SchedulerSettings(max_inflight=max_inflight, default_max_buffered_groups=max_buffered),
+        settings=SchedulerSettings(max_inflight=max_inflight, default_max_buffered_groups=max_buffered, **settings),
         info=ServiceInfo(model="scripted", engine_urls=[], max_inflight=max_inflight),
     )

@@ -115,6 +115,18 @@ async def test_an_unexpected_scoring_failure_drops_the_group_and_frees_its_buffe
     assert any("(internal)" in r.message and "advantage bug" in r.message for r in caplog.records)
 
 
+async def test_a_group_too_large_to_send_is_dropped_and_the_run_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Buffered, it would fail every consumer's stream and return to the front, for ever."""
+    service = make_service(ScriptedEngine(), max_inflight=2, max_group_bytes=4096)
+    prompts = (PromptSpec(token_ids=[1], metadata={"notes": "x" * 8000}), PromptSpec(token_ids=[2]))
+    run = await service.create_run(dataclasses.replace(spec([[1]], group_size=2), prompts=prompts))
+    with caplog.at_level(logging.WARNING):
+        await wait_until(lambda: run.counters.groups_dropped >= 2 and len(run.broker.buffered) >= 2, 5, "both kinds")
+    await service.delete_run(run.run_id)
+    assert all(group.prompt.index % 2 == 1 for group in run.broker.buffered)  # only the small prompt's groups
+    assert any("(too_large)" in r.message and "scheduler.max_group_bytes (4096)" in r.message for r in caplog.records)
+
+
 async def test_full_buffer_stops_new_groups() -> None:
     engine = ScriptedEngine()
     service = make_service(engine, max_inflight=4, max_buffered=3)
