@@ -279,6 +279,11 @@ class Scheduler:
                     logger.error("group %s failed unexpectedly", group_id, exc_info=error)
                 return
             episodes = [episode for task in members for episode in _episodes(task.result())]
+            if any(episode.finish_reason == "abort" for episode in episodes):
+                # A weight update with pause_mode abort cut a member off: the proto promises
+                # such groups are dropped, not trained on a truncated sample.
+                await self._drop(run, group_id, "aborted", "a member was aborted by a weight update")
+                return
             try:
                 scored = await self._score(run, prompt, group_id, episodes, time.monotonic() - started)
             except RewardError as exc:

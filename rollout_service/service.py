@@ -100,6 +100,8 @@ class RolloutService:
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.runs: dict[str, Run] = {}
         """Live runs (running or failed): what ListRuns shows and GetStats reports."""
+        self.base_weights_run: str | None = None
+        """The run whose trainer pushes the servers' base weights (``_claim_base_weights``)."""
         self.deleted: OrderedDict[str, Run] = OrderedDict()
         """The last ``DELETED_RUNS_KEPT`` deleted runs, their groups and metric series freed, so
         that GetRun and a late subscriber can still be told what happened."""
@@ -298,9 +300,25 @@ class RolloutService:
                     f"run {run_id} serves its own LoRA adapter (serve_adapter); push the adapter with PushAdapter, "
                     "not base weights, which every run shares"
                 )
+            self._claim_base_weights(run_id)
         if self.weight_sync is None:
             raise FailedPrecondition("this service was started without weight sync")
         return self.weight_sync
+
+    def _claim_base_weights(self, run_id: str) -> None:
+        """One full-weight run pushes to a pool at a time. The servers hold one set of base
+        weights and every such run samples them, so a second pushing run would train on the
+        first one's policy with its own version labels. The claim passes on once the owner
+        has no consumer connected (its trainer finished or died) or is deleted."""
+        owner = self.runs.get(self.base_weights_run or "")
+        if owner is not None and owner.run_id != run_id and owner.broker.leases:
+            raise FailedPrecondition(
+                f"run {owner.run_id} pushes the base weights of these servers and its trainer is connected; a "
+                f"second full-weight run would sample run {owner.run_id}'s policy. Train a LoRA adapter instead "
+                f"(a serve_adapter run), add this trainer to run {owner.run_id} (rollout-trainer --run-id "
+                f"{owner.run_id} --no-push), use another server pool, or delete run {owner.run_id} first"
+            )
+        self.base_weights_run = run_id
 
     async def close(self) -> None:
         for run in list(self.runs.values()):

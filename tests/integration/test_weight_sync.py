@@ -22,6 +22,7 @@ from transformers import Qwen2ForCausalLM
 
 from rollout_service.app import RunningService
 from tests.integration.conftest import service_settings, service_with_client
+from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.policy_weights import policy_weights
 from trainer_client.weight_push import WeightPusher, tensor_meta
@@ -213,3 +214,31 @@ async def test_trainer_that_never_sends_is_timed_out(sync_service, vllm_server, 
         assert await asyncio.wait_for(pusher.push(named), 60) == 2
     finally:
         pusher.close()
+
+
+async def test_a_second_full_weight_run_cannot_push_while_the_first_ones_trainer_is_connected(
+    sync_service, base_model
+) -> None:
+    service, client = sync_service
+    first, second = [
+        await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+        for _ in range(2)
+    ]
+    weights = list(base_model.named_parameters())
+    trainer = client.stream(first.run_id, "first-trainer", credits=1)
+    pushers = [WeightPusher(client, run.run_id, transfer_timeout_s=8) for run in (first, second)]
+    try:
+        async with asyncio.timeout(60):
+            await anext(aiter(trainer))  # the first run's trainer is connected and holds a group
+        assert await asyncio.wait_for(pushers[0].push(weights), 60) == 1
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(pushers[1].push(weights), 60)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        for hint in (f"run {first.run_id} pushes the base weights", "serve_adapter", "--no-push"):
+            assert hint in info.value.details()
+        await trainer.aclose()  # the first trainer leaves: the second run may take over
+        await wait_until(lambda: not service.service.runs[first.run_id].broker.leases, 30, "the first to leave")
+        assert await asyncio.wait_for(pushers[1].push(weights), 60) == 2
+    finally:
+        for pusher in pushers:
+            pusher.close()

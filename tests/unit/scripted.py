@@ -14,6 +14,8 @@ from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.types import Completion, SamplingParams
 
 FAIL_TOKEN = 999
+ABORT_TOKEN = 998
+"""Prompts containing it finish as vLLM reports a request aborted by a pause (mode abort)."""
 
 
 class ScriptedTokenizer:
@@ -55,7 +57,7 @@ class ScriptedEngine:
             if FAIL_TOKEN in prompt_ids:
                 raise EngineError("scripted", "scripted failure")
             n = params.max_tokens
-            return Completion([7] * n, [-0.5] * n, "length", "scripted")
+            return Completion([7] * n, [-0.5] * n, "abort" if ABORT_TOKEN in prompt_ids else "length", "scripted")
         finally:
             self.active -= 1
             self.changed.set()

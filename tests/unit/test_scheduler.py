@@ -10,7 +10,7 @@ from rollout_service.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
 from tests.support import wait_until
-from tests.unit.scripted import FAIL_TOKEN, ScriptedEngine, ScriptedGroupEngine, make_service
+from tests.unit.scripted import ABORT_TOKEN, FAIL_TOKEN, ScriptedEngine, ScriptedGroupEngine, make_service
 
 
 def spec(prompts: list[list[int]], group_size: int = 3, rewards=(("completion_length", 1.0),), **kw) -> RunSpec:
@@ -74,8 +74,9 @@ async def test_failed_request_drops_its_group_and_the_run_goes_on(caplog: pytest
     run = await service.create_run(spec([[1, 2], [FAIL_TOKEN]], group_size=2))
     with caplog.at_level(logging.WARNING):
         await wait_until(lambda: len(run.broker.buffered) >= 5 and run.counters.groups_dropped >= 3, 5, "drops")
+    buffered = list(run.broker.buffered)
     await service.delete_run(run.run_id)
-    assert all(FAIL_TOKEN not in g.prompt.token_ids for g in run.broker.buffered)
+    assert buffered and all(FAIL_TOKEN not in g.prompt.token_ids for g in buffered)
     assert run.counters.groups_dropped >= 3
     assert any("dropped group" in r.message and "scripted failure" in r.message for r in caplog.records)
     assert service.scheduler.engine_failures == run.counters.groups_dropped
@@ -122,9 +123,21 @@ async def test_a_group_too_large_to_send_is_dropped_and_the_run_goes_on(caplog: 
     run = await service.create_run(dataclasses.replace(spec([[1]], group_size=2), prompts=prompts))
     with caplog.at_level(logging.WARNING):
         await wait_until(lambda: run.counters.groups_dropped >= 2 and len(run.broker.buffered) >= 2, 5, "both kinds")
+    buffered = list(run.broker.buffered)
     await service.delete_run(run.run_id)
-    assert all(group.prompt.index % 2 == 1 for group in run.broker.buffered)  # only the small prompt's groups
+    assert buffered and all(group.prompt.index % 2 == 1 for group in buffered)  # only the small prompt's groups
     assert any("(too_large)" in r.message and "scheduler.max_group_bytes (4096)" in r.message for r in caplog.records)
+
+
+async def test_a_group_with_an_aborted_member_is_dropped_not_delivered(caplog: pytest.LogCaptureFixture) -> None:
+    service = make_service(ScriptedEngine(), max_inflight=2)
+    run = await service.create_run(spec([[1, ABORT_TOKEN], [2]], group_size=2))
+    with caplog.at_level(logging.WARNING):
+        await wait_until(lambda: run.counters.groups_dropped >= 2 and len(run.broker.buffered) >= 2, 5, "both kinds")
+    buffered = list(run.broker.buffered)
+    await service.delete_run(run.run_id)
+    assert buffered and all(group.prompt.token_ids == [2] for group in buffered)
+    assert any("(aborted)" in r.message for r in caplog.records)
 
 
 async def test_full_buffer_stops_new_groups() -> None:
