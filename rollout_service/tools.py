@@ -109,7 +109,7 @@ def parse_hermes(text: str) -> list[ParsedCall]:
 def _read_call_json(raw: str) -> ParsedCall:
     try:
         payload = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, and an integer literal over Python's 4300 digits
         name = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
         return UnreadableCall(raw, f"the tool call is not valid JSON ({exc})", name.group(1) if name else "")
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
@@ -118,7 +118,7 @@ def _read_call_json(raw: str) -> ParsedCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:
             return UnreadableCall(raw, f"the tool call's arguments are not valid JSON ({exc})", payload["name"])
     if not isinstance(arguments, dict):
         return UnreadableCall(raw, "the tool call's arguments must be a JSON object", payload["name"])
@@ -149,6 +149,19 @@ class ToolResult:
 # -- built-in tools --------------------------------------------------------------------------
 
 
+# The built-in tools run the model's own output: every operation is bounded before it runs,
+# since one huge integer power holds the GIL (and so the whole service) for minutes.
+MAX_RESULT_BITS = 4096
+"""Integers up to about 1,200 digits; beyond that a result is refused, not computed."""
+
+
+def _number(name: str, value: Any) -> float:
+    """The model may send anything; only real numbers go in (``"a" * 10**10`` is 10 GB)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    return value
+
+
 def add(a: float, b: float) -> float:
     """Add two numbers.
 
@@ -156,7 +169,7 @@ def add(a: float, b: float) -> float:
         a: The first number.
         b: The second number.
     """
-    return a + b
+    return _checked(operator.add, _number("a", a), _number("b", b))
 
 
 def multiply(a: float, b: float) -> float:
@@ -166,7 +179,23 @@ def multiply(a: float, b: float) -> float:
         a: The first number.
         b: The second number.
     """
-    return a * b
+    return _checked(operator.mul, _number("a", a), _number("b", b))
+
+
+def _checked(op: Callable[..., float], left: float, right: float) -> float:
+    """Apply a binary operator after checking its integer result cannot exceed MAX_RESULT_BITS."""
+    if isinstance(left, int) and isinstance(right, int):
+        bits = max(left.bit_length(), right.bit_length())
+        if op is operator.mul:
+            bits = left.bit_length() + right.bit_length()
+        elif op is operator.pow:
+            bits = left.bit_length() * max(right, 0)
+        if bits > MAX_RESULT_BITS:
+            raise ValueError(f"the result would have more than {MAX_RESULT_BITS} bits")
+    try:
+        return op(left, right)
+    except OverflowError:
+        raise ValueError("the result is too large for a float") from None
 
 
 _OPERATORS: dict[type, Callable[..., float]] = {
@@ -196,7 +225,7 @@ def calculator(expression: str) -> float:
             left, right = evaluate(node.left), evaluate(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 64:
                 raise ValueError("exponent too large")
-            return _OPERATORS[type(node.op)](left, right)
+            return _checked(_OPERATORS[type(node.op)], left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](evaluate(node.operand))
         raise ValueError(f"unsupported expression element {ast.dump(node)[:40]}")
@@ -209,6 +238,10 @@ def calculator(expression: str) -> float:
 BUILTIN_TOOLS: dict[str, ToolFunction] = {"add": add, "multiply": multiply, "calculator": calculator}
 
 
+MAX_RESULT_CHARS = 16_384
+"""What a tool may add to the conversation from a value it returns (strings pass as they are)."""
+
+
 def format_result(value: Any) -> str:
     """What the model reads: strings as they are, integral floats without '.0', the rest as JSON."""
     if isinstance(value, str):
@@ -218,7 +251,11 @@ def format_result(value: Any) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
-        return str(value)
+        pass
+    try:
+        return str(value)[:MAX_RESULT_CHARS]
+    except ValueError:  # an int over Python's 4300-digit str limit
+        return f"<a {type(value).__name__} too large to print>"
 
 
 class ToolRegistry:

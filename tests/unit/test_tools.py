@@ -175,3 +175,28 @@ def test_results_are_formatted_for_the_model() -> None:
         '[1, "a"]',
         "null",
     ]
+
+
+# The model's own output must not freeze the service: these held the GIL for minutes, built
+# a 10 GB string, or raised outside the tools' error handling.
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        ('{"name": "calculator", "arguments": {"expression": "((((9**64)**64)**64)**64)"}}', "more than 4096 bits"),
+        ('{"name": "calculator", "arguments": {"expression": "((9**64)**64)**2"}}', "more than 4096 bits"),
+        ('{"name": "multiply", "arguments": {"a": "a", "b": 10000000000}}', "a must be a number, got str"),
+        ('{"name": "add", "arguments": {"a": true, "b": 1}}', "a must be a number, got bool"),
+        ('{"name": "add", "arguments": {"a": ' + "1" * 5000 + ', "b": 1}}', "not valid JSON"),
+    ],
+)
+async def test_hostile_tool_calls_fail_as_tool_errors_at_once(registry: ToolRegistry, call: str, fragment: str) -> None:
+    [parsed] = parse_hermes(f"<tool_call>{call}</tool_call>")
+    tools = registry.toolset(["add", "multiply", "calculator"], "hermes", 5.0)
+    result = await asyncio.wait_for(tools.execute(parsed), 10)
+    assert not result.ok
+    assert fragment in result.content
+
+
+def test_a_value_too_large_to_print_is_still_formatted() -> None:
+    assert format_result(10**5000) == "<a int too large to print>"
+    assert calculator("9 ** 64 * 9 ** 64") == 9**128  # large but bounded results still work
