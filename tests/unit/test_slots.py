@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 
 import pytest
@@ -11,8 +12,8 @@ from rollout_service.slots import WeightedSlots
 
 
 async def settle() -> None:
-    for _ in range(3):
-        await asyncio.sleep(0)  # let granted waiters resume (event-loop turns, not timing)
+    for _ in range(50):
+        await asyncio.sleep(0)  # slots are handed out one per loop turn (turns, not timing)
 
 
 async def test_freed_slots_go_to_runs_in_proportion_to_their_weights() -> None:
@@ -144,3 +145,31 @@ async def test_busy_time_average_and_free_seconds_integrate_over_time() -> None:
     now[0] = 20.0  # idle: nothing busy, so the average falls
     assert slots.busy_time_average() == pytest.approx(14 / 20)
     assert slots.free_seconds() == pytest.approx(16)
+
+
+async def test_runs_that_take_two_slots_at_a_time_still_share_by_weight() -> None:
+    """A group request takes its G slots one at a time. Handed out in one go, every second
+    slot of a release went to the other run whatever the weights (0.60 instead of 0.75)."""
+    now = [0.0]
+    slots = WeightedSlots(8, clock=lambda: now[0])
+    started: collections.deque[str] = collections.deque()  # groups in start order
+
+    async def feeder(key: str, weight: float) -> None:
+        while True:
+            await slots.acquire(key, weight)
+            await slots.acquire(key, weight)
+            started.append(key)
+
+    feeders = [asyncio.ensure_future(feeder("heavy", 3)), asyncio.ensure_future(feeder("light", 1))]
+    await settle()
+    for _ in range(400):  # the oldest group finishes, every group takes the same time
+        now[0] += 0.1
+        key = started.popleft()
+        slots.release(key)
+        slots.release(key)
+        await settle()
+    heavy, light = slots.slot_seconds("heavy"), slots.slot_seconds("light")
+    for task in feeders:
+        task.cancel()
+    await asyncio.gather(*feeders, return_exceptions=True)
+    assert heavy / (heavy + light) == pytest.approx(0.75, abs=0.04)
