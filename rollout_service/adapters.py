@@ -34,8 +34,20 @@ from rollout_service.types import Completion, SamplingParams
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+"""The only files an adapter may have: PEFT's config and safetensors weights. No pickles
+(``adapter_model.bin``): vLLM would unpickle whatever a client sent."""
 MAX_ADAPTER_BYTES = 2 << 30
+
+
+def check_adapter_file_name(name: str) -> None:
+    """Called per chunk, so a refused file is never buffered."""
+    if name not in ADAPTER_FILES:
+        raise InvalidArgument(
+            f"adapter file {name!r} is not accepted; send {list(ADAPTER_FILES)} (PEFT's save_pretrained with "
+            "safetensors; pickled .bin weights are refused)"
+        )
 
 
 @dataclass
@@ -54,13 +66,11 @@ def adapter_name(run_id: str, version: int) -> str:
 
 def validate_adapter_files(files: dict[str, bytes], max_rank: int | None = None) -> None:
     """Refuse what vLLM would refuse, with a message that says what to send instead."""
-    unsafe = [name for name in files if not name or "/" in name or "\\" in name or name.startswith(".")]
-    if unsafe:
-        raise InvalidArgument(f"adapter file names must be plain file names; got {unsafe}")
-    if CONFIG_FILE not in files or not any(name in files for name in WEIGHT_FILES):
+    for name in files:
+        check_adapter_file_name(name)
+    if set(files) != set(ADAPTER_FILES):
         raise InvalidArgument(
-            f"an adapter needs {CONFIG_FILE} and one of {list(WEIGHT_FILES)} "
-            f"(what PEFT's save_pretrained writes); got {sorted(files)}"
+            f"an adapter needs {list(ADAPTER_FILES)} (what PEFT's save_pretrained writes); got {sorted(files)}"
         )
     if sum(len(data) for data in files.values()) > MAX_ADAPTER_BYTES:
         raise InvalidArgument(f"the adapter is larger than {MAX_ADAPTER_BYTES >> 30} GiB; is it a full model?")

@@ -99,6 +99,12 @@ class SchedulerSettings(BaseModel):
     lease_timeout_s: float = Field(default=600.0, gt=0)
     """A consumer that holds a group this long without acking it loses it to another consumer
     of the run (runs may set their own); long enough for a slow training step."""
+    max_runs: int = Field(default=256, ge=1)
+    """Live runs at once; CreateRun beyond it is RESOURCE_EXHAUSTED (delete finished runs)."""
+    max_consumers_per_run: int = Field(default=64, ge=1)
+    """Streams subscribed to one run at once; a subscribe beyond it is RESOURCE_EXHAUSTED."""
+    max_credits: int = Field(default=4096, ge=1)
+    """Credits one stream may hold (groups it may have unacked); more is INVALID_ARGUMENT."""
     max_group_bytes: int = Field(default=4 << 20, ge=1 << 10, le=64 << 20)
     """Largest scored group sent to consumers (an upper bound of its gRPC message size). The
     default is gRPC's default receive limit, so a client in any language can take every

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rollout_service.adapters import MAX_ADAPTER_BYTES
+from rollout_service.adapters import MAX_ADAPTER_BYTES, check_adapter_file_name
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.api import rollout_pb2_grpc as pb_grpc
 from rollout_service.convert import (
@@ -31,7 +31,7 @@ from rollout_service.convert import (
     stats_to_pb,
     tensors_from_pb,
 )
-from rollout_service.errors import FailedPrecondition, InvalidArgument, ServiceError
+from rollout_service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
 from rollout_service.service import RolloutService
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ async def _adapter_files(requests: AsyncIterator[pb.PushAdapterRequest]) -> tupl
             raise InvalidArgument(f"PushAdapter chunks name two runs: {run_id!r} and {request.run_id!r}")
         if not request.file_name:
             raise InvalidArgument("every PushAdapter message must name the file its data belongs to (file_name)")
+        check_adapter_file_name(request.file_name)
         total += len(request.data)
         if total > MAX_ADAPTER_BYTES:
             raise InvalidArgument(f"the adapter exceeds {MAX_ADAPTER_BYTES >> 30} GiB; is it a full model?")
@@ -89,6 +90,7 @@ class ConsumerSession:
     """
 
     def __init__(self, service: RolloutService, run_id: str, consumer_id: str, credits: int) -> None:
+        self.service = service
         self.run = service.get_run(run_id)
         self.broker = self.run.broker
         self.consumer_id = consumer_id
@@ -96,6 +98,23 @@ class ConsumerSession:
         self.error: ServiceError | None = None
         self.client_done = False
         self._changed = asyncio.Event()
+
+    def check_limits(self) -> None:
+        """Before subscribing: the run's consumer count and this stream's credits are bounded."""
+        limits = self.service.settings
+        if len(self.broker.leases) >= limits.max_consumers_per_run and self.consumer_id not in self.broker.leases:
+            raise ResourceExhausted(
+                f"run {self.run.run_id} has {len(self.broker.leases)} consumers, the limit "
+                "(scheduler.max_consumers_per_run); close idle streams"
+            )
+        self._check_credits(self.credits)
+
+    def _check_credits(self, credits: int) -> None:
+        limit = self.service.settings.max_credits
+        if credits > limit:
+            raise InvalidArgument(
+                f"a stream may hold at most {limit} credits (scheduler.max_credits); this one would hold {credits}"
+            )
 
     async def read(self, requests: AsyncIterator[pb.StreamSamplesRequest]) -> None:
         try:
@@ -115,6 +134,7 @@ class ConsumerSession:
         if kind == "credit":
             if message.credit.groups == 0:
                 raise InvalidArgument("credit.groups must be > 0")
+            self._check_credits(self.credits + message.credit.groups)
             self.credits += message.credit.groups
         elif kind == "ack":
             if message.ack.status not in ACK_FROM_PB:
@@ -260,6 +280,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             subscribe = await self._first_message(request_iterator)
             consumer_id, credits = subscribe.consumer_id, subscribe.initial_credits
             candidate = ConsumerSession(self.service, subscribe.run_id, consumer_id, credits)
+            candidate.check_limits()
             candidate.broker.subscribe(consumer_id, credits)
             # Only a stream that subscribed may release: a refused duplicate must not hand
             # back the leases of the live stream that holds this consumer id.

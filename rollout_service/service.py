@@ -19,7 +19,7 @@ from rollout_service.config import SchedulerSettings
 from rollout_service.engine.protocol import Engine
 from rollout_service.environments import EnvironmentRegistry
 from rollout_service.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
-from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound
+from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.prompts import (
     CyclingPromptSource,
@@ -129,6 +129,10 @@ class RolloutService:
 
     async def create_run(self, spec: RunSpec) -> Run:
         spec.validate()
+        if len(self.runs) >= self.settings.max_runs:
+            raise ResourceExhausted(
+                f"the service holds {len(self.runs)} runs, its limit (scheduler.max_runs); delete finished runs"
+            )
         for name, _ in spec.rewards:
             self.rewards.get(name)  # raises InvalidArgument naming the registered functions
         if spec.max_inflight > self.settings.max_inflight:

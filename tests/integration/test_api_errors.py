@@ -101,8 +101,8 @@ async def open_stream(client: RolloutClient, *messages: pb.StreamSamplesRequest)
     return info.value
 
 
-def subscribe(run_id: str, consumer: str = "c") -> pb.StreamSamplesRequest:
-    return pb.StreamSamplesRequest(subscribe=pb.Subscribe(run_id=run_id, consumer_id=consumer))
+def subscribe(run_id: str, consumer: str = "c", credits: int = 0) -> pb.StreamSamplesRequest:
+    return pb.StreamSamplesRequest(subscribe=pb.Subscribe(run_id=run_id, consumer_id=consumer, initial_credits=credits))
 
 
 @pytest.mark.parametrize(
@@ -114,6 +114,8 @@ def subscribe(run_id: str, consumer: str = "c") -> pb.StreamSamplesRequest:
         (lambda r: [subscribe(r), pb.StreamSamplesRequest()], INVALID, "empty StreamSamplesRequest"),
         (lambda r: [subscribe(r), subscribe(r)], INVALID, "only be the first message"),
         (lambda r: [subscribe(r), pb.StreamSamplesRequest(credit=pb.Credit(groups=0))], INVALID, "credit.groups"),
+        (lambda r: [subscribe(r, credits=5000)], INVALID, "at most 4096 credits"),
+        (lambda r: [subscribe(r), pb.StreamSamplesRequest(credit=pb.Credit(groups=5000))], INVALID, "would hold 5000"),
         (
             lambda r: [subscribe(r), pb.StreamSamplesRequest(ack=pb.Ack(group_ids=["g-nope"]))],
             grpc.StatusCode.FAILED_PRECONDITION,

@@ -101,8 +101,11 @@ async def test_adapter_pushes_are_refused_where_they_cannot_apply(client: Rollou
         (AdapterPusher(client, shared.run_id).push_policy(adapter), grpc.StatusCode.FAILED_PRECONDITION,
          "serve_adapter"),
         (client.push_adapter(own.run_id, {"adapter_model.safetensors": b"x"}, 10), grpc.StatusCode.INVALID_ARGUMENT,
-         "needs adapter_config.json"),
-        (client.push_adapter("run-missing", {"a": b"x"}, 10), grpc.StatusCode.NOT_FOUND, "run-missing"),
+         "needs ['adapter_config.json', 'adapter_model.safetensors']"),
+        (client.push_adapter(own.run_id, {"adapter_model.bin": b"x"}, 10), grpc.StatusCode.INVALID_ARGUMENT,
+         "pickled .bin weights are refused"),
+        (client.push_adapter("run-missing", {"adapter_config.json": b"x"}, 10), grpc.StatusCode.NOT_FOUND,
+         "run-missing"),
     ]  # fmt: skip
     for call, code, fragment in cases:
         with pytest.raises(grpc.aio.AioRpcError) as info:

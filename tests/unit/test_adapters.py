@@ -40,9 +40,12 @@ def written(path: str) -> bool:
 @pytest.mark.parametrize(
     ("files", "message"),
     [
-        ({"adapter_model.safetensors": b"x"}, "needs adapter_config.json"),
-        ({"adapter_config.json": b"{}"}, "needs adapter_config.json and one of"),
-        ({**ADAPTER, "../evil": b"x"}, "plain file names"),
+        ({"adapter_model.safetensors": b"x"}, "needs \\['adapter_config.json', 'adapter_model.safetensors'\\]"),
+        ({"adapter_config.json": b"{}"}, "needs \\['adapter_config.json'"),
+        ({**ADAPTER, "../evil": b"x"}, "adapter file '../evil' is not accepted"),
+        # Pickled weights would be unpickled by vLLM: refused whatever else is sent
+        ({"adapter_config.json": b'{"r": 8}', "adapter_model.bin": b"x"}, "pickled .bin weights are refused"),
+        ({**ADAPTER, "tokenizer.json": b"{}"}, "adapter file 'tokenizer.json' is not accepted"),
         ({**ADAPTER, "adapter_config.json": b"not json"}, "is not JSON"),
         ({**ADAPTER, "adapter_config.json": b'{"r": 0}'}, "no LoRA rank"),
         ({**ADAPTER, "adapter_config.json": b'{"r": 64}'}, "exceeds the servers' --max-lora-rank 16"),
