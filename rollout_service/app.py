@@ -147,6 +147,7 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
         )
         stack.push_async_callback(service.weight_sync.close)
         await service.weight_sync.prefetch_world_sizes()
+        await service.weight_sync.resume_left_paused()
 
         metrics_port = None
         if settings.metrics_port is not None:

@@ -131,6 +131,9 @@ class WeightSyncSettings(BaseModel):
 
     backend: str = "gloo"
     """Transfer backend the servers were started with (--weight-transfer-config): gloo on CPU, nccl on GPU."""
+    resume_retry_s: float = Field(default=1.0, gt=0)
+    """A failed /resume is retried after this, doubling, 3 times; then every 8x this in the
+    background until it works: a server left paused would never generate again."""
     transfer_timeout_s: float = Field(default=120.0, gt=0)
     """Bound on joining the transfer group and on receiving one update; also the process
     group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""

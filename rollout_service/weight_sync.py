@@ -124,6 +124,8 @@ class WeightSyncCoordinator:
         self._world_sizes: list[int] | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.stuck_paused: set[str] = set()
+        """Servers whose resume failed every retry; a background task keeps resuming them."""
 
     # -- begin ---------------------------------------------------------------------------
     async def begin(
@@ -296,11 +298,13 @@ class WeightSyncCoordinator:
             with contextlib.suppress(BaseException):
                 await update.pipeline
         self._group = None  # a failed transfer group cannot be trusted: re-join next time
-        await self._resume(update)
-        self._current = None
-        self._on_trainer_version(self.version)
-        self.updates_aborted += 1
-        self._finished(update, committed=False)
+        try:
+            await self._resume(update)
+        finally:  # whatever the resume raised, the update is over: later begins must work
+            self._current = None
+            self._on_trainer_version(self.version)
+            self.updates_aborted += 1
+            self._finished(update, committed=False)
         logger.warning(
             "weight update %s aborted (%s); generation resumed on policy version %d",
             update.update_id,
@@ -311,13 +315,13 @@ class WeightSyncCoordinator:
     async def _resume(self, update: _Update) -> None:
         started = self._clock()
         for server in self.servers:
-            if server.base_url in update.paused:
-                try:
-                    await server.resume(self.settings.control_timeout_s)
-                except WeightSyncError as exc:
-                    logger.error(
-                        "could not resume %s after weight update %s: %s", server.base_url, update.update_id, exc
-                    )
+            if server.base_url in update.paused and not await self._resume_server(server):
+                logger.error(
+                    "could not resume %s after weight update %s; retrying in the background",
+                    server.base_url,
+                    update.update_id,
+                )
+                self._keep_resuming(server)
         update.paused.clear()
         if update.paused_at is not None:
             now = self._clock()
@@ -327,6 +331,52 @@ class WeightSyncCoordinator:
             self._paused_seconds += update.paused_seconds
             if self._metrics is not None:
                 self._metrics.weight_update_paused_seconds.inc(update.paused_seconds)
+
+    async def _resume_server(self, server: VLLMControlClient, attempts: int = 3) -> bool:
+        """Resume one server, retrying with a doubling delay; False if every attempt failed."""
+        delay = self.settings.resume_retry_s
+        for attempt in range(attempts):
+            try:
+                await server.resume(self.settings.control_timeout_s)
+                return True
+            except Exception as exc:  # WeightSyncError, or anything unexpected: it must not stay paused
+                logger.warning("resume of %s failed (attempt %d/%d): %s", server.base_url, attempt + 1, attempts, exc)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(delay)  # a backoff before the next attempt
+                delay *= 2
+        return False
+
+    def _keep_resuming(self, server: VLLMControlClient) -> None:
+        if server.base_url in self.stuck_paused:
+            return
+        self.stuck_paused.add(server.base_url)
+
+        async def retry() -> None:
+            resumed = False
+            while not resumed:
+                await asyncio.sleep(8 * self.settings.resume_retry_s)  # a retry period, not synchronisation
+                resumed = await self._resume_server(server, attempts=1)
+            self.stuck_paused.discard(server.base_url)
+            logger.info("%s resumed after earlier failures", server.base_url)
+
+        self._spawn(retry())
+
+    async def resume_left_paused(self) -> list[str]:
+        """At start-up: resume servers a previous service left paused (it died mid-update);
+        returns their URLs. A server that cannot say is left alone (it may be down)."""
+        resumed = []
+        for server in self.servers:
+            try:
+                paused = await server.is_paused(self.settings.control_timeout_s)
+            except WeightSyncError as exc:
+                logger.info("could not ask %s whether it is paused: %s", server.base_url, exc)
+                continue
+            if paused:
+                logger.warning("%s was left paused (a service died mid-update?); resuming it", server.base_url)
+                if not await self._resume_server(server):
+                    self._keep_resuming(server)
+                resumed.append(server.base_url)
+        return resumed
 
     def paused_seconds(self) -> float:
         """Seconds generation was paused for updates since start; one in progress counts up to now."""

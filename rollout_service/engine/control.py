@@ -69,6 +69,9 @@ class VLLMControlClient:
     async def pause(self, mode: PauseModeName, timeout_s: float) -> None:
         await self._call("POST", "/pause", timeout_s, mode=mode)
 
+    async def is_paused(self, timeout_s: float) -> bool:
+        return bool((await self._call("GET", "/is_paused", timeout_s)).get("is_paused"))
+
     async def resume(self, timeout_s: float) -> None:
         await self._call("POST", "/resume", timeout_s)
 

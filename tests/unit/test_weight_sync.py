@@ -13,6 +13,7 @@ from rollout_service.engine.control import WeightSyncError
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.weight_sync import TensorSpec, WeightSyncCoordinator
+from tests.support import wait_until
 
 STEP_SECONDS = {
     "init_weight_transfer": 1.0,
@@ -39,10 +40,15 @@ class ScriptedControl:
 
     base_url = "http://scripted"
 
-    def __init__(self, clock: Clock, fail: str | None = None) -> None:
+    def __init__(self, clock: Clock, fail: str | None = None, resume_failures: int = 0) -> None:
         self.clock = clock
         self.fail = fail
         self.received = asyncio.Event()
+        self.resume_failures = resume_failures
+        """Resume calls that fail before one works; -1: every one."""
+        self.resume_error: Exception = WeightSyncError(self.base_url, "/resume", "HTTP 500")
+        self.resumes = 0
+        self.paused = False
 
     async def _step(self, name: str) -> None:
         await asyncio.sleep(0)
@@ -76,10 +82,18 @@ class ScriptedControl:
 
     async def resume(self, timeout_s: float) -> None:
         await self._step("resume")
+        self.resumes += 1
+        if self.resume_failures:
+            self.resume_failures -= 1
+            raise self.resume_error
+        self.paused = False
+
+    async def is_paused(self, timeout_s: float) -> bool:
+        return self.paused
 
 
 def coordinator(server: ScriptedControl, clock: Clock, metrics: ServiceMetrics) -> WeightSyncCoordinator:
-    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60)
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001)
     return WeightSyncCoordinator([server], settings, lambda _: None, metrics=metrics, clock=clock)  # type: ignore[list-item]
 
 
@@ -134,3 +148,54 @@ async def test_an_aborted_update_counts_its_pause_too() -> None:
     assert sample("rollout_weight_updates_total", {"outcome": "aborted"}) == 1
     assert sample("rollout_weight_update_paused_seconds_total") == pytest.approx(16)
     assert update_times_to_pb(times).finish_seconds == 0
+
+
+async def test_a_failed_resume_is_retried_until_the_server_generates_again() -> None:
+    """Logged and forgotten, a failed resume left the server paused for ever."""
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock, resume_failures=2)
+    sync = coordinator(server, clock, metrics)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        await asyncio.wait_for(sync.commit(ticket.update_id), 5)
+        assert server.resumes == 3 and not sync.stuck_paused  # two failures, then resumed
+
+        server.resume_failures = 5  # more than the retries: the background keeps trying
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        await asyncio.wait_for(sync.commit(ticket.update_id), 5)
+        assert sync.stuck_paused == {server.base_url}
+        await wait_until(lambda: not sync.stuck_paused, 5, "the background resume")
+        assert server.resume_failures == 0
+    finally:
+        await sync.close()
+
+
+async def test_an_abort_whose_resume_raises_anything_ends_the_update() -> None:
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock, resume_failures=-1)
+    server.resume_error = RuntimeError("unexpected")
+    sync = coordinator(server, clock, metrics)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        await asyncio.wait_for(server.received.wait(), 5)
+        await sync.abort(ticket.update_id, "trainer gave up")
+        assert sync.updates_aborted == 1 and sync.stuck_paused == {server.base_url}
+        server.resume_failures = 0  # the server recovers; a new update may begin
+        await wait_until(lambda: not sync.stuck_paused, 5, "the background resume")
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(28))
+    finally:
+        await sync.close()
+
+
+async def test_servers_left_paused_by_a_dead_service_are_resumed_at_start() -> None:
+    clock = Clock()
+    left, running = ScriptedControl(clock), ScriptedControl(clock)
+    left.paused, left.base_url = True, "http://left"
+    settings = WeightSyncSettings(resume_retry_s=0.001)
+    sync = WeightSyncCoordinator([left, running], settings, lambda _: None)  # type: ignore[list-item]
+    try:
+        assert await sync.resume_left_paused() == ["http://left"]
+        assert not left.paused and running.resumes == 0
+    finally:
+        await sync.close()
