@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,11 +47,28 @@ async def serve_until_signalled(settings: ServiceSettings) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            _exit_now("a second signal")
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     async with running_service(settings):
         await stop.wait()
-        logging.getLogger(__name__).info("shutting down")
+        logging.getLogger(__name__).info("shutting down (at most %.0fs)", settings.shutdown_timeout_s)
+        # A hung reward or tool thread would keep the process alive for ever (the loop's
+        # executor and the interpreter both join their threads): a daemon timer ends it.
+        deadline = threading.Timer(settings.shutdown_timeout_s, _exit_now, [f"{settings.shutdown_timeout_s:g}s"])
+        deadline.daemon = True
+        deadline.start()
+
+
+def _exit_now(why: str) -> None:
+    logging.getLogger(__name__).error("shutdown did not finish (%s; hung user code?); exiting now", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 @app.command()

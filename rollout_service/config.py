@@ -166,6 +166,9 @@ class ServiceSettings(BaseSettings):
     environment_modules: list[str] = Field(default_factory=list)
     """Python modules whose ENVIRONMENTS dict ({name: factory}) is added to the registry."""
     log_level: str = "INFO"
+    shutdown_timeout_s: float = Field(default=60.0, gt=0)
+    """After SIGTERM/SIGINT the process exits within this, even if user code (a reward, tool
+    or environment) hangs in a thread; a second signal exits at once."""
 
     @model_validator(mode="after")
     def _engine_source(self) -> ServiceSettings:

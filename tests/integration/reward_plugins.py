@@ -3,7 +3,9 @@ broken ones (test_failures.py), and TRL's own, unchanged, beside a recorder of w
 functions are given (test_trl_rewards.py)."""
 
 import asyncio
+import os
 import threading
+from pathlib import Path
 
 from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
 
@@ -14,6 +16,14 @@ def always_raises(prompts, completions, completion_ids, **kwargs):
 
 async def hangs(prompts, completions, completion_ids, **kwargs):
     await asyncio.Event().wait()
+
+
+def hangs_in_a_thread(prompts, completions, completion_ids, **kwargs):
+    """A sync reward that never returns: it holds its worker thread (say where it is first)."""
+    marker = os.environ.get("HANGING_REWARD_MARKER")
+    if marker:
+        Path(marker).touch()
+    threading.Event().wait()
 
 
 def constant(prompts, completions, completion_ids, **kwargs):
@@ -46,6 +56,7 @@ TRL_REWARDS = {
 REWARD_FUNCTIONS = {
     "always_raises": always_raises,
     "hangs": hangs,
+    "hangs_in_a_thread": hangs_in_a_thread,
     "constant": constant,
     "exact_match": exact_match,
     "record_inputs": record_inputs,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 
 from rollout_service.engine.managed import free_port
-from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.conftest import service_settings, service_with_client, serving
 from tests.integration.tcp_proxy import KillableProxy
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
@@ -108,3 +111,41 @@ async def test_failing_reward_drops_groups_and_other_runs_go_on(
     assert info.stats.groups_scored == 0
     expected = "raised RuntimeError" if reward == "always_raises" else "took longer than"
     assert any(expected in r.message for r in caplog.records if r.levelno == logging.WARNING)
+
+
+async def test_sigterm_exits_in_bounded_time_even_with_a_reward_hung_in_a_thread(
+    vllm_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The loop's executor and the interpreter both join threads: a hung sync reward kept
+    the process alive for ever after SIGTERM."""
+    port, marker = free_port(), tmp_path / "reward-called"
+    env = dict(
+        os.environ,
+        ROLLOUT_ENGINE__TOKENIZER=str(tiny_model),
+        ROLLOUT_ENGINE__MODEL="tiny",
+        ROLLOUT_REWARD_MODULES='["tests.integration.reward_plugins"]',
+        ROLLOUT_SHUTDOWN_TIMEOUT_S="3",
+        HANGING_REWARD_MARKER=str(marker),
+    )
+    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
+    command += ["--port", str(port), "--metrics-port", "0"]
+    log = tmp_path / "service.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            *command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        target = f"127.0.0.1:{port}"
+        await wait_until(lambda: serving(target), 60, "the service process to serve")
+        async with RolloutClient(target) as client:
+            spec = dataset_run_spec("letters", {"hangs_in_a_thread": 1.0}, group_size=2, max_tokens=4)
+            await client.create_run(spec)
+        await wait_until(marker.exists, 60, "the reward to hang")
+        process.send_signal(signal.SIGTERM)
+        returncode = await asyncio.wait_for(process.wait(), 30)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.wait_for(process.wait(), 10)
+    assert returncode == 1, log.read_text()[-2000:]
+    assert "shutdown did not finish (3s; hung user code?)" in log.read_text()
