@@ -2,32 +2,72 @@
 
 Members of a group prefer the server their first member went to (its prefix cache holds
 the prompt) unless that server is clearly busier than the least-loaded one. Servers whose
-last request failed are tried only when no healthy one is left.
+last request failed are tried only when no healthy one is left, and are probed (/health)
+every ``probe_interval_s``: one that answers again takes traffic again. ``on_usable`` is
+told when the pool goes from having a working server to none, and back (the service's
+gRPC health follows it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.types import Completion, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 2
 """How many more in-flight requests than the least-loaded server affinity may accept."""
 
 
 class EnginePool:
-    def __init__(self, clients: list[VLLMServerClient]) -> None:
+    def __init__(self, clients: list[VLLMServerClient], probe_interval_s: float = 2.0) -> None:
         if not clients:
             raise ValueError("an engine pool needs at least one server")
         self.clients = clients
+        self.probe_interval_s = probe_interval_s
+        self.on_usable: Callable[[bool], None] = lambda usable: None
+        self.usable = True
         self._affinity: dict[str, VLLMServerClient] = {}
+        self._prober: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         for client in self.clients:
             await client.start()
+        self._prober = asyncio.create_task(self._probe_forever(), name="engine-probe")
 
     async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
         for client in self.clients:
             await client.close()
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)  # a probe period, not synchronisation
+            try:
+                await self.probe()
+            except Exception:  # a probe must never end the loop
+                logger.exception("probing the vLLM servers failed")
+
+    async def probe(self) -> None:
+        """Bring back failed servers that answer /health, and report whether any works."""
+        for client in [c for c in self.clients if c.consecutive_failures]:
+            if await client.healthy():
+                client.consecutive_failures = 0
+                logger.info("%s answers again; routing requests to it", client.base_url)
+        usable = any(c.consecutive_failures == 0 for c in self.clients)
+        if usable != self.usable:
+            self.usable = usable
+            if not usable:
+                logger.error("no vLLM server is answering; groups are dropped until one does")
+            self.on_usable(usable)
 
     def pick(self, affinity: str | None = None) -> VLLMServerClient:
         healthy = [c for c in self.clients if c.consecutive_failures == 0] or self.clients

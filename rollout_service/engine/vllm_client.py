@@ -106,6 +106,17 @@ class VLLMServerClient:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         return (await self.generate_many(prompt_ids, params, 1))[0]
 
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether the server answers /health now (a probe of a server that failed)."""
+        if self._session is None:
+            return False
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self._session.get(self.base_url + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
     async def generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
         """``n`` samples of one prompt in one request (vLLM's ``n``); ``inflight`` counts
         sequences, which is what loads a server."""

@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import service_settings, service_with_client, serving
 from tests.integration.tcp_proxy import KillableProxy
+from tests.integration.test_shared_capacity import consume
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 
@@ -149,3 +152,49 @@ async def test_sigterm_exits_in_bounded_time_even_with_a_reward_hung_in_a_thread
             await asyncio.wait_for(process.wait(), 10)
     assert returncode == 1, log.read_text()[-2000:]
     assert "shutdown did not finish (3s; hung user code?)" in log.read_text()
+
+
+async def test_a_failed_server_is_probed_back_and_health_follows_the_pool(vllm_server, tiny_model: Path) -> None:
+    """A server that failed once used to be skipped until every server had failed, even after
+    it recovered; and health said SERVING with no server answering."""
+    upstream = urlparse(vllm_server.url)
+    first, second = KillableProxy(upstream.hostname, upstream.port), KillableProxy(upstream.hostname, upstream.port)
+    await first.start()
+    await second.start()
+    settings = service_settings([first.url, second.url], tiny_model, scheduler={"max_inflight": 4})
+    async with service_with_client(settings) as (service, client):
+        metrics = service.service.metrics.registry
+
+        def requests_to(url: str) -> float:
+            return metrics.get_sample_value("rollout_engine_request_seconds_count", {"server": url}) or 0.0
+
+        async def health() -> int:
+            async with grpc.aio.insecure_channel(service.grpc_target) as channel:
+                response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return response.status
+
+        run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+        consumer = asyncio.ensure_future(consume(client, run.run_id, "c"))  # keeps the run generating
+        await first.kill()
+        await wait_until(lambda: _ge(dropped(client, run.run_id), 1), 60, "a request to the killed server to fail")
+        assert await health() == health_pb2.HealthCheckResponse.SERVING  # the second server still works
+        await second.kill()
+
+        async def not_serving() -> bool:
+            return await health() == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        await wait_until(not_serving, 60, "health to say NOT_SERVING with no server answering")
+        await first.start()
+        await second.start()
+
+        async def serving_again() -> bool:
+            return await health() == health_pb2.HealthCheckResponse.SERVING
+
+        await wait_until(serving_again, 30, "health to say SERVING again")
+        before = requests_to(first.url)
+        await wait_until(lambda: requests_to(first.url) > before + 2, 60, "the first server to take requests again")
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await client.delete_run(run.run_id)
+    await first.kill()
+    await second.kill()
