@@ -91,6 +91,9 @@ class _Update:
     paused_at: float | None = None
     """When the first pause call went out; None before it and after the resume."""
     paused_seconds: float = 0.0
+    progressed_at: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+    """Loop time of the last step done (begin, a phase, the commit call): the watchdog's origin."""
+    last_step: str = "begin"
 
 
 class WeightSyncCoordinator:
@@ -219,6 +222,7 @@ class WeightSyncCoordinator:
         started = self._clock()
         try:
             await asyncio.gather(*calls)
+            self._progressed(update, phase)
         finally:
             update.phases[phase] = update.phases.get(phase, 0.0) + self._clock() - started
 
@@ -234,15 +238,27 @@ class WeightSyncCoordinator:
         self._spawn(self._abort(update, f"receiving failed: {task.exception()}"))
 
     async def _watchdog(self, update: _Update) -> None:
-        deadline = self.settings.transfer_timeout_s + 2 * self.settings.control_timeout_s
-        await asyncio.sleep(deadline)  # a timer, not synchronisation: the trainer never committed
-        if self._current is update:
-            await self._abort(update, f"not committed within {deadline:.0f}s of begin")
+        """Abort an update that makes no progress for the limit: measured from its last step,
+        not from begin, so a long but moving transfer of a large model is not cut off."""
+        limit = self.settings.transfer_timeout_s + 2 * self.settings.control_timeout_s
+        loop = asyncio.get_running_loop()
+        while self._current is update and update.aborted is None:
+            idle = loop.time() - update.progressed_at
+            if idle >= limit:
+                await self._abort(update, f"not committed: no progress for {limit:g}s after {update.last_step}")
+                return
+            await asyncio.sleep(limit - idle)  # a timer, not synchronisation
+
+    @staticmethod
+    def _progressed(update: _Update, step: str) -> None:
+        update.progressed_at = asyncio.get_running_loop().time()
+        update.last_step = step
 
     # -- commit / abort ------------------------------------------------------------------
     async def commit(self, update_id: str) -> tuple[int, float]:
         update = self._get(update_id)
         assert update.pipeline is not None
+        self._progressed(update, "commit")
         try:
             await asyncio.shield(update.pipeline)
         except asyncio.CancelledError:

@@ -199,3 +199,36 @@ async def test_servers_left_paused_by_a_dead_service_are_resumed_at_start() -> N
         assert not left.paused and running.resumes == 0
     finally:
         await sync.close()
+
+
+class SlowTransfer(ScriptedControl):
+    """A transfer that takes real time (a large model), during which nothing else happens."""
+
+    transfer_s = 1.5
+
+    async def update_weights(self, info, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(self.transfer_s)  # stands for a long broadcast
+        await super().update_weights(info, timeout_s)
+
+
+async def test_the_watchdog_counts_from_the_last_progress_not_from_begin() -> None:
+    """Limit 2 s; the transfer takes 1.5 s and the trainer commits 1 s after it: 2.5 s after
+    begin, which a watchdog counting from begin would have aborted."""
+    clock = Clock()
+    server = SlowTransfer(clock)
+    settings = WeightSyncSettings(transfer_timeout_s=1.0, control_timeout_s=0.5, resume_retry_s=0.001)
+    sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)  # type: ignore[list-item]
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        await asyncio.wait_for(server.received.wait(), 5)
+        await asyncio.sleep(1.0)  # the trainer takes its time to commit, within the limit
+        version, _ = await asyncio.wait_for(sync.commit(ticket.update_id), 5)
+        assert version == 1 and sync.updates_aborted == 0
+
+        server.transfer_s = 0.0  # and an update that stalls after its transfer is still aborted
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        await asyncio.wait_for(server.received.wait(), 5)
+        await wait_until(lambda: sync.updates_aborted == 1, 10, "the watchdog to abort the stalled update")
+        assert "no progress for 2s after transfer" in (sync._last_aborted.aborted or "")
+    finally:
+        await sync.close()
