@@ -157,7 +157,12 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             stack.push_async_callback(runner.cleanup)
 
         server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port)
-        pool.on_usable = lambda usable: _report_health(health, usable)
+
+        def engines_usable(usable: bool) -> None:
+            _report_health(health, usable)
+            service.engines_usable(usable)
+
+        pool.on_usable = engines_usable
 
         async def stop_grpc() -> None:
             await health.enter_graceful_shutdown()

@@ -37,6 +37,7 @@ from rollout_service.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, T
 from rollout_service.weight_sync import UpdateTimes, WeightSyncCoordinator
 
 DELETED_RUNS_KEPT = 256
+NO_ENGINE_ERROR = "no vLLM server is answering; groups are dropped until one does (see the service's health)"
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,17 @@ class RolloutService:
         (theirs): admission plans with the trainer's version, which leads the servers'."""
         for run in self._runs_on_base_weights():
             run.broker.set_trainer_version(version)
+
+    def engines_usable(self, usable: bool) -> None:
+        """The engine pool lost (or regained) every server: say so on the running runs, whose
+        groups are dropped meanwhile, so GetRun explains a run that stopped producing."""
+        for run in self.runs.values():
+            if run.state != "running":
+                continue
+            if not usable:
+                run.error = NO_ENGINE_ERROR
+            elif run.error == NO_ENGINE_ERROR:
+                run.error = ""
 
     def _runs_on_base_weights(self) -> list[Run]:
         """Runs that sample the servers' base weights (not their own adapter)."""

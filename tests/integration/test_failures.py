@@ -184,6 +184,7 @@ async def test_a_failed_server_is_probed_back_and_health_follows_the_pool(vllm_s
             return await health() == health_pb2.HealthCheckResponse.NOT_SERVING
 
         await wait_until(not_serving, 60, "health to say NOT_SERVING with no server answering")
+        assert "no vLLM server is answering" in (await client.get_run(run.run_id)).error  # the run says why
         await first.start()
         await second.start()
 
@@ -191,6 +192,7 @@ async def test_a_failed_server_is_probed_back_and_health_follows_the_pool(vllm_s
             return await health() == health_pb2.HealthCheckResponse.SERVING
 
         await wait_until(serving_again, 30, "health to say SERVING again")
+        assert (await client.get_run(run.run_id)).error == ""
         before = requests_to(first.url)
         await wait_until(lambda: requests_to(first.url) > before + 2, 60, "the first server to take requests again")
         consumer.cancel()
