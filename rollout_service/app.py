@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from grpc_health.v1 import health_pb2
 
 from rollout_service.adapters import AdapterPublisher
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
@@ -29,7 +28,7 @@ from rollout_service.errors import StartupError
 from rollout_service.metrics import ServiceMetrics, start_metrics_server
 from rollout_service.prompts import PromptRenderer
 from rollout_service.rewards import RewardRegistry
-from rollout_service.server import SERVICE_NAME, start_grpc_server
+from rollout_service.server import set_serving, start_grpc_server
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.tools import ToolRegistry
 from rollout_service.weight_sync import WeightSyncCoordinator
@@ -182,13 +181,7 @@ _health_updates: set[asyncio.Task[None]] = set()
 def _report_health(health: Any, usable: bool) -> None:
     """gRPC health says NOT_SERVING while no vLLM server answers (load balancers and
     orchestrators then stop sending trainers here), SERVING again once one does."""
-    status = health_pb2.HealthCheckResponse.SERVING if usable else health_pb2.HealthCheckResponse.NOT_SERVING
-
-    async def update() -> None:
-        for name in (SERVICE_NAME, ""):
-            await health.set(name, status)
-
-    task = asyncio.get_running_loop().create_task(update())
+    task = asyncio.get_running_loop().create_task(set_serving(health, usable))
     _health_updates.add(task)
     task.add_done_callback(_health_updates.discard)
 

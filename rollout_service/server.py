@@ -343,6 +343,12 @@ async def start_grpc_server(service: RolloutService, host: str, port: int) -> tu
     if bound == 0:
         raise OSError(f"could not bind gRPC to {host}:{port}; is the port in use?")
     await server.start()
-    for name in (SERVICE_NAME, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health_servicer, True)
     return server, bound, health_servicer
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    """The gRPC health status of this service, under its own name and the server's ("")."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in (SERVICE_NAME, ""):
+        await health_servicer.set(name, status)

@@ -10,6 +10,7 @@ import pytest
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.app import RunningService
 from tests.integration.test_discovery import fetch_text
+from tests.integration.test_stream import take_groups
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 
@@ -163,20 +164,9 @@ async def test_a_broken_stream_returns_its_leases_to_the_front_for_the_next_cons
         return stats.groups_returned == 2 and stats.groups_leased == 0
 
     await wait_until(returned, 30, "the broken stream's leases to return")
-    heir = client.stream(run.run_id, "heir", credits=2)
-    async with asyncio.timeout(60):
-        assert [group.group_id async for group in _first(heir, 2)] == held  # oldest first
-    await heir.aclose()
+    heir = await take_groups(client, run.run_id, 2, consumer="heir")
+    assert [group.group_id for group in heir] == held  # oldest first
     await client.delete_run(run.run_id)
-
-
-async def _first(stream, n: int):
-    count = 0
-    async for group in stream:
-        yield group
-        count += 1
-        if count == n:
-            return
 
 
 async def test_deleted_run_ends_its_streams_and_refuses_new_ones(client: RolloutClient) -> None:
