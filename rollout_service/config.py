@@ -38,8 +38,9 @@ class ManagedServerSettings(BaseModel):
     of this process's; None: half of them, leaving the rest to a trainer on this host
     (``rollout_service.cpu_budget``). A binding already in the environment wins."""
     pin_processes: bool = True
-    """Pin every process of the CPU server (API server, engine core, worker) to its cores,
-    not only the worker's OpenMP threads. Unpinned, the API server and engine core took
+    """Pin every process of the CPU server to fixed cores, not only the worker's OpenMP
+    threads: the engine core and worker to the worker's cores, the API server to the others
+    (``cpu_budget.CpuBudget.front_end_cores``). Unpinned, the API server and engine core took
     about one core beside the worker's, on the cores left to the trainer."""
     dtype: str = "float32"
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""

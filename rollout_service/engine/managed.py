@@ -100,6 +100,13 @@ class ManagedVLLMServer:
             return None
         return CpuBudget.split(vllm_cores=s.cpu_cores).vllm_cores
 
+    def front_end_cores(self) -> tuple[int, ...] | None:
+        """Cores the API server process moves to once healthy (its engine and worker stay on
+        ``pinned_cores``); None when the server is not pinned."""
+        if self.pinned_cores() is None:
+            return None
+        return CpuBudget.split(vllm_cores=self.settings.cpu_cores).front_end_cores
+
     @property
     def pid(self) -> int | None:
         """The API server's process id while it runs (its engine and workers are its children)."""
@@ -125,9 +132,22 @@ class ManagedVLLMServer:
             )
         try:
             self._wait_healthy()
+            self._move_front_end()
         except BaseException:
             self.stop()
             raise
+
+    def _move_front_end(self) -> None:
+        """Move every thread of the API server process (not its children, which started on
+        the worker's cores and stay there) to the front-end cores. Threads it starts later
+        inherit the cores of the thread that starts them."""
+        cores = self.front_end_cores()
+        if cores is None or self._process is None:
+            return
+        for thread in os.listdir(f"/proc/{self._process.pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(thread), cores)
+        logger.info("vLLM's API server moved to cores %s; engine and worker stay on %s", cores, self.pinned_cores())
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s

@@ -108,13 +108,15 @@ def test_a_trainer_pins_itself_to_its_share_only_next_to_its_service(target: str
 
 
 # A stand-in for vLLM's API server: it starts a child (as vLLM starts its engine core), answers
-# /health, and reports both processes' cores. Real processes: the affinity is set by the OS.
+# /health, and reports both processes' cores when asked. Real processes: the OS sets the affinity.
 STAND_IN_SERVER = r"""
 import http.server, json, os, subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-cores = {"server": sorted(os.sched_getaffinity(0)), "child": sorted(os.sched_getaffinity(child.pid))}
+started_on = sorted(os.sched_getaffinity(0))
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        cores = {"started_on": started_on, "server": sorted(os.sched_getaffinity(0)),
+                 "child": sorted(os.sched_getaffinity(child.pid))}
         body = json.dumps(cores).encode()
         self.send_response(200); self.end_headers(); self.wfile.write(body)
     def log_message(self, *args): pass
@@ -128,13 +130,24 @@ class StandInServer(ManagedVLLMServer):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
-def test_the_managed_server_and_its_children_start_on_the_vllm_cores(
+def test_the_managed_server_starts_on_the_vllm_cores_and_its_api_process_moves_to_the_others(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
     settings = ManagedServerSettings(startup_timeout_s=30, log_file=tmp_path / "server.log")
     with StandInServer(settings) as server, urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
         cores = json.loads(resp.read())
-    expected = list(CpuBudget.split().vllm_cores)
-    assert cores == {"server": expected, "child": expected}
+    budget = CpuBudget.split()
+    assert cores == {
+        "started_on": list(budget.vllm_cores),  # so its children (engine core, worker) inherit them
+        "child": list(budget.vllm_cores),
+        "server": list(budget.front_end_cores),
+    }
     assert sorted(os.sched_getaffinity(0)) == list(available_cores())  # the launching process keeps all its cores
+
+
+def test_the_front_end_shares_the_trainers_cores_and_is_never_left_without_one() -> None:
+    assert CpuBudget.split((0, 1)).front_end_cores == (1,)
+    assert CpuBudget.split((0, 1, 2, 3)).front_end_cores == (2, 3)
+    assert CpuBudget.split((5,)).front_end_cores == (5,)  # one core: everything shares it
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).front_end_cores() is None
