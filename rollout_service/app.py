@@ -108,7 +108,8 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
 
         metrics = ServiceMetrics()
         max_inflight = settings.scheduler.max_inflight
-        pool = EnginePool([VLLMServerClient(url, model, engine_settings, metrics, max_inflight) for url in urls])
+        clients = [VLLMServerClient(url, model, engine_settings, metrics, max_inflight) for url in urls]
+        pool = EnginePool(clients, engine_settings.probe_interval_s, engine_settings.health_timeout_s)
         await pool.start()
         stack.push_async_callback(pool.close)
 

@@ -83,6 +83,17 @@ class EngineSettings(BaseModel):
     """First retry delay; doubles each retry."""
     backoff_max_s: float = Field(default=5.0, gt=0)
     """Cap of the retry delay."""
+    request_deadline_s: float = Field(default=900.0, gt=0)
+    """Longest one generation request may take in all, retries included; then it fails and
+    its group is dropped (reason ``engine``), so a server that accepts requests but never
+    answers cannot hold slots for ``(max_retries + 1) * read_timeout_s``."""
+    probe_interval_s: float = Field(default=2.0, gt=0)
+    """How often servers are probed (/health): failed ones, to route to them again once they
+    answer, and busy ones, to find a server that stopped answering."""
+    health_timeout_s: float = Field(default=10.0, gt=0)
+    """A server with requests in flight that does not answer /health within this is treated
+    as hung: its requests are abandoned (their groups dropped, their slots freed) and it gets
+    no new ones until it answers again."""
 
 
 class SchedulerSettings(BaseModel):

@@ -25,11 +25,14 @@ AFFINITY_SLACK = 2
 
 
 class EnginePool:
-    def __init__(self, clients: list[VLLMServerClient], probe_interval_s: float = 2.0) -> None:
+    def __init__(
+        self, clients: list[VLLMServerClient], probe_interval_s: float = 2.0, health_timeout_s: float = 10.0
+    ) -> None:
         if not clients:
             raise ValueError("an engine pool needs at least one server")
         self.clients = clients
         self.probe_interval_s = probe_interval_s
+        self.health_timeout_s = health_timeout_s
         self.on_usable: Callable[[bool], None] = lambda usable: None
         self.usable = True
         self._affinity: dict[str, VLLMServerClient] = {}
@@ -57,17 +60,23 @@ class EnginePool:
                 logger.exception("probing the vLLM servers failed")
 
     async def probe(self) -> None:
-        """Bring back failed servers that answer /health, and report whether any works."""
-        for client in [c for c in self.clients if c.consecutive_failures]:
-            if await client.healthy():
-                client.consecutive_failures = 0
-                logger.info("%s answers again; routing requests to it", client.base_url)
+        """Bring back failed servers that answer /health, give up on busy ones that do not,
+        and report whether any server works."""
+        await asyncio.gather(*(self._probe(client) for client in self.clients))
         usable = any(c.consecutive_failures == 0 for c in self.clients)
         if usable != self.usable:
             self.usable = usable
             if not usable:
                 logger.error("no vLLM server is answering; groups are dropped until one does")
             self.on_usable(usable)
+
+    async def _probe(self, client: VLLMServerClient) -> None:
+        if client.consecutive_failures:
+            if await client.healthy():
+                client.consecutive_failures = 0
+                logger.info("%s answers again; routing requests to it", client.base_url)
+        elif client.inflight and not await client.healthy(self.health_timeout_s):
+            client.give_up(f"did not answer /health within {self.health_timeout_s:g}s (engine.health_timeout_s)")
 
     def pick(self, affinity: str | None = None) -> VLLMServerClient:
         healthy = [c for c in self.clients if c.consecutive_failures == 0] or self.clients

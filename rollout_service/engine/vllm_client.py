@@ -90,6 +90,10 @@ class VLLMServerClient:
         # aiohttp's default cap of 100 connections would silently throttle large runs.
         self._connector_limit = max(max_connections, 1) + 8
         self._session: aiohttp.ClientSession | None = None
+        self._given_up = asyncio.Event()
+        """Set when the server is found hung: the requests in flight then fail at once. A
+        fresh event replaces it, so later requests are not affected."""
+        self._given_up_reason = ""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(
@@ -127,7 +131,7 @@ class VLLMServerClient:
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         start = time.perf_counter()
         try:
-            payload = await self._post_with_retries("/v1/completions", body)
+            payload = await self._post_within_deadline("/v1/completions", body)
             completions = parse_completions(payload, self.base_url, n)
         except EngineError:
             self.consecutive_failures += 1
@@ -139,6 +143,32 @@ class VLLMServerClient:
         self.consecutive_failures = 0
         self.metrics.request_latency.labels(self.base_url).observe(time.perf_counter() - start)
         return completions
+
+    def give_up(self, reason: str) -> None:
+        """Treat the server as hung: fail the requests in flight now (closing their
+        connections, so vLLM aborts them) and route nothing to it until it answers a probe."""
+        if self.inflight:
+            logger.warning("%s %s; abandoning its %d sequences in flight", self.base_url, reason, self.inflight)
+        self.consecutive_failures += 1
+        self._given_up_reason = reason
+        self._given_up.set()
+        self._given_up = asyncio.Event()
+
+    async def _post_within_deadline(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        given_up = self._given_up  # this request's: a later give_up sets it, not a newer one
+        post = asyncio.ensure_future(self._post_with_retries(path, body))
+        watch = asyncio.ensure_future(given_up.wait())
+        deadline = self.settings.request_deadline_s
+        try:
+            done, _ = await asyncio.wait({post, watch}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            post.cancel()  # a no-op once done; else it closes the connection and vLLM aborts the request
+        if post in done:
+            return post.result()
+        if watch in done:
+            raise EngineError(self.base_url, f"request abandoned: the server {self._given_up_reason}")
+        raise EngineError(self.base_url, f"no answer within {deadline:g}s (engine.request_deadline_s)")
 
     async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         attempts = self.settings.max_retries + 1

@@ -1,5 +1,6 @@
 """A TCP proxy in front of the vLLM server that a test can kill (abort every connection and
-stop listening) and bring back on the same port: a real network failure, not a mock."""
+stop listening) and bring back on the same port, or freeze (connections stay open, no byte
+moves: a hung server) and thaw: real network failures, not mocks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ class KillableProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     @property
     def url(self) -> str:
@@ -30,6 +33,13 @@ class KillableProxy:
         await self._server.wait_closed()
         self._server = None
 
+    def freeze(self) -> None:
+        """Keep accepting connections and hold every byte, in both directions."""
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.upstream), 5)
@@ -44,10 +54,10 @@ class KillableProxy:
                 self._writers.discard(w)
                 w.transport.abort()
 
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
+                await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()
         with contextlib.suppress(ConnectionError, OSError, RuntimeError):

@@ -200,3 +200,57 @@ async def test_a_failed_server_is_probed_back_and_health_follows_the_pool(vllm_s
         await client.delete_run(run.run_id)
     await first.kill()
     await second.kill()
+
+
+async def test_a_hung_server_is_given_up_at_once_and_comes_back_when_it_answers(
+    vllm_server, tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that keeps connections open but answers nothing used to hold its requests'
+    slots for up to (retries + 1) x read_timeout_s (4 x 300 s)."""
+    upstream = urlparse(vllm_server.url)
+    hung, healthy = KillableProxy(upstream.hostname, upstream.port), KillableProxy(upstream.hostname, upstream.port)
+    await hung.start()
+    await healthy.start()
+    engine = {"probe_interval_s": 0.5, "health_timeout_s": 2.0}  # read_timeout_s and the deadline stay at 300+ s
+    settings = service_settings([hung.url, healthy.url], tiny_model, scheduler={"max_inflight": 8}, engine=engine)
+    with caplog.at_level(logging.WARNING):
+        async with service_with_client(settings) as (service, client):
+            metrics = service.service.metrics.registry
+
+            def sample(name: str, url: str) -> float:
+                return metrics.get_sample_value(name, {"server": url}) or 0.0
+
+            def inflight(url: str) -> float:
+                return sample("rollout_engine_inflight_requests", url)
+
+            spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=64)
+            run = await client.create_run(spec)
+            consumer = asyncio.ensure_future(consume(client, run.run_id, "c"))  # keeps the run generating
+            await wait_until(lambda: inflight(hung.url) > 0, 60, "requests on the server about to hang")
+            hung.freeze()
+            # Abandoned within a probe or two, not after the read timeout: slots are freed.
+            await wait_until(lambda: inflight(hung.url) == 0, 30, "the hung server's requests to be abandoned")
+            scored = (await client.get_run(run.run_id)).stats.groups_scored
+            await wait_until(lambda: _ge(_scored(client, run.run_id), scored + 3), 60, "groups from the other server")
+            assert inflight(hung.url) == 0  # nothing new was routed to it
+            hung.thaw()
+            before = sample("rollout_engine_request_seconds_count", hung.url)
+            await wait_until(
+                lambda: sample("rollout_engine_request_seconds_count", hung.url) > before + 2,
+                60,
+                "the thawed server to take requests again",
+            )
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+            info = await client.get_run(run.run_id)
+            await client.delete_run(run.run_id)
+    await hung.kill()
+    await healthy.kill()
+    assert info.state == info.state.__class__(1)  # RUN_STATE_RUNNING
+    assert info.stats.groups_dropped >= 1  # the groups in flight on the hung server
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("did not answer /health within 2s" in m and "abandoning" in m for m in warnings), warnings[:5]
+
+
+async def _scored(client: RolloutClient, run_id: str) -> int:
+    return (await client.get_run(run_id)).stats.groups_scored

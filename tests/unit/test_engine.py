@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -45,8 +46,8 @@ async def scripted_server() -> AsyncIterator[tuple[str, list[int], list[dict]]]:
     await runner.cleanup()
 
 
-async def make_client(url: str, retries: int = 2) -> VLLMServerClient:
-    settings = EngineSettings(urls=[url], max_retries=retries, backoff_base_s=0.01)
+async def make_client(url: str, retries: int = 2, **engine: float) -> VLLMServerClient:
+    settings = EngineSettings(urls=[url], max_retries=retries, backoff_base_s=0.01, **engine)
     client = VLLMServerClient(url, "m", settings, ServiceMetrics(), max_connections=4)
     await client.start()
     return client
@@ -87,6 +88,59 @@ async def test_retries_are_bounded_and_4xx_is_not_retried(scripted_server) -> No
     await client.close()
     assert len(bodies) == 4
     assert client.consecutive_failures == 2
+
+
+@pytest.fixture
+async def hung_server() -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
+    """Accepts requests and answers nothing (completions nor /health) until ``release`` is
+    set; ``arrived`` is set once a completion request reached it."""
+    release, arrived = asyncio.Event(), asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        if request.path == "/v1/completions":
+            arrived.set()
+        await release.wait()
+        return web.json_response(OK_BODY) if request.path == "/v1/completions" else web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", hang)
+    app.router.add_get("/health", hang)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", release, arrived
+    release.set()
+    await runner.cleanup()
+
+
+async def test_a_request_fails_at_its_deadline_however_long_the_read_timeout(hung_server) -> None:
+    url, _, _ = hung_server
+    client = await make_client(url, retries=3, read_timeout_s=300, request_deadline_s=0.3)
+    async with asyncio.timeout(10):
+        with pytest.raises(EngineError, match=r"no answer within 0.3s \(engine.request_deadline_s\)"):
+            await client.generate([1], SamplingParams())
+    await client.close()
+    assert client.inflight == 0 and client.consecutive_failures == 1
+
+
+async def test_a_busy_server_that_stops_answering_health_is_given_up_and_probed_back(hung_server) -> None:
+    url, release, arrived = hung_server
+    client = await make_client(url, request_deadline_s=300)
+    pool = EnginePool([client], probe_interval_s=60, health_timeout_s=0.2)
+    request = asyncio.ensure_future(client.generate([1], SamplingParams()))
+    async with asyncio.timeout(10):
+        await arrived.wait()
+        await pool.probe()  # /health does not answer within 0.2s: the server is hung
+        with pytest.raises(EngineError, match=r"request abandoned: the server did not answer /health within 0\.2s"):
+            await request
+        assert client.inflight == 0 and client.consecutive_failures > 0 and not pool.usable
+        release.set()  # it answers again
+        await pool.probe()
+        assert client.consecutive_failures == 0 and pool.usable
+        assert (await client.generate([1], SamplingParams())).token_ids == [5, 6]  # a later request is unaffected
+    await client.close()
 
 
 def pool_of(loads: list[int], failures: list[int] | None = None) -> EnginePool:
