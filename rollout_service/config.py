@@ -108,6 +108,15 @@ class SchedulerSettings(BaseModel):
     """Scored groups a run may hold for its consumers before it stops starting new groups."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
     """A reward function that takes longer than this fails its group."""
+    reward_threads: int = Field(default=16, ge=1)
+    """Threads for sync reward functions, theirs alone. A call that times out keeps its
+    thread until it returns, so this many hung calls stop sync rewards (their groups are
+    dropped at the timeout) but nothing else: before, they shared asyncio's default pool
+    (6 threads on 2 cores) with the service's own blocking work."""
+    environment_timeout_s: float = Field(default=60.0, gt=0)
+    """An environment's ``reset`` or ``step`` that takes longer than this fails its group."""
+    environment_threads: int = Field(default=16, ge=1)
+    """Threads for sync environment methods, theirs alone (as ``reward_threads``)."""
     lease_timeout_s: float = Field(default=600.0, gt=0)
     """A consumer that holds a group this long without acking it loses it to another consumer
     of the run (runs may set their own); long enough for a slow training step."""

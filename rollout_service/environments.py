@@ -3,8 +3,10 @@
 An environment answers each model turn with an observation (appended to the conversation
 as a user message), a reward and whether the episode is done. One environment instance
 lives for one episode, made by the run's factory, so environments may keep state without
-locks. ``reset`` and ``step`` may be sync or async; a sync one must be quick (it runs on
-the event loop) or hand its work to a thread itself.
+locks. ``reset`` and ``step`` may be sync or async; sync ones run in the environments' own
+threads (``scheduler.environment_threads``), one call of an instance at a time. Either kind
+is bounded by ``scheduler.environment_timeout_s``; one that raises or times out drops its
+group (reason ``environment``), and the run goes on.
 
 Rewards the environment gives are summed per episode and reach reward functions as the
 ``env_reward`` keyword (the built-in ``env_reward`` reward function passes it through), so
@@ -13,14 +15,17 @@ a run weighs them like any other reward.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib
 import inspect
 import re
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from rollout_service.errors import InvalidArgument
+from rollout_service.errors import EnvironmentFailure, InvalidArgument
 from rollout_service.types import PromptItem
 
 T = TypeVar("T")
@@ -60,6 +65,28 @@ async def maybe_await(value: T | Awaitable[T]) -> T:
     if inspect.isawaitable(value):
         return await value
     return value
+
+
+async def call_environment(
+    what: str, method: Callable[..., Any], *args: Any, executor: Executor | None, timeout_s: float
+) -> Any:
+    """``method(*args)`` of an environment: a sync one in ``executor``, either bounded by
+    ``timeout_s``; any failure is an ``EnvironmentFailure`` naming ``what``."""
+
+    async def call() -> Any:
+        if inspect.iscoroutinefunction(method):
+            return await method(*args)
+        result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(method, *args))
+        return await maybe_await(result)  # a sync wrapper that returns a coroutine
+
+    try:
+        return await asyncio.wait_for(call(), timeout_s)
+    except TimeoutError:
+        raise EnvironmentFailure(
+            f"environment {what} took longer than {timeout_s:g}s (scheduler.environment_timeout_s)"
+        ) from None
+    except Exception as exc:
+        raise EnvironmentFailure(f"environment {what} raised {type(exc).__name__}: {exc}") from exc
 
 
 class GuessNumber:

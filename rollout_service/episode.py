@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from rollout_service.engine.protocol import Engine, GroupEngine
-from rollout_service.environments import EnvironmentFactory, maybe_await
+from rollout_service.environments import EnvironmentFactory, call_environment
 from rollout_service.tools import ParsedCall, ToolCall, ToolResult, ToolSet
 from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams
 
@@ -171,6 +172,12 @@ class MultiTurnConfig:
     """Completion tokens (generated and template/tool) per episode; 0: only the context bounds it."""
     tools: ToolSet | None = None
     environment: EnvironmentFactory | None = None
+    environment_timeout_s: float = 60.0
+    environment_executor: Executor | None = None
+    """Threads for sync environment methods; None: asyncio's default pool."""
+
+    def environment_call(self) -> dict[str, Any]:
+        return {"executor": self.environment_executor, "timeout_s": self.environment_timeout_s}
 
 
 class _Transcript:
@@ -218,7 +225,7 @@ async def run_episode(
     env_reward: float | None = None
     if environment is not None:
         env_reward = 0.0
-        await maybe_await(environment.reset(prompt))
+        await call_environment("reset", environment.reset, prompt, **config.environment_call())
     budget = config.max_episode_tokens or math.inf
     transcript = _Transcript()
     turns = tool_calls = tool_failures = 0
@@ -272,7 +279,7 @@ async def run_episode(
                     on_tool_result(result)
             new_messages = [r.message() for r in results]
         elif environment is not None:
-            step = await maybe_await(environment.step(text))
+            step = await call_environment("step", environment.step, text, **config.environment_call())
             env_reward = (env_reward or 0.0) + float(step.reward)
             if step.done or step.observation is None:
                 break

@@ -39,6 +39,11 @@ class EngineError(Exception):
         self.server = server
 
 
+class EnvironmentFailure(Exception):
+    """An environment's reset or step raised or timed out: its group is dropped (reason
+    ``environment``) and the run goes on."""
+
+
 class RewardError(Exception):
     """A reward function failed or returned something unusable; its group is dropped."""
 

@@ -31,12 +31,14 @@ fails its group with ``RewardError``; the service goes on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,8 +195,11 @@ class RewardRegistry:
             raise InvalidArgument(f"unknown reward function {name!r}; registered: {', '.join(self.names())}") from None
 
 
-async def call_reward(name: str, function: RewardFunction, inputs: RewardInputs, timeout_s: float) -> list[float]:
-    """One reward function over one group, called as TRL calls it (keyword arguments); None becomes NaN."""
+async def call_reward(
+    name: str, function: RewardFunction, inputs: RewardInputs, timeout_s: float, executor: Executor | None = None
+) -> list[float]:
+    """One reward function over one group, called as TRL calls it (keyword arguments); None
+    becomes NaN. A sync function runs in ``executor`` (None: asyncio's default pool)."""
     arguments = dict(
         inputs.kwargs, prompts=inputs.prompts, completions=inputs.completions, completion_ids=inputs.completion_ids
     )
@@ -204,7 +209,8 @@ async def call_reward(name: str, function: RewardFunction, inputs: RewardInputs,
         if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(type(function).__call__):
             pending = function(**arguments)
         else:
-            pending = asyncio.to_thread(function, **arguments)
+            loop = asyncio.get_running_loop()
+            pending = loop.run_in_executor(executor, functools.partial(function, **arguments))
         values = await asyncio.wait_for(pending, timeout_s)
     except TimeoutError:
         raise RewardError(f"reward {name!r} took longer than {timeout_s:.0f}s") from None

@@ -24,6 +24,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, cast
 
@@ -31,7 +32,7 @@ from rollout_service.adapters import AdapterRouting
 from rollout_service.advantages import weighted_total
 from rollout_service.engine.protocol import Engine, GroupEngine, samples_groups_at_once
 from rollout_service.episode import run_episode, run_single_turn, run_single_turn_group
-from rollout_service.errors import EngineError, RewardError
+from rollout_service.errors import EngineError, EnvironmentFailure, RewardError
 from rollout_service.metrics import RecentRate, ServiceMetrics
 from rollout_service.rewards import RewardRegistry, call_reward, reward_inputs
 from rollout_service.runs import Run
@@ -53,6 +54,7 @@ class Scheduler:
         reward_timeout_s: float = 60.0,
         group_requests: bool = True,
         max_group_bytes: int = 4 << 20,
+        reward_threads: int = 16,
     ) -> None:
         self.engine = engine
         self.max_group_bytes = max_group_bytes
@@ -63,6 +65,8 @@ class Scheduler:
         self.metrics = metrics
         self.max_inflight = max_inflight
         self.reward_timeout_s = reward_timeout_s
+        self.reward_executor = ThreadPoolExecutor(reward_threads, thread_name_prefix="reward")
+        """Sync reward functions' own threads (``SchedulerSettings.reward_threads``)."""
         self.slots_busy = 0
         self.max_slots_busy_seen = 0
         self.engine_failures = 0
@@ -177,8 +181,7 @@ class Scheduler:
             await self._acquire_slot(run)
             params = _member_params(run.spec.sampling, prompt.index, index, run.spec.group_size)
             member = self._spawn(run, self._run_member(run, prompt, params, group_id), group_id)
-            # A done-callback, not a finally: it also runs for a task cancelled before it started.
-            member.add_done_callback(lambda _, run=run: self._release_slot(run))
+            member.add_done_callback(lambda task, run=run: self._member_done(run, task, 1))
             members.append(member)
         return members
 
@@ -194,8 +197,18 @@ class Scheduler:
                 self._release_slot(run)
             raise
         request = self._spawn(run, self._run_group_request(run, prompt, group_id), group_id)
-        request.add_done_callback(lambda _, run=run: [self._release_slot(run) for _ in range(size)])
+        request.add_done_callback(lambda task, run=run: self._member_done(run, task, size))
         return [request]
+
+    def _member_done(self, run: Run, task: asyncio.Task[Any], slots: int) -> None:
+        """Free a finished member's slots: a done-callback, not a finally, so that it also runs
+        for a task cancelled before it started. Its failure is ``_finish_group``'s to handle;
+        observing it here too keeps asyncio from logging it as never retrieved when the run
+        stops before ``_finish_group`` looked."""
+        for _ in range(slots):
+            self._release_slot(run)
+        if not task.cancelled():
+            task.exception()
 
     def _engine_for(self, run: Run) -> Engine:
         """Runs that serve their own LoRA adapter name it in every request."""
@@ -272,10 +285,11 @@ class Scheduler:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
                 error = failed[0].exception() if failed else None
-                await self._drop(run, group_id, "engine", error)
+                reason = "environment" if isinstance(error, EnvironmentFailure) else "engine"
+                await self._drop(run, group_id, reason, error)
                 if isinstance(error, EngineError):
                     self.engine_failures += 1
-                elif error is not None:
+                elif error is not None and not isinstance(error, EnvironmentFailure):
                     logger.error("group %s failed unexpectedly", group_id, exc_info=error)
                 return
             episodes = [episode for task in members for episode in _episodes(task.result())]
@@ -322,7 +336,10 @@ class Scheduler:
         inputs = reward_inputs(prompt, episodes, multi_turn=run.episode is not None)  # TRL's inputs
         names = [name for name, _ in run.spec.rewards]
         values = await asyncio.gather(
-            *(call_reward(name, self.rewards.get(name), inputs, self.reward_timeout_s) for name in names)
+            *(
+                call_reward(name, self.rewards.get(name), inputs, self.reward_timeout_s, self.reward_executor)
+                for name in names
+            )
         )
         components = dict(zip(names, values, strict=True))
         weights = run.reward_weights()

@@ -224,7 +224,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @_edge
     async def SubmitPrompts(self, request: pb.SubmitPromptsRequest, context) -> pb.SubmitPromptsResponse:  # type: ignore[no-untyped-def]
         prompts = [prompt_from_pb(p) for p in request.prompts]
-        accepted, queued = self.service.submit_prompts(request.run_id, prompts)
+        accepted, queued = await self.service.submit_prompts(request.run_id, prompts)
         return pb.SubmitPromptsResponse(accepted=accepted, queued=queued)
 
     @_edge

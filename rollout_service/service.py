@@ -5,10 +5,12 @@ server.py is a thin edge over this class; tests and the demo can drive it direct
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +99,10 @@ class RolloutService:
             settings.reward_timeout_s,
             group_requests=settings.group_requests,
             max_group_bytes=settings.max_group_bytes,
+            reward_threads=settings.reward_threads,
         )
+        self.environment_executor = ThreadPoolExecutor(settings.environment_threads, thread_name_prefix="environment")
+        """Sync environment methods' own threads (``SchedulerSettings.environment_threads``)."""
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.runs: dict[str, Run] = {}
         """Live runs (running or failed): what ListRuns shows and GetStats reports."""
@@ -159,7 +164,7 @@ class RolloutService:
         run = Run(
             run_id=run_id,
             spec=spec,
-            source=self._prompt_source(spec, tool_schemas),
+            source=await self._prompt_source(spec, tool_schemas),
             broker=self._broker(run_id, spec, max_buffered),
             max_inflight=spec.max_inflight or self.settings.max_inflight,
             advantages=AdvantageComputer(spec.scale_rewards),
@@ -204,16 +209,25 @@ class RolloutService:
             max_episode_tokens=e.max_episode_tokens,
             tools=toolset,
             environment=environment,
+            environment_timeout_s=self.settings.environment_timeout_s,
+            environment_executor=self.environment_executor,
         )
 
-    def _prompt_source(self, spec: RunSpec, tools: list[dict[str, Any]] | None = None) -> PromptSource:
+    async def _prompt_source(self, spec: RunSpec, tools: list[dict[str, Any]] | None = None) -> PromptSource:
         if spec.source_kind == "submitted":
             return SubmittedPromptSource()
         prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
-        return CyclingPromptSource(self._render(prompts, spec.sampling.max_tokens, tools))
+        return CyclingPromptSource(await self._render(prompts, spec.sampling.max_tokens, tools))
 
-    def _render(
+    async def _render(
         self, prompts: list[PromptSpec], max_tokens: int, tools: list[dict[str, Any]] | None = None
+    ) -> list[RenderedPrompt]:
+        """In a thread: a chat template and tokenizer over many or long prompts take seconds,
+        which on the event loop froze every RPC and every run's generation."""
+        return await asyncio.to_thread(self._render_now, prompts, max_tokens, tools)
+
+    def _render_now(
+        self, prompts: list[PromptSpec], max_tokens: int, tools: list[dict[str, Any]] | None
     ) -> list[RenderedPrompt]:
         rendered = []
         for i, prompt in enumerate(prompts):
@@ -273,7 +287,7 @@ class RolloutService:
         assert run.adapter is not None
         return version, run.adapter
 
-    def submit_prompts(self, run_id: str, prompts: list[PromptSpec]) -> tuple[int, int]:
+    async def submit_prompts(self, run_id: str, prompts: list[PromptSpec]) -> tuple[int, int]:
         run = self.get_run(run_id)
         if not isinstance(run.source, SubmittedPromptSource):
             raise FailedPrecondition(
@@ -285,8 +299,10 @@ class RolloutService:
         if not prompts:
             raise InvalidArgument("prompts is empty; submit at least one prompt")
         tools = run.episode.tools.schemas() if run.episode is not None and run.episode.tools is not None else None
-        queued = run.source.submit(self._render(prompts, run.spec.sampling.max_tokens, tools))
-        return len(prompts), queued
+        rendered = await self._render(prompts, run.spec.sampling.max_tokens, tools)
+        if run.state != "running":  # stopped or deleted while its prompts were rendered
+            raise FailedPrecondition(f"run {run_id} is {run.state}; submit to a running run")
+        return len(prompts), run.source.submit(rendered)
 
     def stats(self) -> ServiceStats:
         """The service-wide time accounting; cheap (running totals), so GetStats may poll it."""
@@ -342,3 +358,6 @@ class RolloutService:
                 run.state = "stopped"
             await self.scheduler.stop_run(run)
         self.tools.close()
+        # Not waiting: a hung user call must not hold up the shutdown (shutdown_timeout_s ends it).
+        self.environment_executor.shutdown(wait=False, cancel_futures=True)
+        self.scheduler.reward_executor.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,10 @@ what rewards see. (The proof against real vLLM is tests/integration/test_multitu
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from rollout_service.config import SchedulerSettings
 from rollout_service.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, server_info_to_pb
 from rollout_service.environments import EnvironmentRegistry, GuessNumber, StepResult
 from rollout_service.episode import MultiTurnConfig, TurnTemplate, run_episode
-from rollout_service.errors import FailedPrecondition, InvalidArgument
+from rollout_service.errors import EnvironmentFailure, FailedPrecondition, InvalidArgument
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.prompts import PromptRenderer, PromptSpec
 from rollout_service.rewards import RewardRegistry
@@ -147,6 +150,73 @@ async def test_async_environment_with_observation_none_ends_the_episode(tokenize
 
     result, _ = await episode(tokenizer, guesses("x"), max_turns=5, environment=Grader)
     assert result.finish_reason == "stop" and result.num_turns == 2 and result.env_reward == 1.0
+
+
+class HangsInStep:
+    """A sync environment whose step never returns in time (a simulator stuck in C code)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        HANGING.append(self)
+
+    def reset(self, prompt: PromptItem) -> None:
+        pass
+
+    def step(self, model_text: str) -> StepResult:
+        self.release.wait(10)
+        return StepResult("late")
+
+
+class FailsInReset:
+    def reset(self, prompt: PromptItem) -> None:
+        raise KeyError("secret")
+
+    def step(self, model_text: str) -> StepResult:
+        raise AssertionError("never reached")
+
+
+class HangsAsync:
+    async def reset(self, prompt: PromptItem) -> None:
+        await asyncio.Event().wait()
+
+    def step(self, model_text: str) -> StepResult:
+        raise AssertionError("never reached")
+
+
+HANGING: list[HangsInStep] = []
+
+
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        (HangsInStep, r"environment step took longer than 0\.3s \(scheduler.environment_timeout_s\)"),
+        (HangsAsync, r"environment reset took longer than 0\.3s"),
+        (FailsInReset, "environment reset raised KeyError: 'secret'"),
+    ],
+)
+async def test_an_environment_that_hangs_or_raises_fails_its_episode_in_bounded_time(
+    tokenizer, environment: type, message: str
+) -> None:
+    """A sync step used to run on the event loop: a hung one froze the whole service."""
+    loop_ticks = 0
+
+    async def ticking() -> None:
+        nonlocal loop_ticks
+        while True:
+            loop_ticks += 1
+            await asyncio.sleep(0.01)  # measures that the loop runs, not synchronisation
+
+    ticker = asyncio.ensure_future(ticking())
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(EnvironmentFailure, match=message):
+                await episode(tokenizer, guesses("5"), max_turns=3, environment=environment, environment_timeout_s=0.3)
+    finally:
+        ticker.cancel()
+        for env in HANGING:
+            env.release.set()
+    if environment is not FailsInReset:
+        assert loop_ticks > 5  # the loop kept running while the environment hung
 
 
 # -- through the service --------------------------------------------------------------------
@@ -286,3 +356,23 @@ def test_episode_spec_round_trips_through_proto(tokenizer) -> None:
     assert not run_spec_to_pb(env_spec()).HasField("episode")  # single-turn runs leave it unset
     info = server_info_to_pb(real_service(tokenizer, None))
     assert "add" in info.tools and "hermes" in info.tool_parsers and list(info.environments) == ["guess_number"]
+
+
+async def test_a_failing_environment_drops_its_groups_as_environment_and_the_run_goes_on(
+    tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = real_service(tokenizer, TurnEngine(tokenizer, guesses("5")))
+    service.environments.register("fails_in_reset", FailsInReset)
+    run = await service.create_run(env_spec(environment="fails_in_reset", max_turns=2))
+    registry = service.metrics.registry
+
+    def dropped() -> float:
+        return registry.get_sample_value("rollout_groups_dropped_total", {"run": run.run_id, "reason": "environment"})
+
+    try:
+        await wait_until(lambda: (dropped() or 0) >= 3, 10, "three groups dropped for their environment")
+    finally:
+        await service.close()
+    assert run.state == "stopped" and run.counters.groups_dropped >= 3  # it ran until the service closed
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # contained: a warning, not an error
+    assert any("environment reset raised KeyError" in r.message for r in caplog.records)

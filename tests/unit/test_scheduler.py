@@ -1,6 +1,7 @@
 import asyncio
 import dataclasses
 import logging
+import threading
 
 import pytest
 
@@ -254,3 +255,26 @@ async def test_a_push_that_begins_moves_the_trainer_version_of_runs_on_the_base_
         assert (base.broker.trainer_version, base.broker.policy_version) == (1, 1)
     finally:
         await service.close()
+
+
+async def test_hung_sync_rewards_hold_only_their_own_threads() -> None:
+    """Sync rewards used to run in asyncio's default pool (6 threads on 2 cores), shared with
+    the service's own blocking work (rendering prompts, writing adapters): a few hung reward
+    calls stopped all of it."""
+    release = threading.Event()
+
+    def hangs(prompts, completions, completion_ids, **kwargs):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return [0.0] * len(completions)
+
+    service = make_service(ScriptedEngine(), rewards={"hangs": hangs}, reward_timeout_s=0.2, reward_threads=2)
+    run = await service.create_run(spec([[1], [2]], group_size=2, rewards=(("hangs", 1.0),)))
+    try:
+        # More hung calls than the default pool has threads...
+        await wait_until(lambda: run.counters.groups_dropped >= 12, 20, "12 groups dropped at the reward timeout")
+        # ...and the default pool still runs the service's own work at once.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
+    finally:
+        release.set()
+        await service.close()
+    assert run.counters.groups_scored == 0

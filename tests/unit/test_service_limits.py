@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from dataclasses import replace
+
 import pytest
 
-from rollout_service.errors import ResourceExhausted
+from rollout_service.errors import FailedPrecondition, ResourceExhausted
 from rollout_service.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.server import ConsumerSession
 from rollout_service.types import SamplingParams
-from tests.unit.scripted import ScriptedEngine, make_service
+from tests.unit.scripted import ScriptedEngine, ScriptedTokenizer, make_service
 
 
 def spec() -> RunSpec:
@@ -41,3 +45,43 @@ async def test_consumers_beyond_the_limit_are_refused() -> None:
     with pytest.raises(ResourceExhausted, match="has 1 consumers, the limit"):
         ConsumerSession(service, run.run_id, "second", 1).check_limits()
     await service.delete_run(run.run_id)
+
+
+class BlockingTokenizer(ScriptedTokenizer):
+    """Tokenizing waits until the test releases it, as a huge prompt keeps a tokenizer busy."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.entered.set()
+        if not self.release.wait(5):
+            raise TimeoutError("never released: rendering blocked the event loop")
+        return super().encode(text)
+
+
+async def test_prompts_render_off_the_event_loop() -> None:
+    """Rendering a 20 MB prompt on the event loop froze every RPC for 36 s."""
+    service = make_service(ScriptedEngine())
+    tokenizer = service.renderer.tokenizer = BlockingTokenizer()
+    run = await service.create_run(replace(spec(), source_kind="submitted", prompts=()))
+    submitting = asyncio.ensure_future(service.submit_prompts(run.run_id, [PromptSpec(text="1 2 3")]))
+    async with asyncio.timeout(10):
+        await asyncio.to_thread(tokenizer.entered.wait, 5)  # rendering has begun...
+        assert service.stats().uptime_seconds >= 0  # ...and the loop still serves other calls
+        tokenizer.release.set()
+        assert await submitting == (1, 1)
+    await service.delete_run(run.run_id)
+
+
+async def test_prompts_submitted_to_a_run_deleted_while_they_render_are_refused() -> None:
+    service = make_service(ScriptedEngine())
+    tokenizer = service.renderer.tokenizer = BlockingTokenizer()
+    run = await service.create_run(replace(spec(), source_kind="submitted", prompts=()))
+    submitting = asyncio.ensure_future(service.submit_prompts(run.run_id, [PromptSpec(text="1 2 3")]))
+    async with asyncio.timeout(10):
+        await asyncio.to_thread(tokenizer.entered.wait, 5)
+        await service.delete_run(run.run_id)
+        tokenizer.release.set()
+        with pytest.raises(FailedPrecondition, match="is stopped; submit to a running run"):
+            await submitting
