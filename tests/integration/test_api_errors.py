@@ -79,6 +79,11 @@ async def test_bad_prompts(client: RolloutClient) -> None:
     await expect_error(client.submit_prompts(run.run_id, [huge]), INVALID, "characters cannot fit", "shorten it")
     heavy = pb.Prompt(text="hi", metadata={"notes": "x" * (100 << 10)})
     await expect_error(client.submit_prompts(run.run_id, [heavy]), INVALID, "prompt metadata is 102405 bytes")
+    # 64 MiB is over the service's gRPC receive limit: refused before it is parsed.
+    over = pb.Prompt(text="a" * (64 << 20))
+    await expect_error(client.submit_prompts(run.run_id, [over]), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
+    accepted = await client.submit_prompts(run.run_id, [pb.Prompt(text="hi")])  # the service goes on
+    assert (accepted.accepted, accepted.queued) == (1, 1)
     dataset_run = await client.create_run(letters())
     await expect_error(
         client.submit_prompts(dataset_run.run_id, [pb.Prompt(text="hi")]),
