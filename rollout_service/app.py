@@ -35,7 +35,7 @@ from rollout_service.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 5.0
+GRPC_STOP_GRACE_S = 5.0
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -166,7 +166,8 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
 
         async def stop_grpc() -> None:
             await health.enter_graceful_shutdown()
-            await server.stop(SHUTDOWN_GRACE_S)
+            await service.drain(settings.shutdown_grace_s)
+            await server.stop(GRPC_STOP_GRACE_S)
 
         stack.push_async_callback(stop_grpc)
         logger.info(

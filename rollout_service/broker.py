@@ -118,6 +118,8 @@ class RunBroker:
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
         self.reserved = 0
         self.closed = False
+        self.draining = False
+        """Set at shutdown (``drain``): no group is started or handed out any more."""
         self.closed_event = asyncio.Event()
         """Set by ``close``: wakes a consumer stream that has no credits to take with."""
         self._changed = asyncio.Condition()
@@ -163,12 +165,12 @@ class RunBroker:
                     self.metrics.admission_waits.labels(self.run_id).inc()
             self._reservers_waiting += 1
             try:
-                await self._changed.wait_for(lambda: self.has_room() or self.closed)
+                await self._changed.wait_for(lambda: self.has_room() or self.closed or self.draining)
             finally:
                 self._reservers_waiting -= 1
                 if held_back:
                     self._admit()
-            if self.closed:
+            if self.closed or self.draining:
                 return False
             self.reserved += 1
             return True
@@ -269,14 +271,14 @@ class RunBroker:
             while True:
                 self._expire_leases()
                 index = self._first_for(consumer_id)
-                if index is not None or self.closed or consumer_id not in self.leases:
+                if (index is not None and not self.draining) or self.closed or consumer_id not in self.leases:
                     break
                 try:
                     async with asyncio.timeout(self._seconds_to_next_expiry()):
                         await self._changed.wait()
                 except TimeoutError:
                     pass  # a lease expired: loop to return it to the buffer
-            if index is None or consumer_id not in self.leases:
+            if index is None or self.draining or consumer_id not in self.leases:
                 return None
             group = self.buffered[index]
             del self.buffered[index]
@@ -354,7 +356,7 @@ class RunBroker:
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             newly += 1
         self._update_gauges()
-        if newly and self._reservers_waiting:
+        if newly and (self._reservers_waiting or self.draining):
             self._wake_soon()  # consumption frees admission room; nobody to wake is the common case
         return newly
 
@@ -389,6 +391,17 @@ class RunBroker:
         self.expired_holder.clear()
         self.trained_by_version.clear()
         return freed
+
+    async def drain(self) -> None:
+        """Shutting down: start no group and hand out none, so the groups leased now can only
+        be acked or returned (``wait_leases_settled``)."""
+        async with self._changed:
+            self.draining = True
+            self._changed.notify_all()
+
+    async def wait_leases_settled(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.num_leased == 0 or self.closed)
 
     async def close(self) -> None:
         async with self._changed:

@@ -187,6 +187,10 @@ class ServiceSettings(BaseSettings):
     environment_modules: list[str] = Field(default_factory=list)
     """Python modules whose ENVIRONMENTS dict ({name: factory}) is added to the registry."""
     log_level: str = "INFO"
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    """At shutdown, after health says NOT_SERVING and runs stop starting and handing out
+    groups, how long consumers may still ack (or return) the groups they hold: a trainer in
+    the middle of a step gets to ack it. Ends early once nothing is leased."""
     shutdown_timeout_s: float = Field(default=60.0, gt=0)
     """After SIGTERM/SIGINT the process exits within this, even if user code (a reward, tool
     or environment) hangs in a thread; a second signal exits at once."""

@@ -352,6 +352,23 @@ class RolloutService:
             )
         self.base_weights_run = run_id
 
+    async def drain(self, grace_s: float) -> None:
+        """The first step of a shutdown: runs start no group and hand out none; consumers
+        get ``grace_s`` to ack or return what they hold."""
+        runs = list(self.runs.values())
+        for run in runs:
+            await run.broker.drain()
+        leased = sum(run.broker.num_leased for run in runs)
+        if not leased:
+            return
+        logger.info("shutting down: up to %gs for consumers to ack their %d leased groups", grace_s, leased)
+        try:
+            async with asyncio.timeout(grace_s):
+                await asyncio.gather(*(run.broker.wait_leases_settled() for run in runs))
+        except TimeoutError:
+            left = sum(run.broker.num_leased for run in runs)
+            logger.warning("shutting down with %d groups still leased after %gs (shutdown_grace_s)", left, grace_s)
+
     async def close(self) -> None:
         for run in list(self.runs.values()):
             if run.state == "running":

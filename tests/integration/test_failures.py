@@ -254,3 +254,60 @@ async def test_a_hung_server_is_given_up_at_once_and_comes_back_when_it_answers(
 
 async def _scored(client: RolloutClient, run_id: str) -> int:
     return (await client.get_run(run_id)).stats.groups_scored
+
+
+async def test_sigterm_lets_consumers_ack_what_they_hold_and_ends_early_once_they_have(
+    vllm_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    """At SIGTERM a trainer in the middle of a step used to lose its stream before it could
+    ack the step; now the service stops producing, says NOT_SERVING and waits for the acks."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        ROLLOUT_ENGINE__TOKENIZER=str(tiny_model),
+        ROLLOUT_ENGINE__MODEL="tiny",
+        ROLLOUT_SHUTDOWN_GRACE_S="60",
+    )
+    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
+    command += ["--port", str(port), "--metrics-port", "0"]
+    log = tmp_path / "service.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            *command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
+        )
+    target = f"127.0.0.1:{port}"
+
+    async def not_serving() -> bool:
+        async with grpc.aio.insecure_channel(target) as channel:
+            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return response.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    try:
+        await wait_until(lambda: serving(target), 60, "the service process to serve")
+        async with RolloutClient(target) as client:
+            spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=4)
+            run = await client.create_run(spec)
+            stream = client.stream(run.run_id, "trainer", credits=2)
+            groups = aiter(stream)
+            async with asyncio.timeout(60):
+                held = [await anext(groups), await anext(groups)]
+            process.send_signal(signal.SIGTERM)
+            await wait_until(not_serving, 30, "health to say NOT_SERVING")
+            assert (await client.get_run(run.run_id)).stats.groups_leased == 2  # still answering, still held
+            stream.ack([held[0].group_id])
+            await wait_until(lambda: _trained(client, run.run_id, 1), 30, "the first ack to count during shutdown")
+            stream.ack([held[1].group_id])
+            # Nothing is leased any more: the service stops long before its 60 s grace.
+            returncode = await asyncio.wait_for(process.wait(), 40)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.wait_for(process.wait(), 10)
+    text = " ".join(log.read_text().split())  # the console handler wraps long lines
+    assert returncode == 0, text[-2000:]
+    assert "up to 60s for consumers to ack their 2 leased groups" in text
+    assert "still leased" not in text
+
+
+async def _trained(client: RolloutClient, run_id: str, count: int) -> bool:
+    return (await client.get_run(run_id)).stats.groups_trained >= count

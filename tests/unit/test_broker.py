@@ -335,3 +335,22 @@ async def test_admission_wait_seconds_default_to_the_brokers_clock_and_end_at_cl
     assert not await asyncio.wait_for(waiting, 5)
     clock.now = 7.0
     assert broker.admission_wait_seconds == 2.5
+
+
+async def test_a_draining_broker_starts_and_hands_out_nothing_while_leases_settle() -> None:
+    broker = await filled("g1", "g2", "g3")
+    broker.subscribe("a")
+    broker.subscribe("b")
+    held_a, held_b = await broker.take("a"), await broker.take("b")
+    await broker.drain()
+    assert not await broker.reserve()  # the scheduler's feeder ends: no new group starts
+    waiting = asyncio.ensure_future(broker.take("a"))  # g3 is buffered, but not handed out
+    settled = asyncio.ensure_future(broker.wait_leases_settled())
+    async with asyncio.timeout(5):
+        assert broker.ack("a", [held_a.group_id], ACK_TRAINED) == 1  # acks still count
+        await broker.release("b")  # and a consumer that leaves returns what it held
+        await settled
+    assert not waiting.done()
+    assert [g.group_id for g in broker.buffered] == [held_b.group_id, "g3"]
+    await broker.close()
+    assert await asyncio.wait_for(waiting, 5) is None
