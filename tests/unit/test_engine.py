@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -37,13 +38,21 @@ async def scripted_server() -> AsyncIterator[tuple[str, list[int], list[dict]]]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    async with serving(app) as url:
+        yield url, statuses, bodies
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve ``app`` on a free local port; yields its base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", statuses, bodies
-    await runner.cleanup()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 async def make_client(url: str, retries: int = 2, **engine: float) -> VLLMServerClient:
@@ -105,14 +114,9 @@ async def hung_server() -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event
     app = web.Application()
     app.router.add_post("/v1/completions", hang)
     app.router.add_get("/health", hang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", release, arrived
-    release.set()
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield url, release, arrived
+        release.set()
 
 
 async def test_a_request_fails_at_its_deadline_however_long_the_read_timeout(hung_server) -> None:

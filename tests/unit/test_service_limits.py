@@ -60,28 +60,29 @@ class BlockingTokenizer(ScriptedTokenizer):
         return super().encode(text)
 
 
-async def test_prompts_render_off_the_event_loop() -> None:
-    """Rendering a 20 MB prompt on the event loop froze every RPC for 36 s."""
+async def submitting_while_rendering_blocks():  # type: ignore[no-untyped-def]
+    """A service, a submitted-prompts run, and a SubmitPrompts whose rendering has begun and
+    waits for ``tokenizer.release``."""
     service = make_service(ScriptedEngine())
     tokenizer = service.renderer.tokenizer = BlockingTokenizer()
     run = await service.create_run(replace(spec(), source_kind="submitted", prompts=()))
     submitting = asyncio.ensure_future(service.submit_prompts(run.run_id, [PromptSpec(text="1 2 3")]))
-    async with asyncio.timeout(10):
-        await asyncio.to_thread(tokenizer.entered.wait, 5)  # rendering has begun...
-        assert service.stats().uptime_seconds >= 0  # ...and the loop still serves other calls
-        tokenizer.release.set()
-        assert await submitting == (1, 1)
+    await asyncio.wait_for(asyncio.to_thread(tokenizer.entered.wait, 5), 10)
+    return service, tokenizer, run, submitting
+
+
+async def test_prompts_render_off_the_event_loop() -> None:
+    """Rendering a 20 MB prompt on the event loop froze every RPC for 36 s."""
+    service, tokenizer, run, submitting = await submitting_while_rendering_blocks()
+    assert service.stats().uptime_seconds >= 0  # rendering has begun, and the loop still serves other calls
+    tokenizer.release.set()
+    assert await asyncio.wait_for(submitting, 10) == (1, 1)
     await service.delete_run(run.run_id)
 
 
 async def test_prompts_submitted_to_a_run_deleted_while_they_render_are_refused() -> None:
-    service = make_service(ScriptedEngine())
-    tokenizer = service.renderer.tokenizer = BlockingTokenizer()
-    run = await service.create_run(replace(spec(), source_kind="submitted", prompts=()))
-    submitting = asyncio.ensure_future(service.submit_prompts(run.run_id, [PromptSpec(text="1 2 3")]))
-    async with asyncio.timeout(10):
-        await asyncio.to_thread(tokenizer.entered.wait, 5)
-        await service.delete_run(run.run_id)
-        tokenizer.release.set()
-        with pytest.raises(FailedPrecondition, match="is stopped; submit to a running run"):
-            await submitting
+    service, tokenizer, run, submitting = await submitting_while_rendering_blocks()
+    await service.delete_run(run.run_id)
+    tokenizer.release.set()
+    with pytest.raises(FailedPrecondition, match="is stopped; submit to a running run"):
+        await asyncio.wait_for(submitting, 10)
