@@ -72,7 +72,7 @@ class CpuBudget:
         """Cores for vLLM's API server process (HTTP, tokenizing, output processing): the
         trainer's, not the worker's. It needs about a fifth of a core at full generation, and
         on the worker's core it delayed every decode step. On the trainer's (which waits on
-        generation anyway), a 2-core run went from 1.9 to 2.35 steps/s (small model,
+        generation anyway), a 2-core run went from 1.86 to 2.29 steps/s (small model, 3 seeds,
         benchmarks/bench_vs_trl.py)."""
         return self.trainer_cores
 

@@ -77,6 +77,11 @@ class Scheduler:
         metrics.slots_total.set(max_inflight)
 
     # -- lifecycle -----------------------------------------------------------------------
+    def close(self) -> None:
+        """After every run stopped. Not waiting for the reward threads: a hung user call must
+        not hold up the shutdown (``shutdown_timeout_s`` ends the process)."""
+        self.reward_executor.shutdown(wait=False, cancel_futures=True)
+
     def start_run(self, run: Run) -> None:
         self._tasks[run.run_id] = set()
         feeder = self._spawn(run, self._feed(run), f"feed-{run.run_id}")

@@ -375,6 +375,6 @@ class RolloutService:
                 run.state = "stopped"
             await self.scheduler.stop_run(run)
         self.tools.close()
-        # Not waiting: a hung user call must not hold up the shutdown (shutdown_timeout_s ends it).
+        self.scheduler.close()
+        # Not waiting, as the scheduler does not for its reward threads.
         self.environment_executor.shutdown(wait=False, cancel_futures=True)
-        self.scheduler.reward_executor.shutdown(wait=False, cancel_futures=True)

@@ -3,9 +3,12 @@
 Members of a group prefer the server their first member went to (its prefix cache holds
 the prompt) unless that server is clearly busier than the least-loaded one. Servers whose
 last request failed are tried only when no healthy one is left, and are probed (/health)
-every ``probe_interval_s``: one that answers again takes traffic again. ``on_usable`` is
-told when the pool goes from having a working server to none, and back (the service's
-gRPC health follows it).
+every ``probe_interval_s``: one that answers again takes traffic again. Servers with requests
+in flight are probed too: one that does not answer within ``health_timeout_s`` is hung (a
+stopped process, a network path that keeps connections open and moves nothing); its
+requests are abandoned at once instead of at their deadline, and it counts as failed.
+``on_usable`` is told when the pool goes from having a working server to none, and back
+(the service's gRPC health follows it).
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ class VLLMServerClient:
         return (await self.generate_many(prompt_ids, params, 1))[0]
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
-        """Whether the server answers /health now (a probe of a server that failed)."""
+        """Whether the server answers /health within ``timeout_s`` (the pool's probes: of a
+        server that failed, and of a busy one that may have hung)."""
         if self._session is None:
             return False
         timeout = aiohttp.ClientTimeout(total=timeout_s)
