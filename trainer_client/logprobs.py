@@ -8,6 +8,11 @@ done on chunks of positions, each under gradient checkpointing: the forward keep
 [chunk] output, and the backward recomputes one chunk's logits at a time. Peak memory then scales with
 ``chunk_size * vocab`` instead of ``tokens * vocab``, at the cost of one extra projection per chunk.
 
+When every position fits in one chunk (small batches, small vocabularies) the checkpoint buys nothing: the
+backward would rebuild that same [tokens, vocab] block next to its gradient, so the peak is the same either
+way. That case runs without it: on the 1.64M-parameter benchmark model (32 x 32 completion tokens, vocabulary
+1024, one thread) a trainer step went from 266 to 257 ms.
+
 Inputs are the final hidden states *aligned with the tokens they predict*: ``hidden_states[:, t]`` is the state
 whose projection scores ``token_ids[:, t]`` (for a causal LM, the state at the position before the token; slice
 ``outputs.hidden_states[-1][:, -T - 1 : -1]`` for the last ``T`` tokens). The result matches TRL's
@@ -79,11 +84,12 @@ def chunked_completion_logprobs(
 ) -> torch.Tensor:
     """Per-token log-probs [B, T] of ``token_ids`` [B, T] from hidden states [B, T, H] and lm_head weight [V, H].
 
-    Positions are flattened to B * T and processed ``chunk_size`` at a time; with autograd on, each chunk runs
-    under non-reentrant ``torch.utils.checkpoint``, so neither the forward nor the backward ever holds more than
-    one chunk's [chunk_size, V] logits (and their gradient). The weight's gradient is accumulated across chunks by
-    autograd into one [V, H] buffer. Padding positions are computed like any other (their ids must still be valid
-    vocabulary indices); the loss masks them. Values are float32 whatever the input dtype.
+    Positions are flattened to B * T and processed ``chunk_size`` at a time; with autograd on and more than one
+    chunk, each chunk runs under non-reentrant ``torch.utils.checkpoint``, so neither the forward nor the
+    backward ever holds more than one chunk's [chunk_size, V] logits (and their gradient). The weight's gradient
+    is accumulated across chunks by autograd into one [V, H] buffer. Padding positions are computed like any other
+    (their ids must still be valid vocabulary indices); the loss masks them. Values are float32 whatever the input
+    dtype.
     """
     _check_inputs(hidden_states, lm_head_weight, token_ids)
     if chunk_size <= 0:
@@ -94,11 +100,12 @@ def chunked_completion_logprobs(
     flat_hidden = hidden_states.reshape(batch * length, hidden)
     flat_ids = token_ids.reshape(batch * length)
     needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or lm_head_weight.requires_grad)
+    recompute = needs_grad and batch * length > chunk_size  # one chunk: same peak without the recompute
     chunks = []
     for start in range(0, batch * length, chunk_size):
         chunk_hidden = flat_hidden[start : start + chunk_size]
         chunk_ids = flat_ids[start : start + chunk_size]
-        if needs_grad:
+        if recompute:
             chunk = checkpoint(
                 _chunk_logprobs,
                 chunk_hidden,

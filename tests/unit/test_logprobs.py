@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer_client import logprobs
 from trainer_client.logprobs import chunked_completion_logprobs, naive_completion_logprobs
 
 VOCAB, HIDDEN = 97, 12
@@ -109,6 +110,25 @@ def test_forward_saves_no_logits_for_backward() -> None:
     assert any(shape[-1] == VOCAB and shape != (HIDDEN, VOCAB) for shape in naive)
     for shape in chunked:
         assert shape in ((VOCAB, HIDDEN), (chunk_size, HIDDEN), (chunk_size,)), shape
+
+
+def test_one_chunk_projects_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every position in one chunk, the backward reuses the forward's logits instead of recomputing them
+    (same peak memory, one projection less); with several chunks each projection runs twice."""
+    hidden, weight, token_ids = make_inputs(seed=5, batch=2, length=8)
+    calls: list[int] = []
+    project = logprobs._logits
+
+    def counting_logits(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return project(*args)
+
+    monkeypatch.setattr(logprobs, "_logits", counting_logits)
+    values_and_grads(chunked_completion_logprobs, hidden, weight, token_ids, chunk_size=16)
+    assert len(calls) == 1
+    calls.clear()
+    values_and_grads(chunked_completion_logprobs, hidden, weight, token_ids, chunk_size=8)
+    assert len(calls) == 4  # two chunks, each projected in the forward and again in the backward
 
 
 def test_no_grad_and_low_precision() -> None:
