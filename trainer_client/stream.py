@@ -20,6 +20,7 @@ import functools
 import logging
 import queue
 import threading
+from collections import OrderedDict, deque
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,6 +33,32 @@ from trainer_client.step_timing import PhaseClock
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+ID_MEMORY = 100_000
+"""Group ids a feed remembers, like the service's ack memory per run: a duplicate delivery
+comes from a lease that expired or a stream that broke, minutes apart, never 100k groups
+later. Bounded so a week-long run does not grow the trainer by every id it ever saw."""
+
+
+class RecentIds:
+    """A set of the last ``capacity`` ids added; the oldest is forgotten first."""
+
+    def __init__(self, capacity: int = ID_MEMORY) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity is {capacity}; give at least 1")
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, group_id: str) -> None:
+        self._ids[group_id] = None
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
 
 @dataclass
 class FeedCounters:
@@ -40,8 +67,9 @@ class FeedCounters:
     dropped_stale: int = 0
     duplicates: int = 0
     """Deliveries of a group id this consumer already held or trained, skipped."""
-    trained_group_ids: list[str] = field(default_factory=list)
-    """In ack order; what a data-parallel check compares across ranks (disjoint, none twice)."""
+    trained_group_ids: deque[str] = field(default_factory=lambda: deque(maxlen=ID_MEMORY))
+    """The last ``ID_MEMORY`` trained, in ack order; what a data-parallel check compares
+    across ranks (disjoint, none twice)."""
 
 
 class GroupFeed:
@@ -64,8 +92,8 @@ class GroupFeed:
         self.clock = PhaseClock()
         """Seconds per phase of the current step; the feed adds ``wait_groups``, the trainer the rest."""
         self.counters = FeedCounters()
-        self._seen: set[str] = set()
-        """Every group id taken from the stream: none is trained twice, whatever the service sends."""
+        self._seen = RecentIds()
+        """The group ids taken from the stream: none is trained twice, whatever the service sends."""
         self._groups: queue.Queue[pb.Group | BaseException] = queue.Queue(maxsize=credits)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"feed-{consumer_id}", daemon=True)

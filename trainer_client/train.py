@@ -184,7 +184,7 @@ def train(
         "groups_trained": counters.trained,
         "groups_dropped_stale": counters.dropped_stale,
         "groups_duplicate_skipped": counters.duplicates,
-        "trained_group_ids": counters.trained_group_ids,
+        "trained_group_ids": list(counters.trained_group_ids),
         "weights_fingerprint": weights_fingerprint(model),
     }
     (output_dir / f"rank{config.process_index}.json").write_text(json.dumps(rank_report))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from rollout_service.api import rollout_pb2 as pb
-from trainer_client.stream import GroupFeed
+from trainer_client.stream import ID_MEMORY, GroupFeed, RecentIds
 
 
 class RecordingStream:
@@ -36,3 +36,26 @@ def test_a_group_delivered_twice_is_taken_once_and_its_credit_is_given_back() ->
     finally:
         feed._loop.call_soon_threadsafe(feed._loop.stop)
         feed._thread.join(5)
+
+
+def test_recent_ids_forget_the_oldest_beyond_capacity() -> None:
+    ids = RecentIds(capacity=3)
+    for group_id in ("a", "b", "c", "d"):
+        ids.add(group_id)
+    assert len(ids) == 3
+    assert "a" not in ids
+    assert all(group_id in ids for group_id in ("b", "c", "d"))
+
+
+def test_the_feed_remembers_a_bounded_number_of_ids() -> None:
+    """A long run must not keep every id it ever trained: the duplicate memory and the trained
+    list stop at ID_MEMORY, the newest kept."""
+    feed = GroupFeed("127.0.0.1:1", "run", "c", max_staleness=1, credits=4)
+    feed._stream = RecordingStream()  # type: ignore[assignment]
+    for index in range(ID_MEMORY + 10):
+        feed._seen.add(f"g{index}")
+        feed.counters.trained_group_ids.append(f"g{index}")
+    assert len(feed._seen) == ID_MEMORY
+    assert len(feed.counters.trained_group_ids) == ID_MEMORY
+    assert f"g{ID_MEMORY + 9}" in feed._seen and "g0" not in feed._seen
+    assert feed.counters.trained_group_ids[0] == "g10"
