@@ -124,6 +124,12 @@ class SchedulerSettings(BaseModel):
     """Live runs at once; CreateRun beyond it is RESOURCE_EXHAUSTED (delete finished runs)."""
     max_consumers_per_run: int = Field(default=64, ge=1)
     """Streams subscribed to one run at once; a subscribe beyond it is RESOURCE_EXHAUSTED."""
+    max_queued_prompts: int = Field(default=100_000, ge=1)
+    """Prompts a submitted-prompts run may hold unstarted; SubmitPrompts beyond it is
+    RESOURCE_EXHAUSTED (wait for the run to consume some)."""
+    max_queued_prompt_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """The same queue bounded by memory (token ids, text, metadata; see
+    ``RenderedPrompt.approx_bytes``): 100k prompts of 64 KiB metadata each would hold 6 GiB."""
     max_credits: int = Field(default=4096, ge=1)
     """Credits one stream may hold (groups it may have unacked); more is INVALID_ARGUMENT."""
     max_group_bytes: int = Field(default=4 << 20, ge=1 << 10, le=64 << 20)

@@ -28,6 +28,7 @@ class PromptSpec:
 MAX_METADATA_BYTES = 64 << 10
 """Per prompt: metadata rides along with every group of the prompt to every consumer."""
 MAX_CHARS_PER_TOKEN = 64
+_BYTES_PER_TOKEN_ID = 36
 """A prompt longer than this many characters per context token cannot fit, whatever it says."""
 
 
@@ -116,6 +117,13 @@ class RenderedPrompt:
 
     def item(self, index: int) -> PromptItem:
         return PromptItem(index, self.token_ids, self.text, self.metadata, self.messages)
+
+    def approx_bytes(self) -> int:
+        """What it holds in memory, roughly: a list slot and an int object per token id
+        (8 + 28 bytes), and the UTF-8 size of its text, metadata and messages."""
+        strings = [self.text, *self.metadata, *self.metadata.values()]
+        strings += [value for message in self.messages for value in message.values()]
+        return _BYTES_PER_TOKEN_ID * len(self.token_ids) + sum(len(value.encode()) for value in strings)
 
 
 class PromptRenderer:
@@ -212,26 +220,43 @@ class CyclingPromptSource:
 
 
 class SubmittedPromptSource:
-    """Prompts pushed through SubmitPrompts, in order; a run waits while none are queued."""
+    """Prompts pushed through SubmitPrompts, in order; a run waits while none are queued.
 
-    def __init__(self, capacity: int = 100_000) -> None:
-        self._queue: asyncio.Queue[PromptItem] = asyncio.Queue(maxsize=capacity)
+    Bounded by count and by bytes (``scheduler.max_queued_prompts`` and
+    ``max_queued_prompt_bytes``): a submit that would pass either is refused whole, so a
+    client knows exactly which prompts were queued."""
+
+    def __init__(self, capacity: int = 100_000, max_bytes: int = 256 << 20) -> None:
+        self._queue: asyncio.Queue[tuple[PromptItem, int]] = asyncio.Queue(maxsize=capacity)
         self._count = itertools.count()
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
 
     def submit(self, rendered: list[RenderedPrompt]) -> int:
         free = self._queue.maxsize - self._queue.qsize()
         if len(rendered) > free:
             raise ResourceExhausted(
-                f"{len(rendered)} prompts submitted but only {free} fit in the run's queue; "
-                "submit fewer at a time or wait for the run to consume some"
+                f"{len(rendered)} prompts submitted but only {free} fit in the run's queue "
+                "(scheduler.max_queued_prompts); submit fewer at a time or wait for the run to consume some"
             )
-        for prompt in rendered:
-            self._queue.put_nowait(prompt.item(next(self._count)))
+        sizes = [prompt.approx_bytes() for prompt in rendered]
+        if self.queued_bytes + sum(sizes) > self.max_bytes:
+            raise ResourceExhausted(
+                f"{len(rendered)} prompts of about {sum(sizes)} bytes do not fit in the run's queue, which holds "
+                f"{self.queued_bytes} of {self.max_bytes} bytes (scheduler.max_queued_prompt_bytes); "
+                "submit fewer or smaller prompts, or wait for the run to consume some"
+            )
+        for prompt, size in zip(rendered, sizes, strict=True):
+            self._queue.put_nowait((prompt.item(next(self._count)), size))
+        self.queued_bytes += sum(sizes)
         return self._queue.qsize()
 
     async def next(self) -> PromptItem:
-        return await self._queue.get()
+        item, size = await self._queue.get()
+        self.queued_bytes -= size
+        return item
 
     def discard(self) -> None:
         while not self._queue.empty():
             self._queue.get_nowait()
+        self.queued_bytes = 0

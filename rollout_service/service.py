@@ -215,7 +215,7 @@ class RolloutService:
 
     async def _prompt_source(self, spec: RunSpec, tools: list[dict[str, Any]] | None = None) -> PromptSource:
         if spec.source_kind == "submitted":
-            return SubmittedPromptSource()
+            return SubmittedPromptSource(self.settings.max_queued_prompts, self.settings.max_queued_prompt_bytes)
         prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
         return CyclingPromptSource(await self._render(prompts, spec.sampling.max_tokens, tools))
 

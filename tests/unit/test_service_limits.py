@@ -1,4 +1,4 @@
-"""Limits on what sizes the service's memory: runs, consumers per run."""
+"""Limits on what sizes the service's memory: runs, consumers per run, queued prompts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from rollout_service.errors import FailedPrecondition, ResourceExhausted
-from rollout_service.prompts import PromptSpec
+from rollout_service.prompts import PromptSpec, RenderedPrompt, SubmittedPromptSource
 from rollout_service.runs import RunSpec
 from rollout_service.server import ConsumerSession
 from rollout_service.types import SamplingParams
@@ -86,3 +86,28 @@ async def test_prompts_submitted_to_a_run_deleted_while_they_render_are_refused(
     tokenizer.release.set()
     with pytest.raises(FailedPrecondition, match="is stopped; submit to a running run"):
         await asyncio.wait_for(submitting, 10)
+
+
+async def test_the_prompt_queue_is_bounded_by_bytes() -> None:
+    """100k queued prompts of 64 KiB metadata each would hold 6 GiB: the queue counts bytes too,
+    refuses a whole submit that passes them, and takes prompts again as the run consumes them."""
+    source = SubmittedPromptSource(capacity=100, max_bytes=1 << 20)
+    prompt = RenderedPrompt(token_ids=[1, 2, 3], text="abc", metadata={"answer": "x" * (60 << 10)})
+    assert source.submit([prompt] * 16) == 16
+    with pytest.raises(ResourceExhausted, match=r"scheduler\.max_queued_prompt_bytes"):
+        source.submit([prompt] * 2)
+    assert source.queued_bytes == 16 * prompt.approx_bytes()
+    await asyncio.wait_for(source.next(), 5)
+    assert source.submit([prompt]) == 16
+    source.discard()
+    assert source.queued_bytes == 0
+
+
+async def test_submitted_runs_take_the_queue_limits_from_settings() -> None:
+    service = make_service(ScriptedEngine(), max_queued_prompts=3, max_queued_prompt_bytes=2 << 20)
+    run = await service.create_run(replace(spec(), source_kind="submitted", prompts=()))
+    assert isinstance(run.source, SubmittedPromptSource)
+    assert run.source.max_bytes == 2 << 20
+    with pytest.raises(ResourceExhausted, match="only 3 fit in the run's queue"):
+        await service.submit_prompts(run.run_id, [PromptSpec(token_ids=[1])] * 4)
+    await service.delete_run(run.run_id)
