@@ -1,5 +1,5 @@
 """Reward functions loaded through the ``reward_modules`` setting by the integration tests:
-broken ones (test_failures.py), and TRL's own, unchanged, beside a recorder of what reward
+broken ones (faults/test_failures.py), and TRL's own, unchanged, beside a recorder of what reward
 functions are given (test_trl_rewards.py)."""
 
 import asyncio
