@@ -140,6 +140,17 @@ class AdapterPublisher:
             logger.info("run %s serves adapter %s", run_id, name)
             return version
 
+    async def reload(self, url: str) -> None:
+        """A restarted server holds no adapters: load each run's current one on it again (the
+        previous one was only kept for requests in flight, which the restart ended)."""
+        servers = [server for server in self.servers if server.base_url == url.rstrip("/")]
+        for run_id, state in list(self.runs.items()):
+            if state.name is None:
+                continue
+            for server in servers:
+                await server.load_lora_adapter(state.name, str(state.paths[state.name].resolve()), self.timeout_s)
+            logger.info("run %s's adapter %s loaded again on %s", run_id, state.name, url)
+
     async def forget(self, run_id: str) -> None:
         """The run is deleted: unload its adapters and remove their files."""
         state = self.runs.pop(run_id, None)

@@ -22,6 +22,7 @@ from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSet
 from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
+from rollout_service.engine.supervisor import ServerSupervisor
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.environments import EnvironmentRegistry
 from rollout_service.errors import StartupError
@@ -29,6 +30,7 @@ from rollout_service.metrics import ServiceMetrics, start_metrics_server
 from rollout_service.prompts import PromptRenderer
 from rollout_service.rewards import RewardRegistry
 from rollout_service.server import set_serving, start_grpc_server
+from rollout_service.server_recovery import ServerRecovery
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.tools import ToolRegistry
 from rollout_service.weight_sync import WeightSyncCoordinator
@@ -86,12 +88,16 @@ def load_tokenizer(name_or_path: str):  # type: ignore[no-untyped-def]
 
 
 @contextlib.asynccontextmanager
-async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningService]:
+async def running_service(
+    settings: ServiceSettings, managed: ManagedVLLMServer | None = None
+) -> AsyncIterator[RunningService]:
+    """``managed``: a running managed server to supervise and serve from, which its owner
+    stops (tests share one); default: ``engine.urls``, else a server of its own."""
     engine_settings = settings.engine
     async with contextlib.AsyncExitStack() as stack:
         urls = list(engine_settings.urls)
         tokenizer_path = engine_settings.tokenizer
-        if not urls:
+        if managed is None and not urls:
             assert engine_settings.managed is not None
             managed_settings = engine_settings.managed
             if managed_settings.model == DEFAULT_MODEL_DIR:  # the embedded default: build it if missing
@@ -101,8 +107,9 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             managed = ManagedVLLMServer(managed_settings, served_model_name=engine_settings.model)
             stack.push_async_callback(asyncio.to_thread, managed.stop)  # before start: no orphan server
             await asyncio.to_thread(managed.start)
+        if managed is not None:
             urls = [managed.url]
-            tokenizer_path = tokenizer_path or str(managed_settings.model)
+            tokenizer_path = tokenizer_path or str(managed.settings.model)
         model, max_model_len = await resolve_model(urls, engine_settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path or engine_settings.model or model)
 
@@ -137,10 +144,11 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             environments=environments,
         )
         stack.push_async_callback(service.close)
+        recovery = ServerRecovery(service, pool)
         service.weight_sync = WeightSyncCoordinator(
             controls,
             settings.weight_sync,
-            service.set_policy_version,
+            recovery.version_committed,
             metrics=metrics,
             on_trainer_version=service.set_trainer_version,
         )
@@ -148,6 +156,16 @@ async def running_service(settings: ServiceSettings) -> AsyncIterator[RunningSer
             settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(engine_settings)
         )
         stack.push_async_callback(service.weight_sync.close)
+        if managed is not None:
+            supervisor = ServerSupervisor(
+                managed,
+                managed.settings.max_restarts,
+                recovery.server_down,
+                recovery.server_restarted,
+                metrics.server_restarts.labels(managed.url).inc,
+            )
+            supervisor.start()
+            stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
         await service.weight_sync.prefetch_world_sizes()
         await service.weight_sync.resume_left_paused()
 

@@ -116,6 +116,11 @@ class RunBroker:
         """Reservations waiting for room: only then does an ack need to wake anyone."""
         self.acked: OrderedDict[str, str] = OrderedDict()
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
+        self.weights_requests = 0
+        """Pushes asked of the run's trainer (``request_weights``), in all."""
+        self.weights_wanted = ""
+        """Why a push is wanted, until the next version commits ("" : none is)."""
+        self._watchers: set[Callable[[], None]] = set()
         self.reserved = 0
         self.closed = False
         self.draining = False
@@ -199,6 +204,7 @@ class RunBroker:
         if version <= self.policy_version:
             return
         self.policy_version = version
+        self.weights_wanted = ""
         self.version_bumped = True
         self._advance_trainer(max(version, self.trainer_version))
         self._wake_soon()
@@ -249,6 +255,23 @@ class RunBroker:
             self.buffered.append(group)
             self._update_gauges()
             self._changed.notify_all()
+
+    # -- asking the trainer for its weights ---------------------------------------------
+    def request_weights(self, reason: str) -> None:
+        """Ask the run's consumers for a push of its current weights now (a restarted server
+        waits for them): every stream sends one WeightsWanted, also one that subscribes
+        before the next push commits."""
+        self.weights_requests += 1
+        self.weights_wanted = reason
+        for wake in list(self._watchers):
+            wake()
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` on every weights request (a consumer stream's wake-up)."""
+        self._watchers.add(wake)
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        self._watchers.discard(wake)
 
     # -- consumer side -------------------------------------------------------------------
     def subscribe(self, consumer_id: str, credits: int = 0) -> None:

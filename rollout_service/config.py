@@ -46,6 +46,9 @@ class ManagedServerSettings(BaseModel):
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
     startup_timeout_s: float = 300.0
     """How long to wait for /health before giving up."""
+    max_restarts: int = Field(default=3, ge=0)
+    """Times the service restarts the server after its API process dies; then it stays down
+    (a crash loop is a bug to read in vLLM's log, not to hide)."""
     weight_transfer_backend: str | None = "gloo"
     """vLLM weight-transfer engine for pushing trainer weights ("gloo" on CPU: this project's
     plugin; "nccl" on GPU); None serves without weight updates."""

@@ -47,6 +47,12 @@ class ServiceMetrics:
         self.request_retries = Counter(
             "rollout_engine_request_retries", "vLLM request attempts retried", ["server"], registry=r
         )
+        self.server_restarts = Counter(
+            "rollout_engine_restarts",
+            "Managed vLLM servers restarted after their API process died",
+            ["server"],
+            registry=r,
+        )
         self.server_inflight = Gauge(
             "rollout_engine_inflight_requests", "Requests in flight per server", ["server"], registry=r
         )

@@ -98,6 +98,7 @@ class ConsumerSession:
         self.error: ServiceError | None = None
         self.client_done = False
         self._changed = asyncio.Event()
+        self.weights_requests_sent = 0
 
     def check_limits(self) -> None:
         """Before subscribing: the run's consumer count and this stream's credits are bounded."""
@@ -147,13 +148,16 @@ class ConsumerSession:
         else:
             raise InvalidArgument("empty StreamSamplesRequest: set one of subscribe, credit or ack")
 
-    async def next_group(self) -> pb.Group | None:
-        """The next group to send, or None when the stream should end."""
+    async def next_message(self) -> pb.StreamSamplesResponse | None:
+        """The next message to send (a group, or a request for weights), or None when the
+        stream should end."""
         while True:
             if self.error is not None:
                 raise self.error
             if self.client_done:
                 return None
+            if (wanted := self._weights_wanted()) is not None:
+                return pb.StreamSamplesResponse(weights_wanted=wanted)
             if self.broker.closed:
                 run = self.run
                 why = f": {run.error}" if run.error else ""
@@ -191,7 +195,18 @@ class ConsumerSession:
                     f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"
                 )
             self.credits -= 1
-            return group_to_pb(group)
+            return pb.StreamSamplesResponse(group=group_to_pb(group))
+
+    def _weights_wanted(self) -> pb.WeightsWanted | None:
+        """A request for weights this stream has not passed on yet (one per request)."""
+        broker = self.broker
+        if not broker.weights_wanted or self.weights_requests_sent == broker.weights_requests:
+            return None
+        self.weights_requests_sent = broker.weights_requests
+        return pb.WeightsWanted(policy_version=broker.policy_version, reason=broker.weights_wanted)
+
+    def wake(self) -> None:
+        self._changed.set()
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -285,6 +300,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             # Only a stream that subscribed may release: a refused duplicate must not hand
             # back the leases of the live stream that holds this consumer id.
             session = candidate
+            session.broker.watch(session.wake)
             reader = asyncio.create_task(session.read(request_iterator), name=f"read-{subscribe.consumer_id}")
             yield pb.StreamSamplesResponse(
                 subscribed=pb.Subscribed(
@@ -293,14 +309,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     max_staleness=session.run.spec.max_staleness,
                 )
             )
-            while (group := await session.next_group()) is not None:
-                yield pb.StreamSamplesResponse(group=group)
+            while (message := await session.next_message()) is not None:
+                yield message
         except ServiceError as exc:
             await context.abort(exc.code, str(exc))
         finally:
             if reader is not None:
                 reader.cancel()
             if session is not None:
+                session.broker.unwatch(session.wake)
                 returned = await session.broker.release(session.consumer_id)
                 if returned:
                     logger.info("consumer %s left; %d unacked groups returned", session.consumer_id, returned)

@@ -295,6 +295,11 @@ class WeightSyncCoordinator:
         logger.info("weight update %s committed: policy version %d (%.2fs)", update_id, new_version, seconds)
         return new_version, seconds
 
+    def server_restarted(self) -> None:
+        """A server came back as a new process, outside the transfer group: the next update
+        joins a fresh group (an update in flight fails on the old process and aborts)."""
+        self._group = None
+
     async def abort(self, update_id: str, reason: str) -> int:
         update = self._get(update_id)
         await self._abort(update, reason or "aborted by the trainer")

@@ -7,7 +7,8 @@ it grants credits and sends acks on the same call, as the protocol requires.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 
 import grpc
@@ -15,7 +16,13 @@ import grpc
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.api import rollout_pb2_grpc as pb_grpc
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_RPC_TIMEOUT_S = 30.0
+
+
+def _log_weights_wanted(wanted: pb.WeightsWanted) -> None:
+    logger.info("the service wants this run's weights (not pushed by this consumer): %s", wanted.reason)
 
 
 class GroupStream:
@@ -23,6 +30,10 @@ class GroupStream:
 
     Credits: ``credits`` groups are granted up front and one more after each ack, so at
     most ``credits`` groups are ever unacked on this consumer.
+
+    The service may ask for the run's weights (``WeightsWanted``, when a restarted vLLM
+    server waits for them): the stream passes that to ``on_weights_wanted``, which a pushing
+    trainer sets; by default it is logged and ignored (a follower does not push).
     """
 
     def __init__(self, stub: pb_grpc.RolloutServiceStub, run_id: str, consumer_id: str, credits: int) -> None:
@@ -34,6 +45,7 @@ class GroupStream:
         )
         self._call = stub.StreamSamples(self._requests())
         self.subscribed: pb.Subscribed | None = None
+        self.on_weights_wanted: Callable[[pb.WeightsWanted], None] = _log_weights_wanted
 
     async def _requests(self) -> AsyncIterator[pb.StreamSamplesRequest]:
         while (message := await self._outbox.get()) is not None:
@@ -42,10 +54,15 @@ class GroupStream:
 
     async def __aiter__(self) -> AsyncIterator[pb.Group]:
         async for response in self._call:
-            if response.WhichOneof("kind") == "subscribed":
+            kind = response.WhichOneof("kind")
+            if kind == "subscribed":
                 self.subscribed = response.subscribed
-            else:
+            elif kind == "group":
                 yield response.group
+            elif kind == "weights_wanted":
+                self.on_weights_wanted(response.weights_wanted)
+            else:  # a kind this client does not know (a newer service): nothing to train
+                logger.debug("skipping a stream message of kind %s", kind)
 
     def ack(
         self,

@@ -16,12 +16,13 @@ trains the next step with weights one version ahead of what vLLM serves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import queue
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,6 +33,9 @@ from trainer_client.step_timing import PhaseClock
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_WAKE = object()
+"""Put in the group queue to wake the training thread for a request of the weights."""
 
 ID_MEMORY = 100_000
 """Group ids a feed remembers, like the service's ack memory per run: a duplicate delivery
@@ -94,7 +98,11 @@ class GroupFeed:
         self.counters = FeedCounters()
         self._seen = RecentIds()
         """The group ids taken from the stream: none is trained twice, whatever the service sends."""
-        self._groups: queue.Queue[pb.Group | BaseException] = queue.Queue(maxsize=credits)
+        self.on_weights_wanted: Callable[[str], None] | None = None
+        """Set by a trainer that pushes: called on the training thread, between groups, when
+        the service asks for the run's weights (a restarted vLLM server waits for them)."""
+        self._weights_wanted = ""
+        self._groups: queue.Queue[pb.Group | BaseException | object] = queue.Queue(maxsize=credits)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"feed-{consumer_id}", daemon=True)
         self._client: RolloutClient | None = None
@@ -140,6 +148,7 @@ class GroupFeed:
     async def _open(self) -> None:
         self._client = await RolloutClient(self.target, self.timeout_s).__aenter__()
         self._stream = self._client.stream(self.run_id, self.consumer_id, credits=self.credits)
+        self._stream.on_weights_wanted = self._weights_requested
         self._reader = asyncio.ensure_future(self._read(self._stream))
 
     async def _read(self, stream: GroupStream) -> None:
@@ -159,15 +168,31 @@ class GroupFeed:
         if self._client is not None:
             await self._client.__aexit__(None, None, None)
 
+    def _weights_requested(self, wanted: pb.WeightsWanted) -> None:
+        """On the feed's loop: note the request and wake a training thread waiting for groups
+        (with the queue full it is about to take one and sees the request then)."""
+        if self.on_weights_wanted is None:
+            logger.info("the service wants run %s's weights; another trainer pushes them", self.run_id)
+            return
+        self._weights_wanted = wanted.reason or "asked by the service"
+        with contextlib.suppress(queue.Full):
+            self._groups.put_nowait(_WAKE)
+
     # -- consumer side (the training thread) ---------------------------------------------
     def next_fresh_group(self, timeout_s: float = 300.0) -> pb.Group:
         """The next group within ``max_staleness`` of ``current_version``; stale ones are
-        dropped and acked as such on the way."""
+        dropped and acked as such on the way. A request for the weights is answered first."""
         while True:
+            if self._weights_wanted and self.on_weights_wanted is not None:
+                reason, self._weights_wanted = self._weights_wanted, ""
+                self.on_weights_wanted(reason)
             with self.clock.measure("wait_groups"):
                 item = self._groups.get(timeout=timeout_s)
+            if item is _WAKE:
+                continue
             if isinstance(item, BaseException):
                 raise RuntimeError(f"the sample stream of run {self.run_id} ended: {item}") from item
+            assert isinstance(item, pb.Group)
             if item.group_id in self._seen:
                 self._skip_duplicate(item.group_id)
                 continue

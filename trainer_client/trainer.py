@@ -49,6 +49,11 @@ from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
 
+PUSH_ATTEMPTS = 3
+"""Failed pushes in a row a trainer lives through (a vLLM server that died mid-push fails
+one; a server that cannot take weights fails every one)."""
+PUSH_RETRY_DELAY_S = 2.0
+
 
 @dataclass(kw_only=True)
 class AsyncGRPOConfig(TrainingArguments):
@@ -413,11 +418,17 @@ class _SyncAndAck(TrainerCallback):
         self.trainer = trainer
         self._push_in_flight: Future[int] | None = None
         self._step_started = time.perf_counter()
+        self._failed_pushes = 0
+        """Background pushes failed in a row (a vLLM server died mid-push); see ``_wait_for_push``."""
+        self._state: Any = None
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         # vLLM may serve other weights than this trainer's checkpoint (an earlier run, a
         # restarted trainer): push first, so every trained sample comes from this policy's line.
         self._push(state)
+        self._state = state
+        if self.trainer.pusher is not None and state.is_world_process_zero:
+            self.trainer.feed.on_weights_wanted = self._push_on_request
         self.trainer.feed.min_version = self.trainer.feed.current_version
         self.trainer.clock.take()  # the first step's clock starts now
         self._step_started = time.perf_counter()
@@ -466,16 +477,57 @@ class _SyncAndAck(TrainerCallback):
         trainer.feed.pushes_in_flight = 1
         self._push_in_flight = trainer.feed.submit(trainer.pusher.push(snapshot))
 
+    def _push_on_request(self, reason: str) -> None:
+        """The service asked for the weights (a restarted vLLM server waits for them, and
+        with one server no group comes until it has them): push now, between groups.
+
+        Rank 0 only, without the broadcast of ``_push``: the other ranks are elsewhere in
+        their step, and learn the version at the next regular push."""
+        logger.warning("pushing the weights now, as the service asks: %s", reason)
+        self._wait_for_push()
+        trainer = self.trainer
+        assert trainer.pusher is not None
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            try:
+                trainer.feed.current_version = trainer.feed.call(
+                    trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s()
+                )
+                return
+            except Exception as exc:
+                if attempt == PUSH_ATTEMPTS:
+                    raise
+                logger.warning("push %d of %d failed (%s); trying again", attempt, PUSH_ATTEMPTS, exc)
+                time.sleep(PUSH_RETRY_DELAY_S)  # backoff before retrying a push, not synchronisation
+
     def _wait_for_push(self) -> None:
         """Wait for the push in flight, if any, and train against the version it produced.
-        A failed push raises here, one step after it started."""
+
+        A push that failed (the service aborted it: a vLLM server died or the trainer was
+        too slow) leaves vLLM on the version before it, and the next push joins a fresh
+        group; training goes on. ``PUSH_ATTEMPTS`` failures in a row raise here."""
         future, self._push_in_flight = self._push_in_flight, None
         if future is None:
             return
         trainer = self.trainer
         assert trainer.pusher is not None
-        with trainer.clock.measure("push_wait"):
-            version = future.result(timeout=self._push_timeout_s())
+        try:
+            with trainer.clock.measure("push_wait"):
+                version = future.result(timeout=self._push_timeout_s())
+        except Exception as exc:
+            if not future.done():  # still running: two pushes at once must never happen
+                future.cancel()
+                raise
+            trainer.feed.pushes_in_flight = 0
+            self._failed_pushes += 1
+            if self._failed_pushes >= PUSH_ATTEMPTS:
+                raise
+            logger.warning(
+                "weight push failed (%s); vLLM keeps policy version %d and the next push re-joins",
+                exc, trainer.feed.current_version,
+            )  # fmt: skip
+            return
+        self._failed_pushes = 0
         trainer.feed.current_version, trainer.feed.pushes_in_flight = version, 0
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]

@@ -177,21 +177,29 @@ class ManagedVLLMServer:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the server and reap its whole process group, also when the API server has
+        already died and left its engine core and worker behind."""
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        pgid = os.getpgid(process.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("vLLM did not stop within %.0fs; killing it", timeout_s)
-            os.killpg(pgid, signal.SIGKILL)
-            process.wait(timeout=10)
+        pgid = process.pid  # start_new_session: the API server leads its own group
+        if process.poll() is None:
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("vLLM did not stop within %.0fs; killing it", timeout_s)
+                os.killpg(pgid, signal.SIGKILL)
+                process.wait(timeout=10)
         # Reap the rest of the group (engine core, worker) if they outlived the API server.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
         logger.info("vLLM on %s stopped", self.url)
+
+    def restart(self) -> None:
+        """Reap what is left of the server and start it again on the same port."""
+        self.stop()
+        self.start()
 
     def __enter__(self) -> ManagedVLLMServer:
         self.start()

@@ -9,6 +9,10 @@ stopped process, a network path that keeps connections open and moves nothing); 
 requests are abandoned at once instead of at their deadline, and it counts as failed.
 ``on_usable`` is told when the pool goes from having a working server to none, and back
 (the service's gRPC health follows it).
+
+A server can also be held out of routing (``hold``): while its managed process restarts,
+and after, while it holds other weights than the runs' policy. Requests then go to the
+others; with every server held they wait for a ``release`` instead of failing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class EnginePool:
         self.usable = True
         self._affinity: dict[str, VLLMServerClient] = {}
         self._prober: asyncio.Task[None] | None = None
+        self.held: dict[str, str] = {}
+        """Servers (by URL) that take no requests, and why."""
+        self._released = asyncio.Event()
+        self._released.set()
 
     async def start(self) -> None:
         for client in self.clients:
@@ -81,8 +89,30 @@ class EnginePool:
         elif client.inflight and not await client.healthy(self.health_timeout_s):
             client.give_up(f"did not answer /health within {self.health_timeout_s:g}s (engine.health_timeout_s)")
 
-    def pick(self, affinity: str | None = None) -> VLLMServerClient:
-        healthy = [c for c in self.clients if c.consecutive_failures == 0] or self.clients
+    def hold(self, url: str, reason: str) -> None:
+        """Route nothing to ``url`` until ``release``."""
+        url = url.rstrip("/")
+        if url not in self.held:
+            logger.warning("holding %s out of routing: %s", url, reason)
+        self.held[url] = reason
+        if len(self.held) == len(self.clients):
+            self._released.clear()
+
+    def release(self, url: str) -> None:
+        if self.held.pop(url.rstrip("/"), None) is not None:
+            logger.info("%s takes requests again", url)
+            self._released.set()
+
+    async def routable(self) -> list[VLLMServerClient]:
+        """The servers not held; while every one is held, wait for a release."""
+        while not (free := [c for c in self.clients if c.base_url not in self.held]):
+            await self._released.wait()
+        return free
+
+    def pick(self, affinity: str | None = None, servers: list[VLLMServerClient] | None = None) -> VLLMServerClient:
+        """``servers``: the candidates (default: every server)."""
+        servers = servers if servers is not None else self.clients
+        healthy = [c for c in servers if c.consecutive_failures == 0] or servers
         least = min(healthy, key=lambda c: c.inflight)
         preferred = self._affinity.get(affinity) if affinity else None
         if preferred in healthy and preferred.inflight <= least.inflight + AFFINITY_SLACK:
@@ -98,9 +128,9 @@ class EnginePool:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, affinity: str | None = None
     ) -> Completion:
-        return await self.pick(affinity).generate(prompt_ids, params)
+        return await self.pick(affinity, await self.routable()).generate(prompt_ids, params)
 
     async def generate_many(
         self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
     ) -> list[Completion]:
-        return await self.pick(affinity).generate_many(prompt_ids, params, n)
+        return await self.pick(affinity, await self.routable()).generate_many(prompt_ids, params, n)

@@ -174,3 +174,29 @@ def test_group_members_stick_to_their_server_within_the_slack() -> None:
 def test_failing_servers_are_used_only_when_nothing_else_is_left() -> None:
     assert pool_of([0, 5], failures=[1, 0]).pick().base_url == "http://s1"
     assert pool_of([0, 5], failures=[1, 1]).pick().base_url == "http://s0"
+
+
+async def test_held_servers_take_no_requests_and_with_all_held_requests_wait_for_a_release(scripted_server) -> None:
+    url, _, bodies = scripted_server
+    client = await make_client(url)
+    pool = EnginePool([client])
+    try:
+        pool.hold(url + "/", "restarting")  # URLs compare without their trailing slash
+        generating = asyncio.ensure_future(pool.generate([1], SamplingParams(max_tokens=2)))
+        done, _ = await asyncio.wait({generating}, timeout=0.2)  # bounded: it must still be waiting
+        assert not done and not bodies
+        pool.release(url)
+        completion = await asyncio.wait_for(generating, 10)
+        assert completion.token_ids == [5, 6] and len(bodies) == 1
+    finally:
+        await client.close()
+
+
+async def test_a_held_server_is_not_routed_to_while_another_is_free() -> None:
+    pool = pool_of([0, 5])
+    pool.hold("http://s0", "restarting")
+    free = await asyncio.wait_for(pool.routable(), 1)
+    assert [c.base_url for c in free] == ["http://s1"]
+    assert pool.pick(servers=free).base_url == "http://s1"  # though s0 is the less loaded
+    pool.release("http://s0")
+    assert pool.pick(servers=await pool.routable()).base_url == "http://s0"

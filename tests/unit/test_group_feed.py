@@ -59,3 +59,32 @@ def test_the_feed_remembers_a_bounded_number_of_ids() -> None:
     assert len(feed.counters.trained_group_ids) == ID_MEMORY
     assert f"g{ID_MEMORY + 9}" in feed._seen and "g0" not in feed._seen
     assert feed.counters.trained_group_ids[0] == "g10"
+
+
+def test_a_request_for_weights_wakes_the_waiting_trainer_which_pushes_before_its_next_group() -> None:
+    feed = GroupFeed("127.0.0.1:1", "run", "c", max_staleness=1, credits=4)
+    feed._stream = RecordingStream()  # type: ignore[assignment]
+    pushed = threading.Event()
+    calls: list[str] = []
+
+    def push(reason: str) -> None:
+        calls.append(reason)
+        pushed.set()
+
+    feed.on_weights_wanted = push
+    taken: list[str] = []
+    waiting = threading.Thread(target=lambda: taken.append(feed.next_fresh_group(timeout_s=10).group_id))
+    waiting.start()  # no group yet: the training thread waits in the queue
+    feed._weights_requested(pb.WeightsWanted(policy_version=3, reason="s0 restarted"))
+    assert pushed.wait(5), "the waiting trainer was not woken to push"
+    assert calls == ["s0 restarted"]
+    feed._groups.put(pb.Group(group_id="g1", policy_version=3))
+    waiting.join(5)
+    assert taken == ["g1"] and calls == ["s0 restarted"]  # one push per request
+
+
+def test_a_follower_ignores_a_request_for_weights() -> None:
+    feed = GroupFeed("127.0.0.1:1", "run", "c", max_staleness=1, credits=4)
+    feed._weights_requested(pb.WeightsWanted(policy_version=3, reason="s0 restarted"))
+    feed._groups.put(pb.Group(group_id="g1", policy_version=3))
+    assert feed.next_fresh_group(timeout_s=5).group_id == "g1"

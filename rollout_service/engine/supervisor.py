@@ -1,0 +1,114 @@
+"""Restarts a managed vLLM server whose API process died, a bounded number of times.
+
+Why: a managed server is this service's to keep alive. Its API process can die (out of
+memory, a crash in a request path) while its engine and worker linger as orphans. Without
+a supervisor the pool probes a dead port for ever and every run stops producing.
+
+The supervisor waits on the process itself (a pidfd, readable once it exits; no polling),
+then tells ``on_down`` at once, so routing stops sending requests to it, reaps the whole
+process group, starts the server again on the same port and tells ``on_restarted``. The
+restarted server holds the checkpoint's weights and no adapters: what it takes to bring
+it back to the runs' policies is the service's part (``RolloutService.server_restarted``).
+After ``max_restarts`` restarts it gives up and leaves the server down, with an error
+in the log that says where vLLM's own log is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class Supervisable(Protocol):
+    """What the supervisor needs of a managed server (``ManagedVLLMServer``)."""
+
+    url: str
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def restart(self) -> None:
+        """Reap what is left of the old process group and start again (blocking)."""
+
+    def log_tail(self, lines: int = 20) -> str: ...
+
+
+class ServerSupervisor:
+    def __init__(
+        self,
+        server: Supervisable,
+        max_restarts: int,
+        on_down: Callable[[str], None],
+        on_restarted: Callable[[str], Awaitable[None]],
+        on_restart_counted: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.server = server
+        self.max_restarts = max_restarts
+        self.on_down = on_down
+        self.on_restarted = on_restarted
+        self.on_restart_counted = on_restart_counted
+        self.restarts = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"supervise-{self.server.url}")
+
+    async def close(self) -> None:
+        """Stop supervising (before the server is stopped on purpose)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _supervise(self) -> None:
+        while True:
+            pid = self.server.pid
+            if pid is None:
+                return
+            await wait_for_exit(pid)
+            self.on_down(self.server.url)
+            if self.restarts >= self.max_restarts:
+                logger.error(
+                    "vLLM on %s exited and was restarted %d times already (engine.managed.max_restarts); "
+                    "leaving it down. Its log ends:\n%s",
+                    self.server.url, self.restarts, self.server.log_tail(),
+                )  # fmt: skip
+                return
+            self.restarts += 1
+            self.on_restart_counted()
+            logger.warning(
+                "vLLM on %s exited; restarting it (%d of %d). Its log ends:\n%s",
+                self.server.url, self.restarts, self.max_restarts, self.server.log_tail(),
+            )  # fmt: skip
+            try:
+                await asyncio.to_thread(self.server.restart)
+            except Exception:
+                logger.exception("restarting vLLM on %s failed; leaving it down", self.server.url)
+                return
+            try:
+                await self.on_restarted(self.server.url)
+            except Exception:  # the server is up; what failed is bringing it back to the runs' policies
+                logger.exception("vLLM on %s restarted, but bringing it back into service failed", self.server.url)
+
+
+async def wait_for_exit(pid: int) -> None:
+    """Return once process ``pid`` has exited (a child of this process: it stays a zombie
+    until the supervisor's restart reaps it, so the pid cannot be reused meanwhile)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    exited = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(pidfd, exited.set)
+    try:
+        await exited.wait()
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)

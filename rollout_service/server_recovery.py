@@ -1,0 +1,64 @@
+"""Brings a restarted vLLM server back to the runs' policies before it takes requests.
+
+Why: a managed server that restarts (``engine.supervisor``) loads the checkpoint from disk
+and no adapters. Routed to at once, it would serve every run on base weights the trainer
+left behind long ago, labelled with the run's current policy version: samples trained as
+on-policy that are not. So it stays held out of routing until it holds what the runs sample:
+
+- its adapters are loaded again (adapter runs);
+- if no full-weight push has committed (policy version 0), the checkpoint *is* the base
+  policy, and it takes requests at once;
+- otherwise it waits for the next push, which joins a fresh transfer group that includes
+  it. The run that pushes the base weights is asked for that push at once (a WeightsWanted
+  message on its streams): with one server, the trainer is waiting for groups that no
+  server may generate, and would otherwise never push.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rollout_service.engine.pool import EnginePool
+from rollout_service.service import RolloutService
+
+logger = logging.getLogger(__name__)
+
+
+class ServerRecovery:
+    def __init__(self, service: RolloutService, pool: EnginePool) -> None:
+        self.service = service
+        self.pool = pool
+        self.awaiting_weights: set[str] = set()
+        """Restarted servers held until the next full-weight push commits."""
+
+    def server_down(self, url: str) -> None:
+        self.pool.hold(url, "its vLLM process exited; restarting it")
+
+    async def server_restarted(self, url: str) -> None:
+        service = self.service
+        if service.weight_sync is not None:
+            service.weight_sync.server_restarted()
+        if service.adapters is not None:
+            await service.adapters.reload(url)
+        version = service.policy_version
+        if version == 0:
+            self.pool.release(url)
+            return
+        reason = (
+            f"{url} restarted with the checkpoint's weights; it takes requests once policy version {version} is pushed"
+        )
+        self.awaiting_weights.add(url)
+        self.pool.hold(url, reason)
+        owner = service.runs.get(service.base_weights_run or "")
+        if owner is None:
+            logger.warning("%s; no run pushes the base weights now, so it waits for the next push", reason)
+            return
+        logger.info("asking run %s's trainer to push its weights now: %s", owner.run_id, reason)
+        owner.broker.request_weights(reason)
+
+    def version_committed(self, version: int) -> None:
+        """A full-weight push committed: every server, the restarted ones too, holds it."""
+        self.service.set_policy_version(version)
+        for url in self.awaiting_weights:
+            self.pool.release(url)
+        self.awaiting_weights.clear()

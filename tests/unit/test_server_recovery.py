@@ -1,0 +1,83 @@
+"""A restarted vLLM server takes no request until it holds the runs' policy, and the run's
+trainer is asked for its weights over its stream (once per request)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout_service.config import EngineSettings
+from rollout_service.engine.pool import EnginePool
+from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.metrics import ServiceMetrics
+from rollout_service.server import ConsumerSession
+from rollout_service.server_recovery import ServerRecovery
+from tests.unit.scripted import ScriptedEngine, make_service
+from tests.unit.test_service_limits import spec
+
+URL = "http://s0"
+
+
+def recovery_on_one_server():  # type: ignore[no-untyped-def]
+    service = make_service(ScriptedEngine())
+    client = VLLMServerClient(URL, "m", EngineSettings(urls=[URL]), ServiceMetrics(), max_connections=1)
+    pool = EnginePool([client])
+    return service, pool, ServerRecovery(service, pool)
+
+
+async def next_message(session: ConsumerSession):  # type: ignore[no-untyped-def]
+    return await asyncio.wait_for(session.next_message(), 5)
+
+
+async def test_before_any_push_a_restarted_server_serves_at_once() -> None:
+    """Policy version 0 is the checkpoint the server reloads: nothing to wait for."""
+    _service, pool, recovery = recovery_on_one_server()
+    recovery.server_down(URL)
+    assert URL in pool.held
+    await recovery.server_restarted(URL)
+    assert not pool.held
+
+
+async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked_for() -> None:
+    service, pool, recovery = recovery_on_one_server()
+    run = await service.create_run(spec())
+    service.base_weights_run = run.run_id  # its trainer pushes the base weights
+    recovery.version_committed(3)
+    run.broker.subscribe("trainer", 0)  # no credits: only control messages can come
+    session = ConsumerSession(service, run.run_id, "trainer", 0)
+    run.broker.watch(session.wake)
+    waiting = asyncio.ensure_future(session.next_message())
+
+    recovery.server_down(URL)
+    await recovery.server_restarted(URL)
+    assert "restarted with the checkpoint's weights" in pool.held[URL]
+    message = await asyncio.wait_for(waiting, 5)  # the waiting stream was woken
+    assert message.WhichOneof("kind") == "weights_wanted"
+    assert message.weights_wanted.policy_version == 3
+    assert "policy version 3 is pushed" in message.weights_wanted.reason
+
+    late = ConsumerSession(service, run.run_id, "late", 0)  # subscribes before the push commits
+    assert (await next_message(late)).WhichOneof("kind") == "weights_wanted"
+    again = asyncio.ensure_future(session.next_message())
+    done, _ = await asyncio.wait({again}, timeout=0.2)  # bounded: one message per request
+    assert not done
+
+    recovery.version_committed(4)  # the push answered: the restarted server holds version 4
+    assert not pool.held
+    assert run.broker.policy_version == 4 and not run.broker.weights_wanted
+    after = ConsumerSession(service, run.run_id, "after", 0)
+    first = asyncio.ensure_future(after.next_message())
+    done, _ = await asyncio.wait({first}, timeout=0.2)
+    assert not done  # nothing is wanted any more
+    for task in (again, first):
+        task.cancel()
+    await service.delete_run(run.run_id)
+
+
+async def test_without_a_pushing_run_the_server_waits_for_the_next_push() -> None:
+    _service, pool, recovery = recovery_on_one_server()
+    recovery.version_committed(2)
+    recovery.server_down(URL)
+    await recovery.server_restarted(URL)
+    assert URL in pool.held
+    recovery.version_committed(3)
+    assert not pool.held
