@@ -1,0 +1,98 @@
+"""The service is SIGKILLed in the middle of a weight update and started again against the
+same vLLM server: the update that never committed leaves no trace (vLLM serves the old
+weights, and is not left paused), and a new trainer trains through the new service with
+no group lost or trained twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from rollout_service.engine.managed import free_port
+from tests.integration.conftest import restore_base_weights, serving
+from tests.integration.test_shared_capacity import start, trainer_command
+from tests.integration.test_weight_sync import perturbed, vllm_matches
+from tests.support import wait_until
+from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.weight_push import WeightPusher, tensor_meta
+
+pytestmark = pytest.mark.integration
+
+STEPS, GROUPS_PER_STEP = 4, 2
+
+
+@contextlib.contextmanager
+def service_process(vllm_url: str, tiny_model: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``rollout-service serve`` on the session's vLLM server, killed at the end if still alive."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        ROLLOUT_ENGINE__TOKENIZER=str(tiny_model),
+        ROLLOUT_ENGINE__MODEL="tiny",
+        ROLLOUT_ADAPTERS__DIR=str(log.parent / "adapters"),
+        ROLLOUT_WEIGHT_SYNC__TRANSFER_TIMEOUT_S="8",  # vLLM's side of a broken transfer gives up soon
+    )
+    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_url]
+    command += ["--port", str(port), "--metrics-port", "0"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield f"127.0.0.1:{port}", process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+@pytest.mark.timeout(600)
+async def test_a_service_killed_mid_update_restarts_against_the_same_vllm(
+    vllm_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    base_model = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with service_process(vllm_server.url, tiny_model, tmp_path / "first.log") as (target, process):
+        await wait_until(lambda: serving(target), 60, "the first service to serve")
+        async with RolloutClient(target) as client:
+            run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2))
+            pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+            try:
+                assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 1
+                named = list(perturbed(base_model).named_parameters())
+                await client.begin_weight_update(run.run_id, pusher.address, pusher.port, tensor_meta(named))
+                # vLLM is paused and waits for the broadcast: the service dies now.
+                os.killpg(process.pid, signal.SIGKILL)
+                await asyncio.to_thread(process.wait, 30)
+            finally:
+                pusher.close()  # the trainer of the dead service goes too
+
+    with service_process(vllm_server.url, tiny_model, tmp_path / "second.log") as (target, _process):
+        await wait_until(lambda: serving(target), 60, "the second service to serve")
+        assert await vllm_matches(vllm_server.url, base_model) <= 1e-4  # resumed, on the old weights
+        out = tmp_path / "trainer"
+        options = ("--groups-per-step", str(GROUPS_PER_STEP), "--max-steps", str(STEPS))
+        trainer = await start(trainer_command(target, tiny_model, out, *options), tmp_path / "trainer.log")
+        try:
+            await asyncio.wait_for(trainer.wait(), 300)
+        finally:
+            if trainer.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(trainer.pid, signal.SIGKILL)
+        assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        trained = json.loads((out / "rank0.json").read_text())["trained_group_ids"]
+        assert len(trained) == len(set(trained)) == STEPS * GROUPS_PER_STEP
+        async with RolloutClient(target) as client:
+            stats = (await client.get_run(summary["run_id"])).stats
+            assert stats.groups_trained == len(trained) and stats.groups_leased == 0
+            assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + stats.groups_buffered
+            await restore_base_weights(client, summary["run_id"], tiny_model)
