@@ -15,22 +15,57 @@ Differences from the gloo sender that the pusher must know:
   in the announced order, on the current CUDA stream, which is synchronised before return
   so the caller may change the weights right after.
 
+Timeouts, as the gloo path has them: vLLM's ``trainer_init`` and NCCL's broadcast take
+none (a worker that never joins, or stops receiving, blocks the trainer for good), so both
+run in a thread of their own and give up after ``timeout_s`` (the service's
+``weight_sync.transfer_timeout_s``): the push fails, the service has aborted the update,
+and the next push joins a fresh group on a fresh port. The abandoned thread is left to
+NCCL; its communicator is never used again.
+
 Status: written against vLLM's ``nccl_engine.py`` / ``nccl_common.py``; it could not be
 run here (no GPU on the development machine, and the lent GPU machine has no vLLM).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from trainer_client.weights import NamedTensors
 
+T = TypeVar("T")
+
 INSTALL_HINT = (
     "the service's vLLM servers use the nccl weight-transfer backend; the trainer then needs "
     "vLLM installed for its NCCL communicator (pip install 'rollout-service[gpu]') and a CUDA device"
 )
+
+
+def call_within(timeout_s: float, what: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a daemon thread, waited for at most ``timeout_s``."""
+    outcome: dict[str, Any] = {}
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name=f"nccl-{what}", daemon=True).start()
+    if not finished.wait(timeout_s):
+        raise TimeoutError(
+            f"NCCL {what} did not finish within {timeout_s:g}s (weight_sync.transfer_timeout_s): a vLLM worker "
+            "did not join or stopped receiving; the service aborts the update and the next push re-joins"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 class NcclWeightSender:
@@ -61,13 +96,23 @@ class NcclWeightSender:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
         except ImportError as exc:
             raise RuntimeError(f"{INSTALL_HINT} ({exc})") from exc
-        self._communicator = trainer_init(
-            {"master_address": self.master_address, "master_port": self.master_port, "world_size": self.world_size}
-        )
+        rendezvous = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "world_size": self.world_size,
+        }
+        self._communicator = call_within(self.timeout_s, "join", trainer_init, rendezvous)
 
     def broadcast(self, named_tensors: NamedTensors) -> None:
         if self._communicator is None:
             raise RuntimeError("not connected: call connect() first")
+        try:
+            call_within(self.timeout_s, "broadcast", self._broadcast, named_tensors)
+        except TimeoutError:
+            self._communicator = None  # a group that stopped moving cannot be trusted
+            raise
+
+    def _broadcast(self, named_tensors: NamedTensors) -> None:
         stream = torch.cuda.current_stream()
         for _name, tensor in named_tensors:
             # NCCL sends numel elements from data_ptr(): it must be a contiguous CUDA tensor,

@@ -9,6 +9,9 @@ rendezvous cannot be re-joined on the same one).
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +19,7 @@ import torch
 
 from rollout_service.engine.gloo_weight_transfer import GlooWeightTransferInitInfo
 from rollout_service.weight_sync import init_info
-from trainer_client.nccl_sender import NcclWeightSender
+from trainer_client.nccl_sender import NcclWeightSender, call_within
 from trainer_client.weight_push import WeightPusher, sender_for
 from trainer_client.weights import GlooWeightSender, broadcast_buckets
 
@@ -89,3 +92,34 @@ def test_broadcast_buckets_pack_consecutive_tensors_of_one_dtype_up_to_the_limit
     assert broadcast_buckets(specs, limit=100) == [[0, 1], [2], [3], [4], [5]]
     assert broadcast_buckets(specs) == [[0, 1], [2], [3, 4, 5]]
     assert broadcast_buckets([]) == []
+
+
+def test_an_nccl_join_that_never_completes_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's trainer_init takes no timeout: a worker that never joins would block the trainer
+    for good. The sender gives up after its timeout, and says which setting that is."""
+    release = threading.Event()
+    joins: list[dict] = []
+
+    def trainer_init(rendezvous: dict) -> object:
+        joins.append(rendezvous)
+        release.wait(30)  # a worker that never joins
+        return object()
+
+    fake = types.ModuleType("nccl_common")
+    fake.trainer_init = trainer_init  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.nccl_common", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    sender = NcclWeightSender("127.0.0.1", 29555, 2, timeout_s=0.2)
+    try:
+        with pytest.raises(TimeoutError, match=r"NCCL join did not finish within 0.2s \(weight_sync"):
+            sender.connect()
+        assert joins == [{"master_address": "127.0.0.1", "master_port": 29555, "world_size": 2}]
+        assert not sender.connected
+    finally:
+        release.set()
+
+
+def test_call_within_returns_the_value_or_raises_the_error() -> None:
+    assert call_within(5, "x", lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        call_within(5, "x", lambda: 1 / 0)
