@@ -1,34 +1,32 @@
-"""Errors as values inside the service; server.py maps them to gRPC status codes in one place."""
+"""Errors as values inside the service, plain Python: the core knows nothing of gRPC.
+``server.py`` maps each kind to its gRPC status code in one place (``status_code``)."""
 
 from __future__ import annotations
 
-import grpc
-
 
 class ServiceError(Exception):
-    """An error a client caused or can act on; its message says what to change."""
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    """An error a client caused or can act on; its message says what to change. The kind
+    (subclass) says which: the gRPC edge answers INTERNAL for a bare ServiceError."""
 
 
 class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """The request itself is wrong (a field out of its bounds, a malformed message)."""
 
 
 class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
+    """It names a run (or update) the service does not hold."""
 
 
 class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """Valid, but not now: the run is stopped, an update is in progress, a claim is held."""
 
 
 class AlreadyExists(ServiceError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    """A name that must be unique is taken (a consumer id within its run)."""
 
 
 class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    """A limit on what sizes memory or work (runs, consumers, credits, queued prompts)."""
 
 
 class EngineError(Exception):

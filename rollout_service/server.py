@@ -1,7 +1,8 @@
 """The gRPC edge: parse, call the service, map the result. No logic lives here.
 
-Service errors become gRPC status codes in one place (``_edge``); anything unexpected is
-logged with its traceback and answered INTERNAL with a one-line message.
+Service errors become gRPC status codes in one place (``status_code``), for every RPC, the
+streaming ones included (``_edge``, ``_stream_edge``); anything unexpected is logged with
+its traceback and answered INTERNAL with a one-line message.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from rollout_service.convert import (
     stats_to_pb,
     tensors_from_pb,
 )
-from rollout_service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
+from rollout_service.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+)
 from rollout_service.service import RolloutService
 
 logger = logging.getLogger(__name__)
@@ -43,17 +51,55 @@ SUBSCRIBE_TIMEOUT_S = 30.0
 T = TypeVar("T")
 
 
+STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_code(error: ServiceError) -> grpc.StatusCode:
+    """The status of a service error's kind (its nearest mapped class); INTERNAL if none."""
+    for kind in type(error).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
+    """Answer an exception as a status: a service error's own, else INTERNAL, logged."""
+    if isinstance(exc, ServiceError):
+        await context.abort(status_code(exc), str(exc))
+    else:
+        logger.error("%s failed", name, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
 def _edge(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(method)
     async def wrapper(self: RolloutServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
             return await method(self, request, context)
-        except ServiceError as exc:
-            await context.abort(exc.code, str(exc))
         except Exception as exc:
-            logger.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await _abort_with(context, method.__name__, exc)
         raise AssertionError("unreachable")
+
+    return wrapper
+
+
+def _stream_edge(method: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    """``_edge`` for server-streaming methods. Before it, only a ServiceError raised in
+    StreamSamples became a status: anything else reached the client as UNKNOWN, unlogged."""
+
+    @functools.wraps(method)
+    async def wrapper(self: RolloutServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
+        try:
+            async for message in method(self, request, context):
+                yield message
+        except Exception as exc:
+            await _abort_with(context, method.__name__, exc)
 
     return wrapper
 
@@ -286,6 +332,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         version, name = await self.service.publish_adapter(run_id, files)
         return pb.PushAdapterResponse(policy_version=version, adapter_name=name, seconds=time.monotonic() - started)
 
+    @_stream_edge
     async def StreamSamples(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamSamplesRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamSamplesResponse]:
@@ -311,8 +358,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             )
             while (message := await session.next_message()) is not None:
                 yield message
-        except ServiceError as exc:
-            await context.abort(exc.code, str(exc))
         finally:
             if reader is not None:
                 reader.cancel()

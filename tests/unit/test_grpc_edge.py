@@ -1,0 +1,97 @@
+"""The gRPC edge maps every service error to its status in one place, for unary and
+streaming RPCs alike; anything unexpected is logged and answered INTERNAL with a one-line
+message, never UNKNOWN. Real gRPC over localhost; the engine behind it is scripted."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from rollout_service.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+)
+from rollout_service.server import ConsumerSession, start_grpc_server, status_code
+from tests.unit.scripted import ScriptedEngine, make_service
+from tests.unit.test_service_limits import spec
+from trainer_client.client import RolloutClient
+
+
+class RunTooSmall(InvalidArgument):
+    """A subclass takes its parent's status."""
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (RunTooSmall("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NotFound("x"), grpc.StatusCode.NOT_FOUND),
+        (FailedPrecondition("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (AlreadyExists("x"), grpc.StatusCode.ALREADY_EXISTS),
+        (ResourceExhausted("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ServiceError("x"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_each_kind_of_service_error_has_its_status(error: ServiceError, code: grpc.StatusCode) -> None:
+    assert status_code(error) is code
+
+
+def test_the_core_errors_know_nothing_of_grpc() -> None:
+    import rollout_service.errors as errors
+
+    assert "grpc" not in vars(errors)
+    assert not hasattr(InvalidArgument("x"), "code")
+
+
+@contextlib.asynccontextmanager
+async def served() -> AsyncIterator[tuple[object, RolloutClient]]:
+    service = make_service(ScriptedEngine())
+    server, port, _health = await start_grpc_server(service, "127.0.0.1", 0)
+    try:
+        async with RolloutClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            yield service, client
+    finally:
+        await server.stop(None)
+
+
+async def test_an_unexpected_error_in_a_stream_is_internal_and_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def broken(self: ConsumerSession) -> None:
+        raise RuntimeError("the session broke")
+
+    monkeypatch.setattr(ConsumerSession, "next_message", broken)
+    async with served() as (service, client):
+        run = await service.create_run(spec())  # type: ignore[attr-defined]
+        stream = client.stream(run.run_id, "c", credits=1)
+        with caplog.at_level(logging.ERROR), pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _group in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.INTERNAL  # was UNKNOWN, and nothing logged
+        assert info.value.details() == "RuntimeError: the session broke"
+        assert any("StreamSamples failed" in r.message for r in caplog.records)
+        await service.delete_run(run.run_id)  # type: ignore[attr-defined]
+
+
+async def test_a_service_error_in_a_stream_keeps_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def full(self: ConsumerSession) -> None:
+        raise ResourceExhausted("too many things; close some")
+
+    monkeypatch.setattr(ConsumerSession, "next_message", full)
+    async with served() as (service, client):
+        run = await service.create_run(spec())  # type: ignore[attr-defined]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _group in client.stream(run.run_id, "c", credits=1):
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.details() == "too many things; close some"
+        await service.delete_run(run.run_id)  # type: ignore[attr-defined]
