@@ -14,6 +14,10 @@ def always_raises(prompts, completions, completion_ids, **kwargs):
     raise RuntimeError("this reward is broken on purpose")
 
 
+def returns_nan(prompts, completions, completion_ids, **kwargs):
+    return [float("nan") for _ in completions]
+
+
 async def hangs(prompts, completions, completion_ids, **kwargs):
     await asyncio.Event().wait()
 
@@ -55,6 +59,7 @@ TRL_REWARDS = {
 
 REWARD_FUNCTIONS = {
     "always_raises": always_raises,
+    "returns_nan": returns_nan,
     "hangs": hangs,
     "hangs_in_a_thread": hangs_in_a_thread,
     "constant": constant,

@@ -83,3 +83,16 @@ async def test_a_load_refused_by_one_server_is_undone_everywhere(tmp_path: Path)
     assert not (tmp_path / "run" / "v2").exists()
     servers[1].refuse.clear()
     assert await publisher.publish("run", ADAPTER) == 2  # the version number is not burnt
+
+
+async def test_a_restarted_server_gets_each_runs_current_adapter_again(tmp_path: Path) -> None:
+    servers = [ScriptedServer("http://a"), ScriptedServer("http://b")]
+    publisher = AdapterPublisher(tmp_path, servers, timeout_s=5)  # type: ignore[arg-type]
+    await publisher.publish("run", ADAPTER)
+    await publisher.publish("run", ADAPTER)
+    await publisher.publish("other", ADAPTER)
+    servers[1].loaded.clear()  # its process restarted: it holds none
+    await publisher.reload("http://b/")
+    assert set(servers[1].loaded) == {"run@v2", "other@v1"}  # the current ones; v1 only served requests in flight
+    assert all(written(path) for path in servers[1].loaded.values())
+    assert set(servers[0].loaded) == {"run@v1", "run@v2", "other@v1"}  # the other server is left alone

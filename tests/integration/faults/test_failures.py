@@ -82,7 +82,7 @@ async def test_killed_server_mid_run_then_recovery(vllm_server, tiny_model: Path
     assert any("dropped group" in r.message for r in caplog.records if r.levelno == logging.WARNING)
 
 
-@pytest.mark.parametrize("reward", ["always_raises", "hangs"])
+@pytest.mark.parametrize("reward", ["always_raises", "returns_nan", "hangs"])
 async def test_failing_reward_drops_groups_and_other_runs_go_on(
     vllm_server, tiny_model: Path, caplog, reward: str
 ) -> None:
@@ -112,8 +112,8 @@ async def test_failing_reward_drops_groups_and_other_runs_go_on(
             await wait_until(lambda: _ge(dropped(client, broken.run_id), 2), 30, "dropped groups of the broken run")
             info = await client.get_run(broken.run_id)
     assert info.stats.groups_scored == 0
-    expected = "raised RuntimeError" if reward == "always_raises" else "took longer than"
-    assert any(expected in r.message for r in caplog.records if r.levelno == logging.WARNING)
+    expected = {"always_raises": "raised RuntimeError", "returns_nan": "returned nan", "hangs": "took longer than"}
+    assert any(expected[reward] in r.message for r in caplog.records if r.levelno == logging.WARNING)
 
 
 async def test_sigterm_exits_in_bounded_time_even_with_a_reward_hung_in_a_thread(
