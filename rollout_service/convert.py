@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from rollout_service import __version__
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED
+from rollout_service.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.errors import InvalidArgument
 from rollout_service.prompts import BUILTIN_DATASETS, PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
@@ -300,3 +301,26 @@ def server_info_to_pb(service: RolloutService) -> pb.GetServerInfoResponse:
         tool_parsers=service.tools.parser_names(),
         environments=service.environments.names(),
     )
+
+
+def consumer_request_from_pb(message: pb.StreamSamplesRequest) -> ConsumerRequest:
+    """A StreamSamples request after the subscribe: a credit or an ack."""
+    kind = message.WhichOneof("kind")
+    if kind == "credit":
+        return Credit(message.credit.groups)
+    if kind == "ack":
+        ack = message.ack
+        if ack.status not in ACK_FROM_PB:
+            raise InvalidArgument(f"ack.status {ack.status} is not a known AckStatus")
+        trained_at = ack.policy_version if ack.HasField("policy_version") else None
+        return Ack(list(ack.group_ids), ACK_FROM_PB[ack.status], trained_at)
+    if kind == "subscribe":
+        raise InvalidArgument("subscribe may only be the first message of a stream")
+    raise InvalidArgument("empty StreamSamplesRequest: set one of subscribe, credit or ack")
+
+
+def consumer_message_to_pb(message: ConsumerMessage) -> pb.StreamSamplesResponse:
+    if isinstance(message, WeightsWanted):
+        wanted = pb.WeightsWanted(policy_version=message.policy_version, reason=message.reason)
+        return pb.StreamSamplesResponse(weights_wanted=wanted)
+    return pb.StreamSamplesResponse(group=group_to_pb(message))

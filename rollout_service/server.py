@@ -21,10 +21,11 @@ from grpc_reflection.v1alpha import reflection
 from rollout_service.adapters import MAX_ADAPTER_BYTES, check_adapter_file_name
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.api import rollout_pb2_grpc as pb_grpc
+from rollout_service.consumer import ConsumerRequest, ConsumerSession
 from rollout_service.convert import (
-    ACK_FROM_PB,
     PAUSE_MODE_FROM_PB,
-    group_to_pb,
+    consumer_message_to_pb,
+    consumer_request_from_pb,
     prompt_from_pb,
     run_spec_from_pb,
     run_to_pb,
@@ -104,6 +105,16 @@ def _stream_edge(method: Callable[..., AsyncIterator[T]]) -> Callable[..., Async
     return wrapper
 
 
+async def _consumer_requests(requests: AsyncIterator[pb.StreamSamplesRequest]) -> AsyncIterator[ConsumerRequest]:
+    """A stream's requests after its subscribe, as the consumer session's types; a client
+    that goes away mid-read just ends them."""
+    try:
+        async for message in requests:
+            yield consumer_request_from_pb(message)
+    except grpc.aio.AioRpcError as exc:
+        logger.debug("a consumer stream ended: %s", exc.code())
+
+
 async def _adapter_files(requests: AsyncIterator[pb.PushAdapterRequest]) -> tuple[str, dict[str, bytes]]:
     """Reassemble PushAdapter's chunks: the first message names the run, each names its file."""
     run_id = ""
@@ -126,133 +137,6 @@ async def _adapter_files(requests: AsyncIterator[pb.PushAdapterRequest]) -> tupl
     if not run_id:
         raise InvalidArgument("PushAdapter received no messages; send the adapter's files in chunks")
     return run_id, {name: b"".join(parts) for name, parts in chunks.items()}
-
-
-class ConsumerSession:
-    """One StreamSamples call: credits in, groups out; the reader runs as its own task.
-
-    Invariant: a group is taken from the broker only while credits are positive, and a taken
-    group is either sent or (if the stream ends first) released back by ``broker.release``.
-    """
-
-    def __init__(self, service: RolloutService, run_id: str, consumer_id: str, credits: int) -> None:
-        self.service = service
-        self.run = service.get_run(run_id)
-        self.broker = self.run.broker
-        self.consumer_id = consumer_id
-        self.credits = credits
-        self.error: ServiceError | None = None
-        self.client_done = False
-        self._changed = asyncio.Event()
-        self.weights_requests_sent = 0
-
-    def check_limits(self) -> None:
-        """Before subscribing: the run's consumer count and this stream's credits are bounded."""
-        limits = self.service.settings
-        if len(self.broker.leases) >= limits.max_consumers_per_run and self.consumer_id not in self.broker.leases:
-            raise ResourceExhausted(
-                f"run {self.run.run_id} has {len(self.broker.leases)} consumers, the limit "
-                "(scheduler.max_consumers_per_run); close idle streams"
-            )
-        self._check_credits(self.credits)
-
-    def _check_credits(self, credits: int) -> None:
-        limit = self.service.settings.max_credits
-        if credits > limit:
-            raise InvalidArgument(
-                f"a stream may hold at most {limit} credits (scheduler.max_credits); this one would hold {credits}"
-            )
-
-    async def read(self, requests: AsyncIterator[pb.StreamSamplesRequest]) -> None:
-        try:
-            async for message in requests:
-                self._handle(message)
-                self._changed.set()
-        except ServiceError as exc:
-            self.error = exc
-        except grpc.aio.AioRpcError as exc:  # the client went away mid-read
-            logger.debug("consumer %s stream ended: %s", self.consumer_id, exc.code())
-        finally:
-            self.client_done = True
-            self._changed.set()
-
-    def _handle(self, message: pb.StreamSamplesRequest) -> None:
-        kind = message.WhichOneof("kind")
-        if kind == "credit":
-            if message.credit.groups == 0:
-                raise InvalidArgument("credit.groups must be > 0")
-            self._check_credits(self.credits + message.credit.groups)
-            self.credits += message.credit.groups
-        elif kind == "ack":
-            if message.ack.status not in ACK_FROM_PB:
-                raise InvalidArgument(f"ack.status {message.ack.status} is not a known AckStatus")
-            ack = message.ack
-            trained_at = ack.policy_version if ack.HasField("policy_version") else None
-            self.broker.ack(self.consumer_id, list(ack.group_ids), ACK_FROM_PB[ack.status], trained_at)
-        elif kind == "subscribe":
-            raise InvalidArgument("subscribe may only be the first message of a stream")
-        else:
-            raise InvalidArgument("empty StreamSamplesRequest: set one of subscribe, credit or ack")
-
-    async def next_message(self) -> pb.StreamSamplesResponse | None:
-        """The next message to send (a group, or a request for weights), or None when the
-        stream should end."""
-        while True:
-            if self.error is not None:
-                raise self.error
-            if self.client_done:
-                return None
-            if (wanted := self._weights_wanted()) is not None:
-                return pb.StreamSamplesResponse(weights_wanted=wanted)
-            if self.broker.closed:
-                run = self.run
-                why = f": {run.error}" if run.error else ""
-                raise FailedPrecondition(
-                    f"run {run.run_id} is {run.state}{why} (deleted, or the service is stopping); "
-                    "its unacked groups are gone; create a new run"
-                )
-            self._changed.clear()
-            if self.credits <= 0:  # wait for a credit, or for the run to end
-                changed = asyncio.ensure_future(self._changed.wait())
-                closed = asyncio.ensure_future(self.broker.closed_event.wait())
-                try:
-                    await asyncio.wait({changed, closed}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    changed.cancel()
-                    closed.cancel()
-                continue
-            take = asyncio.ensure_future(self.broker.take(self.consumer_id))
-            changed = asyncio.ensure_future(self._changed.wait())
-            try:
-                await asyncio.wait({take, changed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                # Also when this stream is cancelled: no take may outlive it. A group it
-                # already leased stays leased and the stream's release returns it.
-                changed.cancel()
-                if not take.done():
-                    take.cancel()
-                    await asyncio.gather(take, return_exceptions=True)
-            if take.cancelled():
-                continue
-            if (group := take.result()) is None:
-                if self.broker.closed:
-                    continue  # said at the top of the loop
-                raise FailedPrecondition(
-                    f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"
-                )
-            self.credits -= 1
-            return pb.StreamSamplesResponse(group=group_to_pb(group))
-
-    def _weights_wanted(self) -> pb.WeightsWanted | None:
-        """A request for weights this stream has not passed on yet (one per request)."""
-        broker = self.broker
-        if not broker.weights_wanted or self.weights_requests_sent == broker.weights_requests:
-            return None
-        self.weights_requests_sent = broker.weights_requests
-        return pb.WeightsWanted(policy_version=broker.policy_version, reason=broker.weights_wanted)
-
-    def wake(self) -> None:
-        self._changed.set()
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -348,7 +232,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             # back the leases of the live stream that holds this consumer id.
             session = candidate
             session.broker.watch(session.wake)
-            reader = asyncio.create_task(session.read(request_iterator), name=f"read-{subscribe.consumer_id}")
+            requests = _consumer_requests(request_iterator)
+            reader = asyncio.create_task(session.read(requests), name=f"read-{subscribe.consumer_id}")
             yield pb.StreamSamplesResponse(
                 subscribed=pb.Subscribed(
                     run_id=session.run.run_id,
@@ -357,7 +242,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 )
             )
             while (message := await session.next_message()) is not None:
-                yield message
+                yield consumer_message_to_pb(message)
         finally:
             if reader is not None:
                 reader.cancel()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from rollout_service.config import EngineSettings
+from rollout_service.consumer import ConsumerSession, WeightsWanted
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.server import ConsumerSession
 from rollout_service.server_recovery import ServerRecovery
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec
@@ -51,12 +51,12 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
     await recovery.server_restarted(URL)
     assert "restarted with the checkpoint's weights" in pool.held[URL]
     message = await asyncio.wait_for(waiting, 5)  # the waiting stream was woken
-    assert message.WhichOneof("kind") == "weights_wanted"
-    assert message.weights_wanted.policy_version == 3
-    assert "policy version 3 is pushed" in message.weights_wanted.reason
+    assert isinstance(message, WeightsWanted)
+    assert message.policy_version == 3
+    assert "policy version 3 is pushed" in message.reason
 
     late = ConsumerSession(service, run.run_id, "late", 0)  # subscribes before the push commits
-    assert (await next_message(late)).WhichOneof("kind") == "weights_wanted"
+    assert isinstance(await next_message(late), WeightsWanted)
     again = asyncio.ensure_future(session.next_message())
     done, _ = await asyncio.wait({again}, timeout=0.2)  # bounded: one message per request
     assert not done

@@ -1,0 +1,165 @@
+"""One consumer's stream of a run, with no gRPC in it: credits and acks in, groups and
+requests for weights out. ``server.py`` converts the wire messages to and from these types.
+
+Invariant: a group is taken from the broker only while credits are positive, and a taken
+group is either sent or (if the stream ends first) released back by ``broker.release``.
+Requests for the run's weights (``WeightsWanted``) use no credit; each stream passes each
+request on once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rollout_service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
+from rollout_service.types import ScoredGroup
+
+if TYPE_CHECKING:
+    from rollout_service.service import RolloutService
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Permission to send ``groups`` more groups."""
+
+    groups: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    """``status``: ``broker.ACK_TRAINED`` or ``ACK_DROPPED_STALE``; ``policy_version``: the
+    consumer's version when it trained them (None: the service's current trainer version)."""
+
+    group_ids: list[str]
+    status: str
+    policy_version: int | None = None
+
+
+@dataclass(frozen=True)
+class WeightsWanted:
+    """The service needs the run's current weights pushed now (a restarted server waits)."""
+
+    policy_version: int
+    reason: str
+
+
+ConsumerRequest = Credit | Ack
+ConsumerMessage = ScoredGroup | WeightsWanted
+
+
+class ConsumerSession:
+    """One stream: ``read`` consumes the client's requests (run it as its own task) while
+    the caller sends what ``next_message`` returns."""
+
+    def __init__(self, service: RolloutService, run_id: str, consumer_id: str, credits: int) -> None:
+        self.service = service
+        self.run = service.get_run(run_id)
+        self.broker = self.run.broker
+        self.consumer_id = consumer_id
+        self.credits = credits
+        self.error: ServiceError | None = None
+        self.client_done = False
+        self._changed = asyncio.Event()
+        self.weights_requests_sent = 0
+
+    def check_limits(self) -> None:
+        """Before subscribing: the run's consumer count and this stream's credits are bounded."""
+        limits = self.service.settings
+        if len(self.broker.leases) >= limits.max_consumers_per_run and self.consumer_id not in self.broker.leases:
+            raise ResourceExhausted(
+                f"run {self.run.run_id} has {len(self.broker.leases)} consumers, the limit "
+                "(scheduler.max_consumers_per_run); close idle streams"
+            )
+        self._check_credits(self.credits)
+
+    def _check_credits(self, credits: int) -> None:
+        limit = self.service.settings.max_credits
+        if credits > limit:
+            raise InvalidArgument(
+                f"a stream may hold at most {limit} credits (scheduler.max_credits); this one would hold {credits}"
+            )
+
+    async def read(self, requests: AsyncIterator[ConsumerRequest]) -> None:
+        """Apply the client's requests until it stops sending; an invalid one ends the stream
+        with its error (``next_message`` raises it)."""
+        try:
+            async for request in requests:
+                self._handle(request)
+                self._changed.set()
+        except ServiceError as exc:
+            self.error = exc
+        finally:
+            self.client_done = True
+            self._changed.set()
+
+    def _handle(self, request: ConsumerRequest) -> None:
+        if isinstance(request, Credit):
+            if request.groups <= 0:
+                raise InvalidArgument("credit.groups must be > 0")
+            self._check_credits(self.credits + request.groups)
+            self.credits += request.groups
+        else:
+            self.broker.ack(self.consumer_id, request.group_ids, request.status, request.policy_version)
+
+    def wake(self) -> None:
+        self._changed.set()
+
+    async def next_message(self) -> ConsumerMessage | None:
+        """The next message to send (a group, or a request for weights), or None when the
+        stream should end."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.client_done:
+                return None
+            if (wanted := self._weights_wanted()) is not None:
+                return wanted
+            if self.broker.closed:
+                run = self.run
+                why = f": {run.error}" if run.error else ""
+                raise FailedPrecondition(
+                    f"run {run.run_id} is {run.state}{why} (deleted, or the service is stopping); "
+                    "its unacked groups are gone; create a new run"
+                )
+            self._changed.clear()
+            if self.credits <= 0:  # wait for a credit, or for the run to end
+                changed = asyncio.ensure_future(self._changed.wait())
+                closed = asyncio.ensure_future(self.broker.closed_event.wait())
+                try:
+                    await asyncio.wait({changed, closed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                    closed.cancel()
+                continue
+            take = asyncio.ensure_future(self.broker.take(self.consumer_id))
+            changed = asyncio.ensure_future(self._changed.wait())
+            try:
+                await asyncio.wait({take, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # Also when this stream is cancelled: no take may outlive it. A group it
+                # already leased stays leased and the stream's release returns it.
+                changed.cancel()
+                if not take.done():
+                    take.cancel()
+                    await asyncio.gather(take, return_exceptions=True)
+            if take.cancelled():
+                continue
+            if (group := take.result()) is None:
+                if self.broker.closed:
+                    continue  # said at the top of the loop
+                raise FailedPrecondition(
+                    f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"
+                )
+            self.credits -= 1
+            return group
+
+    def _weights_wanted(self) -> WeightsWanted | None:
+        """A request for weights this stream has not passed on yet (one per request)."""
+        broker = self.broker
+        if not broker.weights_wanted or self.weights_requests_sent == broker.weights_requests:
+            return None
+        self.weights_requests_sent = broker.weights_requests
+        return WeightsWanted(broker.policy_version, broker.weights_wanted)
