@@ -8,6 +8,7 @@ its traceback and answered INTERNAL with a one-line message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -97,8 +98,10 @@ def _stream_edge(method: Callable[..., AsyncIterator[T]]) -> Callable[..., Async
     @functools.wraps(method)
     async def wrapper(self: RolloutServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
         try:
-            async for message in method(self, request, context):
-                yield message
+            # aclosing: a stream closed at a yield runs the method's cleanup (lease release) now, not at GC
+            async with contextlib.aclosing(method(self, request, context)) as messages:
+                async for message in messages:
+                    yield message
         except Exception as exc:
             await _abort_with(context, method.__name__, exc)
 

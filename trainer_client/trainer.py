@@ -420,13 +420,11 @@ class _SyncAndAck(TrainerCallback):
         self._step_started = time.perf_counter()
         self._failed_pushes = 0
         """Background pushes failed in a row (a vLLM server died mid-push); see ``_wait_for_push``."""
-        self._state: Any = None
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         # vLLM may serve other weights than this trainer's checkpoint (an earlier run, a
         # restarted trainer): push first, so every trained sample comes from this policy's line.
         self._push(state)
-        self._state = state
         if self.trainer.pusher is not None and state.is_world_process_zero:
             self.trainer.feed.on_weights_wanted = self._push_on_request
         self.trainer.feed.min_version = self.trainer.feed.current_version
