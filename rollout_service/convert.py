@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from rollout_service import __version__
@@ -15,7 +16,7 @@ from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams,
 from rollout_service.weight_sync import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
-    from rollout_service.service import RolloutService
+    from rollout_service.service import RolloutService, ServiceStats
 
 _SCALING_FROM_PB = {
     pb.ADVANTAGE_SCALING_UNSPECIFIED: AdvantageScaling.GROUP,
@@ -202,14 +203,13 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
     )
 
 
-def stats_to_pb(service: RolloutService) -> pb.GetStatsResponse:
-    scheduler, stats = service.scheduler, service.stats()
+def stats_to_pb(stats: ServiceStats, runs: Iterable[Run]) -> pb.GetStatsResponse:
     out = pb.GetStatsResponse(
-        slots_busy=scheduler.slots_busy,
-        max_inflight=scheduler.max_inflight,
-        max_slots_busy_seen=scheduler.max_slots_busy_seen,
-        runs={run_id: run_stats_to_pb(run) for run_id, run in service.runs.items()},
-        engine_request_failures=scheduler.engine_failures,
+        slots_busy=stats.slots_busy,
+        max_inflight=stats.max_inflight,
+        max_slots_busy_seen=stats.max_slots_busy_seen,
+        runs={run.run_id: run_stats_to_pb(run) for run in runs},
+        engine_request_failures=stats.engine_request_failures,
         uptime_seconds=stats.uptime_seconds,
         tokens_generated=stats.tokens_generated,
         recent_tokens_per_second=stats.recent_tokens_per_second,

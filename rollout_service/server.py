@@ -177,7 +177,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @_edge
     async def GetStats(self, request, context) -> pb.GetStatsResponse:  # type: ignore[no-untyped-def]
-        return stats_to_pb(self.service)
+        return stats_to_pb(self.service.stats(), self.service.runs.values())
 
     @_edge
     async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:  # type: ignore[no-untyped-def]

@@ -53,8 +53,13 @@ class ServiceInfo:
 
 @dataclass(frozen=True)
 class ServiceStats:
-    """Where the service's time went since start (GetStats' time accounting)."""
+    """The service-wide part of GetStats: slots now, and where the time went since start.
+    Everything the edge reports comes from here, not from the scheduler's internals."""
 
+    slots_busy: int
+    max_inflight: int
+    max_slots_busy_seen: int
+    engine_request_failures: int
     uptime_seconds: float
     tokens_generated: int
     recent_tokens_per_second: float
@@ -309,6 +314,10 @@ class RolloutService:
         slots, sync = self.scheduler.slots, self.weight_sync
         rate, window = self.scheduler.tokens.rate()
         return ServiceStats(
+            slots_busy=self.scheduler.slots_busy,
+            max_inflight=self.scheduler.max_inflight,
+            max_slots_busy_seen=self.scheduler.max_slots_busy_seen,
+            engine_request_failures=self.scheduler.engine_failures,
             uptime_seconds=self.clock() - self.started,
             tokens_generated=self.scheduler.tokens.total,
             recent_tokens_per_second=rate,

@@ -226,11 +226,12 @@ async def test_stats_account_tokens_slot_time_and_admission_waits() -> None:
         await wait_until(lambda: len(run.broker.buffered) == 2 and run.counters.slots_busy == 0, 5, "a full buffer")
         await wait_until(lambda: run.broker.admission_wait_seconds > 0, 5, "an admission wait")
         stats = service.stats()
-        response = stats_to_pb(service)
+        response = stats_to_pb(stats, service.runs.values())
     finally:
         await service.delete_run(run.run_id)
     assert stats.tokens_generated == run.counters.tokens_generated == 2 * 2 * 4  # 2 groups of 2, 4 tokens each
     assert response.tokens_generated == stats.tokens_generated
+    assert (response.max_inflight, response.slots_busy) == (4, 0)
     assert 0 < stats.recent_window_seconds <= stats.uptime_seconds + 1e-9
     assert stats.recent_tokens_per_second == pytest.approx(stats.tokens_generated / stats.recent_window_seconds)
     assert response.uptime_seconds > 0
