@@ -28,8 +28,9 @@ class PromptSpec:
 MAX_METADATA_BYTES = 64 << 10
 """Per prompt: metadata rides along with every group of the prompt to every consumer."""
 MAX_CHARS_PER_TOKEN = 64
-_BYTES_PER_TOKEN_ID = 36
 """A prompt longer than this many characters per context token cannot fit, whatever it says."""
+_BYTES_PER_TOKEN_ID = 36
+"""A token id in a Python list: an 8-byte slot and a 28-byte int object."""
 
 
 def _letters() -> list[PromptSpec]:
@@ -119,8 +120,8 @@ class RenderedPrompt:
         return PromptItem(index, self.token_ids, self.text, self.metadata, self.messages)
 
     def approx_bytes(self) -> int:
-        """What it holds in memory, roughly: a list slot and an int object per token id
-        (8 + 28 bytes), and the UTF-8 size of its text, metadata and messages."""
+        """What it holds in memory, roughly: ``_BYTES_PER_TOKEN_ID`` per token id, and the
+        UTF-8 size of its text, metadata and messages."""
         strings = [self.text, *self.metadata, *self.metadata.values()]
         strings += [value for message in self.messages for value in message.values()]
         return _BYTES_PER_TOKEN_ID * len(self.token_ids) + sum(len(value.encode()) for value in strings)
@@ -240,15 +241,16 @@ class SubmittedPromptSource:
                 "(scheduler.max_queued_prompts); submit fewer at a time or wait for the run to consume some"
             )
         sizes = [prompt.approx_bytes() for prompt in rendered]
-        if self.queued_bytes + sum(sizes) > self.max_bytes:
+        total = sum(sizes)
+        if self.queued_bytes + total > self.max_bytes:
             raise ResourceExhausted(
-                f"{len(rendered)} prompts of about {sum(sizes)} bytes do not fit in the run's queue, which holds "
+                f"{len(rendered)} prompts of about {total} bytes do not fit in the run's queue, which holds "
                 f"{self.queued_bytes} of {self.max_bytes} bytes (scheduler.max_queued_prompt_bytes); "
                 "submit fewer or smaller prompts, or wait for the run to consume some"
             )
         for prompt, size in zip(rendered, sizes, strict=True):
             self._queue.put_nowait((prompt.item(next(self._count)), size))
-        self.queued_bytes += sum(sizes)
+        self.queued_bytes += total
         return self._queue.qsize()
 
     async def next(self) -> PromptItem:

@@ -8,7 +8,7 @@ The supervisor waits on the process itself (a pidfd, readable once it exits; no 
 then tells ``on_down`` at once, so routing stops sending requests to it, reaps the whole
 process group, starts the server again on the same port and tells ``on_restarted``. The
 restarted server holds the checkpoint's weights and no adapters: what it takes to bring
-it back to the runs' policies is the service's part (``RolloutService.server_restarted``).
+it back to the runs' policies is the service's part (``server_recovery.ServerRecovery``).
 After ``max_restarts`` restarts it gives up and leaves the server down, with an error
 in the log that says where vLLM's own log is.
 """
