@@ -16,19 +16,16 @@ a run weighs them like any other reward.
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
-import inspect
 import re
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from rollout_service.errors import EnvironmentFailure, InvalidArgument
 from rollout_service.types import PromptItem
-
-T = TypeVar("T")
+from rollout_service.user_code import call_user_function
 
 
 @dataclass(frozen=True)
@@ -60,27 +57,13 @@ class Environment(Protocol):
 EnvironmentFactory = Callable[[], Environment]
 
 
-async def maybe_await(value: T | Awaitable[T]) -> T:
-    """Sync or async environment methods alike."""
-    if inspect.isawaitable(value):
-        return await value
-    return value
-
-
 async def call_environment(
     what: str, method: Callable[..., Any], *args: Any, executor: Executor | None, timeout_s: float
 ) -> Any:
     """``method(*args)`` of an environment: a sync one in ``executor``, either bounded by
     ``timeout_s``; any failure is an ``EnvironmentFailure`` naming ``what``."""
-
-    async def call() -> Any:
-        if inspect.iscoroutinefunction(method):
-            return await method(*args)
-        result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(method, *args))
-        return await maybe_await(result)  # a sync wrapper that returns a coroutine
-
     try:
-        return await asyncio.wait_for(call(), timeout_s)
+        return await asyncio.wait_for(call_user_function(method, executor, *args), timeout_s)
     except TimeoutError:
         raise EnvironmentFailure(
             f"environment {what} took longer than {timeout_s:g}s (scheduler.environment_timeout_s)"

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from rollout_service.errors import InvalidArgument
+from rollout_service.user_code import call_user_function
 
 ToolFunction = Callable[..., Any]
 ToolErrorKind = Literal["unknown_tool", "bad_json", "bad_arguments", "error", "timeout"]
@@ -349,21 +350,13 @@ class ToolSet:
         except TypeError as exc:
             return self._failed(call.name, "bad_arguments", f"bad arguments for {call.name}: {exc}", start)
         try:
-            value = await asyncio.wait_for(self._invoke(tool, call.arguments), self.timeout_s)
+            invoking = call_user_function(tool.function, self._executor, **call.arguments)
+            value = await asyncio.wait_for(invoking, self.timeout_s)
         except TimeoutError:
             return self._failed(call.name, "timeout", f"{call.name} took longer than {self.timeout_s:g}s", start)
         except Exception as exc:
             return self._failed(call.name, "error", f"{call.name} raised {type(exc).__name__}: {exc}", start)
         return ToolResult(call.name, format_result(value), None, time.perf_counter() - start)
-
-    async def _invoke(self, tool: Tool, arguments: dict[str, Any]) -> Any:
-        if inspect.iscoroutinefunction(tool.function):
-            return await tool.function(**arguments)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, lambda: tool.function(**arguments))
-        if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine
-            result = await result
-        return result
 
     @staticmethod
     def _failed(name: str, kind: ToolErrorKind, message: str, start: float) -> ToolResult:

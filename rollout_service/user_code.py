@@ -1,0 +1,23 @@
+"""Calling user code (tools, environments) from the event loop without blocking it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+
+async def call_user_function(function: Callable[..., Any], executor: Executor | None, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``: an ``async def`` awaited on the loop, a sync one run in
+    ``executor`` (its owner's threads; None: asyncio's default pool), and a coroutine that a
+    sync wrapper returns awaited too."""
+    if inspect.iscoroutinefunction(function):
+        return await function(*args, **kwargs)
+    call = functools.partial(function, *args, **kwargs)
+    result = await asyncio.get_running_loop().run_in_executor(executor, call)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
