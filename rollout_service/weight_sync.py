@@ -24,7 +24,6 @@ so users see what a push costs the rollouts and where it goes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -316,8 +315,9 @@ class WeightSyncCoordinator:
         self._last_aborted = update
         if update.pipeline is not None and not update.pipeline.done():
             update.pipeline.cancel()
-            with contextlib.suppress(BaseException):
-                await update.pipeline
+            # The pipeline's own outcome (cancelled, or failed) is what the abort replaces; a
+            # cancellation of this abort itself still propagates.
+            await asyncio.gather(update.pipeline, return_exceptions=True)
         self._group = None  # a failed transfer group cannot be trusted: re-join next time
         try:
             await self._resume(update)
