@@ -202,19 +202,21 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     from rollout_service.api import rollout_pb2 as pb
     from rollout_service.prompts import builtin_dataset
     from trainer_client.losses import LossConfig, compute_loss
-    from trainer_client.trainer import GroupCollator, completion_logprobs
+    from trainer_client.trainer import AsyncGRPOConfig, GroupCollator, completion_logprobs
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    messages = builtin_dataset(args.dataset)[0].messages
-    prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    prompts = [
+        list(tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        for spec in builtin_dataset(args.dataset)
+    ]
     group = pb.Group(group_id="g", policy_version=0)
     items = [
         {
             "group": group,
             "sample": pb.Sample(
-                prompt_token_ids=prompt_ids,
+                prompt_token_ids=prompts[(i // args.group_size) % len(prompts)],  # a group shares its prompt
                 completion_token_ids=[(7 * i + t) % 900 + 10 for t in range(args.max_tokens)],
                 completion_logprobs=[-6.9] * args.max_tokens,
                 completion_mask=[1] * args.max_tokens,
@@ -230,7 +232,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     for _ in range(25):
         start = time.perf_counter()
         batch = collate(items)
-        logps = completion_logprobs(model, batch, head)
+        logps = completion_logprobs(model, batch, head, share_prompts=AsyncGRPOConfig.share_prompt_forward)
         out = compute_loss(logps, None, batch["behaviour_logps"], batch["advantages"], batch["completion_mask"], config)
         out.loss.backward()
         optimizer.step()
