@@ -74,6 +74,12 @@ def step_seconds(phases: dict[str, float], wall_s: float, synchronous_push: bool
     return record
 
 
+GENERATION_BOUND_WAIT = 0.10
+"""A trainer that waits for groups more than this share of its wall time is generation-bound:
+a faster step would only wait longer. (Comparing the wait with the compute called a trainer
+that waited 38% of every step training-bound.)"""
+
+
 def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, Any]:
     """Totals and fractions of wall time per phase over the steps, and which side bounds the run.
 
@@ -88,14 +94,13 @@ def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dic
     wall = sum(s["step"] for s in steady)
     totals = {phase: sum(s.get(phase, 0.0) for s in steady) for phase in (*PHASES, "other")}
     fractions = {phase: (seconds / wall if wall else 0.0) for phase, seconds in totals.items()}
-    compute = fractions["forward"] + fractions["backward"] + fractions["optimizer"]
     return {
         "steps": len(steady),
         "wall_seconds": round(wall, 3),
         "steps_per_second": round(len(steady) / wall, 3) if wall else None,
         "seconds": {phase: round(value, 3) for phase, value in totals.items()},
         "fraction": {phase: round(value, 4) for phase, value in fractions.items()},
-        "bound": "generation" if fractions["wait_groups"] > compute else "training",
+        "bound": "generation" if fractions["wait_groups"] > GENERATION_BOUND_WAIT else "training",
     }
 
 
