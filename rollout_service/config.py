@@ -169,9 +169,10 @@ class WeightSyncSettings(BaseModel):
     group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""
     control_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on each pause, resume, start, finish and prefix-cache reset call."""
-    pause_mode: Literal["keep", "abort", "wait"] = "keep"
+    pause_mode: Literal["keep", "abort", "wait", "none"] = "keep"
     """Default for in-flight requests during an update: keep freezes them and they continue
-    on the new weights (their first and last token versions then differ)."""
+    on the new weights (their first and last token versions then differ; vLLM recomputes
+    their KV cache); none does not pause at all (see the proto's PauseMode)."""
 
 
 class ServiceSettings(BaseSettings):

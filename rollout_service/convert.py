@@ -59,6 +59,7 @@ PAUSE_MODE_FROM_PB = {
     pb.PAUSE_MODE_KEEP: "keep",
     pb.PAUSE_MODE_ABORT: "abort",
     pb.PAUSE_MODE_WAIT: "wait",
+    pb.PAUSE_MODE_NONE: "none",
 }
 
 

@@ -55,6 +55,17 @@ def _tool_calls(calls: Sequence[ParsedCall]) -> list[dict[str, Any]]:
     ]
 
 
+def salt(version: int) -> str:
+    """vLLM's prefix-cache salt for requests made at a policy version."""
+    return f"policy-v{version}"
+
+
+def salted(params: SamplingParams, version: int) -> SamplingParams:
+    """``params`` whose requests share vLLM's cached prompt blocks only with requests made at
+    the same policy version (``SamplingParams.cache_salt``)."""
+    return replace(params, cache_salt=salt(version))
+
+
 async def run_single_turn(
     engine: Engine,
     prompt: PromptItem,
@@ -64,7 +75,7 @@ async def run_single_turn(
     affinity: str | None = None,
 ) -> EpisodeResult:
     version_first = policy_version()
-    completion = await engine.generate(prompt.token_ids, params, affinity=affinity)
+    completion = await engine.generate(prompt.token_ids, salted(params, version_first), affinity=affinity)
     return _single_turn_result(completion, version_first, policy_version(), decode)
 
 
@@ -79,7 +90,7 @@ async def run_single_turn_group(
 ) -> list[EpisodeResult]:
     """A whole single-turn group from one request (see ``GroupEngine``)."""
     version_first = policy_version()
-    completions = await engine.generate_many(prompt.token_ids, params, size, affinity=affinity)
+    completions = await engine.generate_many(prompt.token_ids, salted(params, version_first), size, affinity=affinity)
     version_last = policy_version()
     return [_single_turn_result(c, version_first, version_last, decode) for c in completions]
 
@@ -248,9 +259,8 @@ async def run_episode(
             finish = limit
             break
         turns += 1
-        completion = await engine.generate(
-            prompt.token_ids + transcript.ids, replace(params, max_tokens=cap), affinity=affinity
-        )
+        turn_params = replace(params, max_tokens=cap, cache_salt=salt(version_last))  # the version read last
+        completion = await engine.generate(prompt.token_ids + transcript.ids, turn_params, affinity=affinity)
         version_last = policy_version()
         turn_ids = completion.token_ids
         transcript.add_generated(turn_ids, completion.logprobs)

@@ -38,6 +38,11 @@ class SamplingParams:
     seed: int | None = None
     model: str | None = None
     """The served model to sample from when not the engine's own: a run's LoRA adapter."""
+    cache_salt: str | None = None
+    """vLLM's prefix-cache salt: requests share cached prompt blocks only under the same
+    salt. Episodes set it to the policy version they start at (``salted``), so no request
+    reuses blocks that older weights computed, also when an update did not pause vLLM
+    and its prefix-cache reset was refused."""
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,8 @@ class WeightSyncCoordinator:
                 ),
             )
             self._group = (address, port)
-        await self._phase(update, "pause", *(self._pause(update, server, mode) for server in self.servers))
+        if mode != "none":  # none: generation goes on while the weights change (see PauseMode)
+            await self._phase(update, "pause", *(self._pause(update, server, mode) for server in self.servers))
         await self._phase(update, "transfer", self._transfer(update_info, control_s, transfer_s))
 
     async def _transfer(self, update_info: dict[str, Any], control_s: float, transfer_s: float) -> None:

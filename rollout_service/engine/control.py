@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-PauseModeName = Literal["keep", "abort", "wait"]
+PauseModeName = Literal["keep", "abort", "wait", "none"]
 
 
 class WeightSyncError(Exception):

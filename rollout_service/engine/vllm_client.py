@@ -45,6 +45,8 @@ def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -
         body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.cache_salt is not None:
+        body["cache_salt"] = params.cache_salt
     return body
 
 

@@ -20,6 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2ForCausalLM
 
+from rollout_service.api import rollout_pb2 as pb
 from rollout_service.app import RunningService
 from tests.integration.conftest import service_settings, service_with_client
 from tests.support import wait_until
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.integration
 PROMPT = [1, 89, 87, 266, 203, 59, 965, 73, 293, 908, 88, 2, 203, 1, 69, 391, 522, 340, 88, 203]
 
 
-def vllm_completion(url: str, seed: int = 3, max_tokens: int = 8) -> tuple[list[int], list[float]]:
+def vllm_completion(url: str, seed: int = 3, max_tokens: int = 8, **extra: object) -> tuple[list[int], list[float]]:
     body = {
         "model": "tiny",
         "prompt": PROMPT,
@@ -40,6 +41,7 @@ def vllm_completion(url: str, seed: int = 3, max_tokens: int = 8) -> tuple[list[
         "seed": seed,
         "logprobs": 0,
         "return_token_ids": True,
+        **extra,
     }
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -56,9 +58,9 @@ def hf_logprobs(model: Qwen2ForCausalLM, completion: list[int]) -> list[float]:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
-async def vllm_matches(url: str, model: Qwen2ForCausalLM) -> float:
+async def vllm_matches(url: str, model: Qwen2ForCausalLM, **extra: object) -> float:
     """Max abs difference between vLLM's and the trainer's logprobs of vLLM's own sample."""
-    ids, logprobs = await asyncio.to_thread(vllm_completion, url)
+    ids, logprobs = await asyncio.to_thread(vllm_completion, url, **extra)
     reference = await asyncio.to_thread(hf_logprobs, model, ids)
     return max(abs(a - b) for a, b in zip(logprobs, reference, strict=True))
 
@@ -135,6 +137,60 @@ async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_serve
         assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
     finally:
         pusher.close()
+
+
+LONG = 1000
+"""Tokens of the request that runs through a push: the test server's context is 1024."""
+
+
+def vllm_gauge(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def vllm_preemptions(url: str) -> float:
+    return vllm_gauge(url, "vllm:num_preemptions_total")
+
+
+async def test_a_push_without_pause_lets_running_requests_go_on(sync_service, vllm_server, base_model) -> None:
+    """pause_mode none: a request running through the push is neither frozen nor preempted
+    (keep mode preempts it, and it recomputes its KV cache), and requests after the commit
+    sample exactly from the new weights."""
+    _, client = sync_service
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+    new_model = perturbed(base_model, seed=1)
+    restore = WeightPusher(client, run.run_id, transfer_timeout_s=8, pause_mode=pb.PAUSE_MODE_KEEP)
+    # joining the transfer group is the slow part of a first push: done here, so the push
+    # below takes milliseconds against the long request's seconds
+    assert await asyncio.wait_for(restore.push(list(base_model.named_parameters())), 60) == 1
+    generated = vllm_gauge(vllm_server.url, "vllm:generation_tokens_total")
+    long = asyncio.create_task(asyncio.to_thread(vllm_completion, vllm_server.url, 5, LONG, ignore_eos=True))
+    # vLLM counts a preemption with a later step's stats: once 50 more tokens are counted,
+    # the keep push's preemptions are in, and the counter moves only with new ones
+    await wait_until(
+        lambda: vllm_gauge(vllm_server.url, "vllm:generation_tokens_total") >= generated + 50,
+        30,
+        "the long request to run",
+    )
+    preempted = await asyncio.to_thread(vllm_preemptions, vllm_server.url)
+    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8, pause_mode=pb.PAUSE_MODE_NONE)
+    try:
+        assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 2
+        assert not long.done()  # the push happened under the running request
+        ids, _ = await asyncio.wait_for(long, 60)
+        assert len(ids) == LONG
+        assert await asyncio.to_thread(vllm_preemptions, vllm_server.url) == preempted
+        last = (await client.stats()).last_weight_update
+        assert last.committed and last.paused_seconds == 0 and last.pause_seconds == 0
+        # a salt, as the service's requests carry: the unsalted prompt blocks cached by the
+        # request that ran through the update hold the old weights' KV
+        assert await vllm_matches(vllm_server.url, new_model, cache_salt="policy-v2") <= 1e-4
+    finally:
+        # back to the base weights with a pause, so the prefix-cache reset clears every block
+        await asyncio.wait_for(restore.push(list(base_model.named_parameters())), 60)
+        await client.delete_run(run.run_id)
+    assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
 
 
 async def test_lora_push_serves_the_merged_weights(sync_service, vllm_server, base_model, tiny_model) -> None:

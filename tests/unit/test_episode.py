@@ -18,8 +18,9 @@ from transformers import AutoTokenizer
 from rollout_service.api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
 from rollout_service.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, server_info_to_pb
+from rollout_service.engine.vllm_client import completion_body
 from rollout_service.environments import EnvironmentRegistry, GuessNumber, StepResult
-from rollout_service.episode import MultiTurnConfig, TurnTemplate, run_episode
+from rollout_service.episode import MultiTurnConfig, TurnTemplate, run_episode, run_single_turn, run_single_turn_group
 from rollout_service.errors import EnvironmentFailure, FailedPrecondition, InvalidArgument
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.prompts import PromptRenderer, PromptSpec
@@ -105,8 +106,10 @@ async def test_environment_not_done_by_max_turns(tokenizer) -> None:
 
 async def test_policy_versions_are_those_of_the_first_and_last_turn(tokenizer) -> None:
     versions = iter(range(10, 20))
-    result, _ = await episode(tokenizer, guesses("1", "2", "7"), lambda: next(versions), max_turns=5)
+    result, engine = await episode(tokenizer, guesses("1", "2", "7"), lambda: next(versions), max_turns=5)
     assert (result.policy_version_first, result.policy_version_last) == (10, 13)  # read before turn 1, after turn 3
+    # each turn shares vLLM's prefix cache only with requests made at its version
+    assert [params.cache_salt for _, params in engine.requests] == ["policy-v10", "policy-v11", "policy-v12"]
 
 
 async def test_episode_budget_lowers_max_tokens_and_ends_the_episode(tokenizer) -> None:
@@ -376,3 +379,26 @@ async def test_a_failing_environment_drops_its_groups_as_environment_and_the_run
     assert run.state == "stopped" and run.counters.groups_dropped >= 3  # it ran until the service closed
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # contained: a warning, not an error
     assert any("environment reset raised KeyError" in r.message for r in caplog.records)
+
+
+async def test_single_turn_requests_salt_the_prefix_cache_with_their_version() -> None:
+    """A request shares vLLM's cached prompt blocks only with requests of its policy version,
+    so a pause-free update (whose prefix-cache reset vLLM refuses) leaves none to reuse."""
+    seen: list[SamplingParams] = []
+
+    class Recorder:
+        async def generate(self, prompt_ids, params, *, affinity=None):  # type: ignore[no-untyped-def]
+            seen.append(params)
+            return Completion([5], [-1.0], "stop", "recorded")
+
+        async def generate_many(self, prompt_ids, params, n, *, affinity=None):  # type: ignore[no-untyped-def]
+            return [await self.generate(prompt_ids, params)] * n
+
+    prompt = PromptItem(0, [1, 2], "x", {}, ())
+    params = SamplingParams(max_tokens=4)
+    await run_single_turn(Recorder(), prompt, params, lambda: 3, lambda ids, **_: "")
+    await run_single_turn_group(Recorder(), prompt, params, 2, lambda: 5, lambda ids, **_: "")
+    assert [p.cache_salt for p in seen] == ["policy-v3", "policy-v5"]  # one request per group
+    assert params.cache_salt is None  # the run's own params stay as they were
+    assert completion_body("m", [1, 2], seen[0])["cache_salt"] == "policy-v3"
+    assert "cache_salt" not in completion_body("m", [1, 2], params)

@@ -129,6 +129,31 @@ async def test_a_committed_update_records_its_phases_and_paused_seconds() -> Non
     assert (pb.join_seconds, pb.transfer_seconds, pb.resume_seconds, pb.paused_seconds) == (1, 7, 7, 27)
 
 
+async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> None:
+    """pause_mode none: generation goes on while the weights change; nothing counts as paused."""
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock)
+    calls: list[str] = []
+    step = server._step
+
+    async def recorded(name: str) -> None:
+        calls.append(name)
+        await step(name)
+
+    server._step = recorded  # type: ignore[method-assign]
+    sync = coordinator(server, clock, metrics)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(1 + 3 + 4 + 5 + 6))
+    finally:
+        await sync.close()
+    assert "pause" not in calls and "resume" not in calls
+    assert calls[-2:] == ["finish_weight_update", "reset_prefix_cache"]
+    times = sync.last_update
+    assert times is not None and times.committed and "pause" not in times.phases
+    assert times.paused_seconds == 0 and sync.paused_seconds() == 0
+
+
 async def test_an_aborted_update_counts_its_pause_too() -> None:
     clock, metrics = Clock(), ServiceMetrics()
     server = ScriptedControl(clock, fail="update_weights")  # the trainer died mid-broadcast
