@@ -98,7 +98,8 @@ async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_serve
     before = await asyncio.to_thread(vllm_completion, vllm_server.url)
     assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
 
-    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+    # keep: this test reads the pause's seconds (the default, none, has none)
+    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8, pause_mode=pb.PAUSE_MODE_KEEP)
     new_model = perturbed(base_model)
     try:
         stats_before = await client.stats()

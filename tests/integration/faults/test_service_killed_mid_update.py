@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_service.api import rollout_pb2 as pb
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import restore_base_weights, serving
 from tests.integration.test_shared_capacity import start, trainer_command
@@ -68,7 +69,9 @@ async def test_a_service_killed_mid_update_restarts_against_the_same_vllm(
             try:
                 assert await asyncio.wait_for(pusher.push(list(base_model.named_parameters())), 60) == 1
                 named = list(perturbed(base_model).named_parameters())
-                await client.begin_weight_update(run.run_id, pusher.address, pusher.port, tensor_meta(named))
+                await client.begin_weight_update(
+                    run.run_id, pusher.address, pusher.port, tensor_meta(named), pb.PAUSE_MODE_KEEP
+                )
                 # vLLM is paused and waits for the broadcast: the service dies now.
                 os.killpg(process.pid, signal.SIGKILL)
                 await asyncio.to_thread(process.wait, 30)
