@@ -279,6 +279,10 @@ class _StepBook:
 
 
 class AsyncGRPOTrainer(Trainer):
+    loss_is_scaled_for_ga = True
+    """``compute_loss`` scales for gradient accumulation itself (``losses.aggregate_loss``), as
+    TRL's GRPOTrainer does, so Trainer must not divide by the accumulation steps again."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -333,22 +337,41 @@ class AsyncGRPOTrainer(Trainer):
         self.clock.add("backward", time.perf_counter() - start - self._forward_s)
         return loss
 
+    def _get_num_items_in_batch(self, batch_samples: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
+        """TRL's ``num_items_in_batch``: the loss tokens of all of an optimizer step's
+        micro-batches, summed over ranks. dapo, cispo and vespo divide by it, so under gradient
+        accumulation every token of the step weighs the same, not each micro-batch's tokens."""
+        tokens = sum(self._loss_mask(inputs).sum() for inputs in batch_samples)
+        tokens = torch.as_tensor(tokens, dtype=torch.float32, device=device)
+        return self.accelerator.gather(tokens).sum() if self.args.world_size > 1 else tokens
+
+    @property
+    def _accumulation_steps(self) -> int:
+        """Micro-batches of the current optimizer step (Trainer sets it per step; a shorter
+        last step has fewer), or the configured count outside the training loop."""
+        return getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+
+    def _loss_mask(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """The completion mask without samples past ``max_staleness``, judged against the
+        version this step trains at (a batch of several accumulation steps, or a push between
+        fetch and step): those are masked out of the loss and their groups acked as dropped."""
+        fresh = [self.feed.is_fresh(v) for v in inputs["staleness_versions"]]
+        mask = inputs["completion_mask"]
+        return mask * torch.tensor(fresh, dtype=mask.dtype, device=mask.device)[:, None]
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
         start = time.perf_counter()
-        loss = self._grpo_loss(model, inputs)
+        loss = self._grpo_loss(model, inputs, num_items_in_batch)
         self._forward_s = time.perf_counter() - start
         self.clock.add("forward", self._forward_s)
         return loss
 
-    def _grpo_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        # Judge staleness again against the version this step trains at (a batch of several
-        # accumulation steps, or a push between fetch and step): samples past max_staleness
-        # are masked out of the loss and their groups acked as dropped.
+    def _grpo_loss(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         versions = inputs["staleness_versions"]
         fresh = [self.feed.is_fresh(v) for v in versions]
-        completion_mask = inputs["completion_mask"] * torch.tensor(fresh, dtype=torch.float32)[:, None].to(
-            inputs["completion_mask"].device
-        )
+        completion_mask = self._loss_mask(inputs)
         logps = self._completion_logprobs(model, inputs)
         ref_logps = self._reference_logprobs(inputs) if self.loss_config.beta > 0 else None
         output = compute_loss(
@@ -359,7 +382,11 @@ class AsyncGRPOTrainer(Trainer):
             completion_mask,
             self.loss_config,
             ref_logps=ref_logps,
-            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            num_items_in_batch=num_items_in_batch,
+            # one optimizer step's micro-batches are TRL's generation batch
+            gradient_accumulation_steps=self._accumulation_steps,
+            steps_per_generation=self._accumulation_steps,
+            num_processes=self.args.world_size,
         )
         for group_id, reward, version, keep in zip(
             inputs["group_ids"], inputs["rewards"], versions, fresh, strict=True

@@ -42,15 +42,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(reuse) if reuse else build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
 
 
-def make_trainer(model, tmp_path: Path, beta: float = 0.0) -> AsyncGRPOTrainer:
+def make_trainer(model, tmp_path: Path, beta: float = 0.0, **options) -> AsyncGRPOTrainer:
+    options = {"per_device_train_batch_size": 4, **options}
     config = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, group_size=2, beta=beta,
-        logprob_chunk_size=7, use_cpu=True, vllm_importance_sampling_correction=False,
+        output_dir=str(tmp_path), max_steps=1, group_size=2, beta=beta, logprob_chunk_size=7, use_cpu=True,
+        vllm_importance_sampling_correction=False, **options,
     )  # fmt: skip
     return AsyncGRPOTrainer(model=model, args=config, feed=StillFeed(), pusher=None)  # type: ignore[arg-type]
 
 
 def batch(seed: int = 0) -> dict:
+    return GroupCollator(pad_token_id=0)(batch_items(seed))
+
+
+def batch_items(seed: int = 0) -> list[dict]:
+    """Two groups of two samples, with 6 + 3 and 8 + 1 completion tokens."""
     generator = torch.Generator().manual_seed(seed)
     items = []
     for i, (prompt_len, completion_len) in enumerate([(5, 6), (9, 3), (7, 8), (4, 1)]):
@@ -61,7 +67,7 @@ def batch(seed: int = 0) -> dict:
             completion_logprobs=[-1.0] * completion_len, advantage=[1.0, -1.0][i % 2], reward=float(i % 2),
         )  # fmt: skip
         items.append({"group": pb.Group(group_id=f"g{i // 2}", policy_version=0), "sample": sample})
-    return GroupCollator(pad_token_id=0)(items)
+    return items
 
 
 @torch.no_grad()
@@ -129,3 +135,34 @@ def test_peft_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir: Pa
     loss.backward()
     trained = [n for n, p in model.named_parameters() if p.grad is not None]
     assert trained and all("lora_" in n for n in trained)  # only the adapter learns
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_accumulated_micro_batches_give_the_whole_batchs_gradient(
+    tiny_model_dir: Path, tmp_path: Path, loss_type: str
+) -> None:
+    """Two micro-batches of 14 and 4 loss tokens train as their four samples in one step.
+    dapo divides by the whole step's loss tokens (TRL's
+    ``num_items_in_batch``), not by each micro-batch's, and Trainer does not divide by the
+    accumulation steps a second time."""
+    items = batch_items(seed=3)
+    collate = GroupCollator(pad_token_id=0)
+    gradients = {}
+    for accumulation in (1, 2):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        trainer = make_trainer(
+            model, tmp_path, loss_type=loss_type,
+            per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+        order = [items[0], items[2], items[1], items[3]]  # 6 + 8, then 3 + 1 completion tokens
+        size = len(order) // accumulation
+        micro_batches = [collate(order[i : i + size]) for i in range(0, len(order), size)]
+        trainer.current_gradient_accumulation_steps = accumulation  # as Trainer's loop sets it per step
+        tokens = trainer._get_num_items_in_batch(micro_batches, torch.device("cpu"))
+        assert tokens == 6 + 3 + 8 + 1
+        for inputs in micro_batches:
+            trainer.training_step(trainer.model, inputs, tokens)
+        gradients[accumulation] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert gradients[1] and len(gradients[1]) == len(gradients[2])
+    for whole, accumulated in zip(gradients[1], gradients[2], strict=True):
+        torch.testing.assert_close(accumulated, whole, atol=1e-6, rtol=1e-4)
