@@ -23,7 +23,7 @@ $(BUF): package.json
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m rollout_service.demo
+	$(PY) -m rollout_demo.demo
 
 lint: setup $(BUF)
 	$(VENV)/bin/ruff check .
@@ -40,4 +40,4 @@ bench: setup
 	$(PY) benchmarks/bench_throughput.py --output outputs/bench
 
 clean:
-	rm -rf $(VENV) node_modules rollout_service/api build *.egg-info
+	rm -rf $(VENV) node_modules rollout_api/rollout_pb2* build *.egg-info

@@ -1,8 +1,8 @@
 """Generate the gRPC stubs from proto/ whenever the package is built or installed.
 
-The generated modules land in rollout_service/api/ (git-ignored) and are never edited by
-hand. ``--proto_path=rollout_service/api=proto/rollout/v1`` maps the proto to that import
-path so the generated ``*_pb2_grpc.py`` imports ``rollout_service.api.rollout_pb2``.
+The generated modules land in rollout_api/ (git-ignored, beside its tracked __init__.py) and are never edited by
+hand. ``--proto_path=rollout_api=proto/rollout/v1`` maps the proto to that import
+path so the generated ``*_pb2_grpc.py`` imports ``rollout_api.rollout_pb2``.
 """
 
 import shutil
@@ -23,7 +23,7 @@ def generate_stubs() -> None:
     (out / "__init__.py").touch()
     args = [
         "grpc_tools.protoc",
-        f"--proto_path=rollout_service/api={ROOT / 'proto' / 'rollout' / 'v1'}",
+        f"--proto_path=rollout_api={ROOT / 'proto' / 'rollout' / 'v1'}",
         f"--python_out={ROOT}",
         f"--grpc_python_out={ROOT}",
         str(ROOT / "proto" / "rollout" / "v1" / "rollout.proto"),

@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from rollout_service.app import describe_model, load_tokenizer, running_service
 from rollout_service.config import DEFAULT_MODEL_DIR, ManagedServerSettings, load_settings
 from rollout_service.engine.vllm_client import completion_body, parse_completion
@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
             from rollout_service.engine.managed import ManagedVLLMServer
 
             if args.model_dir == DEFAULT_MODEL_DIR:
-                from rollout_service.tiny_model import build_tiny_model
+                from rollout_common.tiny_model import build_tiny_model
 
                 build_tiny_model(args.model_dir)
             logger.info("starting a managed vLLM server for %s (about a minute on CPU)", args.model_dir)

@@ -199,7 +199,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_service.api import rollout_pb2 as pb
+    from rollout_api import rollout_pb2 as pb
     from rollout_service.prompts import builtin_dataset
     from trainer_client.losses import LossConfig, compute_loss
     from trainer_client.trainer import AsyncGRPOConfig, GroupCollator, completion_logprobs
@@ -244,7 +244,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
 async def generate_alone(args: argparse.Namespace, target: str, seconds: float = 15.0) -> float:
     """Seconds to generate one step's groups through the service with nothing training:
     a consumer acks every group at once (buffer admission, no pushes)."""
-    from rollout_service.api import rollout_pb2 as pb
+    from rollout_api import rollout_pb2 as pb
     from trainer_client.client import RolloutClient, dataset_run_spec
 
     async with RolloutClient(target) as client:
@@ -268,7 +268,7 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
 
 
 async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, float]:
-    from rollout_service.cpu_budget import CpuBudget
+    from rollout_common.cpu_budget import CpuBudget
 
     threads = CpuBudget.split().trainer_threads
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"generate_step_s": asyncio.run(generate_alone(args, args.service))}))
         return
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "WARNING"))
-    from rollout_service.tiny_model import TinyModelSpec, build_tiny_model
+    from rollout_common.tiny_model import TinyModelSpec, build_tiny_model
     from trainer_client.svg_plot import line_plot
 
     if args.model_dir is None:

@@ -291,7 +291,7 @@ def prepare_model(args: argparse.Namespace, spec: dict[str, int]) -> Path:
     if args.model_dir is not None:
         model_dir = Path(args.model_dir)
     else:
-        from rollout_service.tiny_model import TinyModelSpec, build_tiny_model
+        from rollout_common.tiny_model import TinyModelSpec, build_tiny_model
 
         name = "qwen2-" + "-".join(f"{dim}{spec[dim]}" for dim in DIMENSIONS)
         model_dir = Path(tempfile.gettempdir()) / "rollout-bench-models" / name

@@ -101,7 +101,7 @@ async def running_service(
             assert engine_settings.managed is not None
             managed_settings = engine_settings.managed
             if managed_settings.model == DEFAULT_MODEL_DIR:  # the embedded default: build it if missing
-                from rollout_service.tiny_model import build_tiny_model
+                from rollout_common.tiny_model import build_tiny_model
 
                 await asyncio.to_thread(build_tiny_model, managed_settings.model)
             managed = ManagedVLLMServer(managed_settings, served_model_name=engine_settings.model)

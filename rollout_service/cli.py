@@ -119,7 +119,7 @@ def build_tiny_model_command(
     output_dir: Annotated[Path, typer.Argument(help="Where to write the checkpoint")] = Path("models/tiny-qwen2"),
 ) -> None:
     """Build the tiny Qwen2 model and tokenizer of the embedded default (no download)."""
-    from rollout_service.tiny_model import build_tiny_model
+    from rollout_common.tiny_model import build_tiny_model
 
     setup_logging("INFO")
     typer.echo(build_tiny_model(output_dir))

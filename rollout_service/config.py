@@ -36,7 +36,7 @@ class ManagedServerSettings(BaseModel):
     cpu_cores: int | None = Field(default=None, ge=1)
     """Cores the CPU server's worker is bound to (VLLM_CPU_OMP_THREADS_BIND), the first ones
     of this process's; None: half of them, leaving the rest to a trainer on this host
-    (``rollout_service.cpu_budget``). A binding already in the environment wins."""
+    (``rollout_common.cpu_budget``). A binding already in the environment wins."""
     pin_processes: bool = True
     """Pin every process of the CPU server to fixed cores, not only the worker's OpenMP
     threads: the engine core and worker to the worker's cores, the API server to the others

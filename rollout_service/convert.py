@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from rollout_api import rollout_pb2 as pb
 from rollout_service import __version__
-from rollout_service.api import rollout_pb2 as pb
 from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.errors import InvalidArgument

@@ -19,9 +19,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rollout_api import rollout_pb2 as pb
+from rollout_api import rollout_pb2_grpc as pb_grpc
 from rollout_service.adapters import MAX_ADAPTER_BYTES, check_adapter_file_name
-from rollout_service.api import rollout_pb2 as pb
-from rollout_service.api import rollout_pb2_grpc as pb_grpc
 from rollout_service.consumer import ConsumerRequest, ConsumerSession
 from rollout_service.convert import (
     PAUSE_MODE_FROM_PB,

@@ -105,7 +105,7 @@ def main(
     if not (model / "config.json").exists():
         if model != Path("models/tiny-qwen2"):
             raise typer.BadParameter(f"--model {model} has no config.json; give the checkpoint vLLM serves")
-        from rollout_service.tiny_model import build_tiny_model
+        from rollout_common.tiny_model import build_tiny_model
 
         build_tiny_model(model)
     try:

@@ -13,8 +13,8 @@ from types import TracebackType
 
 import grpc
 
-from rollout_service.api import rollout_pb2 as pb
-from rollout_service.api import rollout_pb2_grpc as pb_grpc
+from rollout_api import rollout_pb2 as pb
+from rollout_api import rollout_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

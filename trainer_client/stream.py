@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from trainer_client.client import GroupStream, RolloutClient
 from trainer_client.step_timing import PhaseClock
 

@@ -28,8 +28,8 @@ import torch
 from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rollout_service.api import rollout_pb2 as pb
-from rollout_service.cpu_budget import pin_local_trainer, trainer_threads
+from rollout_api import rollout_pb2 as pb
+from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.step_timing import summarize_seconds
 from trainer_client.stream import GroupFeed
@@ -150,7 +150,7 @@ def train(
     ``trainer_address`` is where vLLM's workers reach this process for the weight transfer.
     ``push=False`` makes a follower: it trains on its share of the run's groups but another
     trainer of the run pushes weights (its staleness follows the run's version).
-    ``torch_threads`` 0 takes the host's CPU budget (``rollout_service.cpu_budget``).
+    ``torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
     """
     threads = use_torch_threads(trainer_threads(target, torch_threads))
     if torch_threads == 0 and (cores := pin_local_trainer(target)):

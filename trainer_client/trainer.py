@@ -39,7 +39,7 @@ from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from trainer_client.logprobs import chunked_completion_logprobs
 from trainer_client.losses import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig, compute_loss
 from trainer_client.policy_weights import is_peft_model, policy_weights

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient
 from trainer_client.nccl_sender import NcclWeightSender
 from trainer_client.policy_weights import adapter_files, policy_weights

@@ -1,7 +1,7 @@
 """Trainer side of the gloo weight push: plain torch, importable without vLLM.
 
 The trainer is rank 0 of a gloo group whose other ranks are the vLLM workers running
-``rollout_service.engine.gloo_weight_transfer`` (joined through
+``vllm_gloo_transfer.plugin`` (joined through
 ``/init_weight_transfer_engine`` with ``rank_offset`` 1). The worker opens its side with
 ``vllm.distributed.utils.stateless_init_torch_distributed_process_group(host, port, rank,
 world_size, "gloo")``, so :meth:`GlooWeightSender.connect` must build exactly its mirror:
@@ -32,33 +32,9 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-BUCKET_BYTES = 64 << 20
-"""Most bytes one broadcast packs (a larger tensor still goes alone): bounds the extra copy."""
-
-
-def packing_trailer(elements: int, buckets: int) -> torch.Tensor:
-    """Sent after the buckets: gloo fills a larger receive buffer from a smaller message
-    without complaint, so the receiver checks what was sent against what was announced."""
-    return torch.tensor([elements, buckets], dtype=torch.int64)
-
-
-def broadcast_buckets(specs: list[tuple[torch.dtype, int]], limit: int = BUCKET_BYTES) -> list[list[int]]:
-    """Indices of the announced tensors (dtype, number of elements), grouped into the
-    buckets that travel as one broadcast each: consecutive tensors of one dtype, up to
-    ``limit`` bytes."""
-    buckets: list[list[int]] = []
-    size = 0
-    for index, (dtype, numel) in enumerate(specs):
-        nbytes = numel * dtype.itemsize
-        last = buckets[-1] if buckets else None
-        if last is not None and specs[last[0]][0] == dtype and size + nbytes <= limit:
-            last.append(index)
-            size += nbytes
-        else:
-            buckets.append([index])
-            size = nbytes
-    return buckets
 
 
 def free_port(host: str = "127.0.0.1") -> int:

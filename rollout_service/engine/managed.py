@@ -22,8 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget
 from rollout_service.config import ManagedServerSettings
-from rollout_service.cpu_budget import VLLM_BIND_ENV, CpuBudget
 from rollout_service.errors import StartupError
 
 logger = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_common.tiny_model import build_tiny_model
 from rollout_service.app import RunningService, running_service
 from rollout_service.config import ManagedServerSettings, load_settings
 from rollout_service.engine.managed import ManagedVLLMServer, free_port
-from rollout_service.tiny_model import build_tiny_model
 from trainer_client.client import RolloutClient
 from trainer_client.weight_push import WeightPusher
 

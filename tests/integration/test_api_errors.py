@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from rollout_service.app import RunningService
 from tests.integration.test_discovery import fetch_text
 from tests.integration.test_stream import take_groups

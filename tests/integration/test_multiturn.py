@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
 from rollout_service.convert import group_to_pb
 from rollout_service.engine.vllm_client import completion_body, parse_completion

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec

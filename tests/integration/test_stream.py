@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient, dataset_run_spec
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.cpu_budget import CpuBudget
+from rollout_common.cpu_budget import CpuBudget
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import REUSE_URL, restore_base_weights, serving
 from tests.support import wait_until

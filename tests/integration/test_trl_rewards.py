@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.prompts import PromptRenderer, PromptSpec

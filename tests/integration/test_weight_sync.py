@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2ForCausalLM
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from rollout_service.app import RunningService
 from tests.integration.conftest import service_settings, service_with_client
 from tests.support import wait_until

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, available_cores, is_local_target, trainer_threads
 from rollout_service.config import ManagedServerSettings
-from rollout_service.cpu_budget import VLLM_BIND_ENV, CpuBudget, available_cores, is_local_target, trainer_threads
 from rollout_service.engine.managed import ManagedVLLMServer
 
 
@@ -87,7 +87,7 @@ def test_managed_cpu_server_pins_every_process_to_its_share(monkeypatch: pytest.
 
 
 PIN_AND_REPORT = (
-    "import json, os, sys; from rollout_service.cpu_budget import pin_local_trainer; "
+    "import json, os, sys; from rollout_common.cpu_budget import pin_local_trainer; "
     "cores = pin_local_trainer(sys.argv[1]); "
     "print(json.dumps([cores and list(cores), sorted(os.sched_getaffinity(0))]))"
 )

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
+from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import SchedulerSettings
 from rollout_service.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, server_info_to_pb
 from rollout_service.engine.vllm_client import completion_body
@@ -27,7 +28,6 @@ from rollout_service.prompts import PromptRenderer, PromptSpec
 from rollout_service.rewards import RewardRegistry
 from rollout_service.runs import RunSpec
 from rollout_service.service import RolloutService, ServiceInfo
-from rollout_service.tiny_model import build_tiny_model
 from rollout_service.tools import ToolRegistry
 from rollout_service.types import Completion, EpisodeSpec, FinishReason, PromptItem, SamplingParams
 from tests.support import wait_until

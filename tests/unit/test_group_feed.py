@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from trainer_client.stream import ID_MEMORY, GroupFeed, RecentIds
 
 

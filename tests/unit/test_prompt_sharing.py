@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from trainer_client.losses import LossConfig, compute_loss
 from trainer_client.prompt_sharing import prompts_are_shared
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer, GroupCollator, completion_logprobs

@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
 
+from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import SchedulerSettings
 from rollout_service.environments import EnvironmentRegistry
 from rollout_service.episode import MultiTurnConfig, TurnTemplate, run_episode, run_single_turn
@@ -27,7 +28,6 @@ from rollout_service.rewards import (
 )
 from rollout_service.runs import RunSpec
 from rollout_service.service import RolloutService, ServiceInfo
-from rollout_service.tiny_model import build_tiny_model
 from rollout_service.tools import ToolRegistry
 from rollout_service.types import Completion, EpisodeResult, EpisodeSpec, PromptItem, SamplingParams
 from tests.support import wait_until

@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from rollout_service.api import rollout_pb2 as pb
-from rollout_service.tiny_model import build_tiny_model
+from rollout_api import rollout_pb2 as pb
+from rollout_common.tiny_model import build_tiny_model
 from trainer_client.losses import LossConfig, compute_loss
 from trainer_client.trainer import GroupCollator, completion_logprobs
 

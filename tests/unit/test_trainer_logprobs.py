@@ -16,8 +16,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from rollout_service.api import rollout_pb2 as pb
-from rollout_service.tiny_model import build_tiny_model
+from rollout_api import rollout_pb2 as pb
+from rollout_common.tiny_model import build_tiny_model
 from trainer_client.step_timing import PhaseClock
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer, GroupCollator
 

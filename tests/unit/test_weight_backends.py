@@ -17,11 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_service.engine.gloo_weight_transfer import GlooWeightTransferInitInfo
 from rollout_service.weight_sync import init_info
 from trainer_client.nccl_sender import NcclWeightSender, call_within
 from trainer_client.weight_push import WeightPusher, sender_for
-from trainer_client.weights import GlooWeightSender, broadcast_buckets
+from trainer_client.weights import GlooWeightSender
+from vllm_gloo_transfer.packing import broadcast_buckets
+from vllm_gloo_transfer.plugin import GlooWeightTransferInitInfo
 
 
 def test_nccl_servers_get_exactly_the_fields_vllms_engine_accepts() -> None:

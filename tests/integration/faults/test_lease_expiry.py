@@ -11,7 +11,7 @@ import contextlib
 import grpc
 import pytest
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from rollout_service.api import rollout_pb2 as pb
+from rollout_api import rollout_pb2 as pb
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import restore_base_weights, serving
 from tests.integration.test_shared_capacity import start, trainer_command

@@ -28,10 +28,10 @@ import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
+from rollout_common.tiny_model import build_tiny_model
 from rollout_service.cli import setup_logging
 from rollout_service.config import DEFAULT_MODEL_DIR
 from rollout_service.engine.managed import free_port
-from rollout_service.tiny_model import build_tiny_model
 
 console = Console()
 SERVICE_STARTUP_TIMEOUT_S = 600.0

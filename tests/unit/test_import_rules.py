@@ -1,0 +1,47 @@
+"""The layering rules of ``tools/import_graph.py`` hold for the tree, and each rule catches
+the break it is there for."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.import_graph import GRPC_EDGE, project_graph, violations
+
+
+def test_the_tree_keeps_every_layering_rule() -> None:
+    graph = project_graph()
+    assert "rollout_service.scheduler" in graph and "trainer_client.trainer" in graph  # the files were read
+    assert violations(graph) == []
+
+
+def test_grpc_is_imported_by_the_edge_alone() -> None:
+    graph = project_graph()
+    speaking = {module for module, imported in graph.items() if any(n.split(".")[0] == "grpc" for n in imported)}
+    assert speaking == set(GRPC_EDGE)
+
+
+@pytest.mark.parametrize(
+    ("module", "imported", "rule"),
+    [
+        ("rollout_service.broker", "grpc", "only the gRPC edge imports grpc"),
+        ("rollout_service.scheduler", "rollout_api.rollout_pb2_grpc", "only the gRPC edge imports grpc"),
+        ("trainer_client.train", "rollout_service.config", "the trainer does not import the service"),
+        ("rollout_service.app", "trainer_client.train", "the service does not import the trainer"),
+        ("rollout_common.tiny_model", "rollout_service.config", "shared packages import neither side"),
+        ("vllm_gloo_transfer.plugin", "trainer_client.weights", "shared packages import neither side"),
+        ("rollout_service.engine.pool", "rollout_service.broker", "the engine imports nothing from scheduling"),
+    ],
+)
+def test_each_rule_catches_its_break(module: str, imported: str, rule: str) -> None:
+    (found,) = violations({module: {imported}})
+    assert (found.module, found.imported) == (module, imported) and found.rule.startswith(rule)
+
+
+def test_allowed_imports_pass() -> None:
+    graph = {
+        "rollout_service.server": {"grpc", "rollout_api.rollout_pb2_grpc"},
+        "rollout_service.engine.managed": {"rollout_service.config", "rollout_common.cpu_budget"},
+        "trainer_client.weights": {"vllm_gloo_transfer.packing"},
+        "rollout_demo.demo": {"rollout_service.app", "trainer_client.train", "grpc"},
+    }
+    assert violations(graph) == []
