@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent
 def generate_stubs() -> None:
     from grpc_tools import protoc
 
-    out = ROOT / "rollout_service" / "api"
+    out = ROOT / "rollout_api"
     out.mkdir(exist_ok=True)
     (out / "__init__.py").touch()
     args = [
