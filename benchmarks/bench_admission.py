@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_common.tiny_model import build_tiny_model
-from rollout_service.app import running_service
 from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
+from rollout_service.edge.app import running_service
 from trainer_client.client import RolloutClient
 
 MODES = ("staleness", "buffer")

@@ -115,7 +115,7 @@ async def soak(args: argparse.Namespace) -> dict:
     port = free_port()
     target = f"127.0.0.1:{port}"
     service_log = (work / "service.log").open("wb")
-    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
+    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
     service = await asyncio.create_subprocess_exec(
         *command, stdout=service_log, stderr=service_log, start_new_session=True
     )

@@ -108,7 +108,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollout_service.prompts import builtin_dataset
+    from rollout_service.generation.prompts import builtin_dataset
 
     prompts = [{"prompt": spec.messages} for spec in builtin_dataset(args.dataset)]
     dataset = Dataset.from_list(prompts * 200)
@@ -200,7 +200,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout_api import rollout_pb2 as pb
-    from rollout_service.prompts import builtin_dataset
+    from rollout_service.generation.prompts import builtin_dataset
     from trainer_client.losses import LossConfig, compute_loss
     from trainer_client.trainer import AsyncGRPOConfig, GroupCollator, completion_logprobs
 
@@ -357,8 +357,8 @@ def shared_flags(args: argparse.Namespace) -> list[str]:
 async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], dict[str, float]]:
     from rich.progress import Progress
 
-    from rollout_service.app import running_service
     from rollout_service.config import load_settings
+    from rollout_service.edge.app import running_service
 
     sys.path.insert(0, str(HERE))  # the service imports the reward module by name
     engine = {"managed": {"model": str(args.model_dir)}}

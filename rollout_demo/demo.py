@@ -29,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
 from rollout_common.tiny_model import build_tiny_model
-from rollout_service.cli import setup_logging
 from rollout_service.config import DEFAULT_MODEL_DIR
+from rollout_service.edge.cli import setup_logging
 from rollout_service.engine.managed import free_port
 
 console = Console()
@@ -55,7 +55,7 @@ def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path,
 
 @contextlib.contextmanager
 def service_process(port: int, log: Path, config: Path | None) -> Iterator[subprocess.Popen[bytes]]:
-    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--port", str(port), "--metrics-port", "0"]
+    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--port", str(port), "--metrics-port", "0"]
     if config is not None:
         command += ["--config", str(config)]
     with open(log, "wb") as out:

@@ -8,11 +8,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollout_service.advantages import AdvantageComputer
-from rollout_service.broker import RunBroker
-from rollout_service.episode import MultiTurnConfig
+from rollout_service.delivery.broker import RunBroker
 from rollout_service.errors import InvalidArgument
-from rollout_service.prompts import PromptSource, PromptSpec
+from rollout_service.generation.episode import MultiTurnConfig
+from rollout_service.generation.prompts import PromptSource, PromptSpec
+from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams
 
 # Upper bounds on what sizes the service's memory and work: each protects one machine from a

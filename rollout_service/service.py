@@ -14,16 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.adapters import AdapterPublisher
-from rollout_service.advantages import AdvantageComputer
-from rollout_service.broker import RunBroker
 from rollout_service.config import SchedulerSettings
+from rollout_service.delivery.broker import RunBroker
 from rollout_service.engine.protocol import Engine
-from rollout_service.environments import EnvironmentRegistry
-from rollout_service.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from rollout_service.metrics import ServiceMetrics
-from rollout_service.prompts import (
+from rollout_service.generation.environments import EnvironmentRegistry
+from rollout_service.generation.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
+from rollout_service.generation.prompts import (
     CyclingPromptSource,
     PromptRenderer,
     PromptSource,
@@ -32,11 +29,14 @@ from rollout_service.prompts import (
     SubmittedPromptSource,
     builtin_dataset,
 )
-from rollout_service.rewards import RewardRegistry
+from rollout_service.generation.scheduler import Scheduler
+from rollout_service.generation.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, ToolRegistry
+from rollout_service.metrics import ServiceMetrics
 from rollout_service.runs import Run, RunSpec
-from rollout_service.scheduler import Scheduler
-from rollout_service.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, ToolRegistry
-from rollout_service.weight_sync import UpdateTimes, WeightSyncCoordinator
+from rollout_service.scoring.advantages import AdvantageComputer
+from rollout_service.scoring.rewards import RewardRegistry
+from rollout_service.weights.adapters import AdapterPublisher
+from rollout_service.weights.weight_sync import UpdateTimes, WeightSyncCoordinator
 
 DELETED_RUNS_KEPT = 256
 NO_ENGINE_ERROR = "no vLLM server is answering; groups are dropped until one does (see the service's health)"

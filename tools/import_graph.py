@@ -23,19 +23,17 @@ PACKAGES = ("rollout_api", "rollout_common", "rollout_service", "trainer_client"
 GENERATED = ("rollout_api.rollout_pb2", "rollout_api.rollout_pb2_grpc")
 """Generated from the proto: not held to the rules (the gRPC stubs import grpc, by design)."""
 
-GRPC_EDGE = ("rollout_service.server", "trainer_client.client", "rollout_demo.demo")
+GRPC_EDGE = ("rollout_service.edge.server", "trainer_client.client", "rollout_demo.demo")
 """The only modules that speak gRPC: the service's server, the trainer's client, and the
 demo that starts both. Everything else works with plain Python types and errors."""
 
 ENGINE = "rollout_service.engine"
 SERVICE_CORE = (
-    "rollout_service.scheduler", "rollout_service.slots", "rollout_service.episode", "rollout_service.tools",
-    "rollout_service.environments", "rollout_service.prompts", "rollout_service.rewards",
-    "rollout_service.advantages", "rollout_service.broker", "rollout_service.consumer", "rollout_service.runs",
-    "rollout_service.service", "rollout_service.weight_sync", "rollout_service.adapters",
+    "rollout_service.generation", "rollout_service.scoring", "rollout_service.delivery", "rollout_service.weights",
+    "rollout_service.service", "rollout_service.runs", "rollout_service.edge",
 )  # fmt: skip
-"""Scheduling, scoring, delivery and weights: what the engine (HTTP clients of vLLM, its
-pool and the managed server) must not depend on."""
+"""The stages (and the runs, the service and the edge that use them): what the engine
+(HTTP clients of vLLM, its pool and the managed server) must not depend on."""
 
 
 @dataclass(frozen=True)

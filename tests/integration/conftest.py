@@ -20,8 +20,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_common.tiny_model import build_tiny_model
-from rollout_service.app import RunningService, running_service
 from rollout_service.config import ManagedServerSettings, load_settings
+from rollout_service.edge.app import RunningService, running_service
 from rollout_service.engine.managed import ManagedVLLMServer, free_port
 from trainer_client.client import RolloutClient
 from trainer_client.weight_push import WeightPusher
@@ -102,7 +102,7 @@ def service_process(vllm_server, tiny_model: Path, tmp_path: Path) -> Iterator[s
         ROLLOUT_ENGINE__MODEL="tiny",
         ROLLOUT_ADAPTERS__DIR=str(tmp_path / "adapters"),
     )
-    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
+    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--vllm-url", vllm_server.url]
     command += ["--port", str(port), "--metrics-port", "0"]
     with open(tmp_path / "service.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from rollout_api import rollout_pb2 as pb
-from rollout_service.app import RunningService
+from rollout_service.edge.app import RunningService
 from tests.integration.test_discovery import fetch_text
 from tests.integration.test_stream import take_groups
 from tests.support import wait_until

@@ -29,15 +29,15 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
-from rollout_service.convert import group_to_pb
+from rollout_service.edge.convert import group_to_pb
 from rollout_service.engine.vllm_client import completion_body, parse_completion
-from rollout_service.episode import MultiTurnConfig, TurnTemplate, run_episode
+from rollout_service.generation.episode import MultiTurnConfig, TurnTemplate, run_episode
+from rollout_service.generation.prompts import PromptRenderer, PromptSpec
+from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.prompts import PromptRenderer, PromptSpec
-from rollout_service.rewards import RewardRegistry
 from rollout_service.runs import RunSpec
+from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
-from rollout_service.tools import ToolRegistry
 from rollout_service.types import Completion, EpisodeSpec, PromptItem, SamplingParams, ScoredGroup
 from tests.integration.conftest import service_settings, service_with_client
 from tests.integration.test_stream import take_groups

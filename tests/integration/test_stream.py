@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 
 def reference_char_fraction(text: str, target: str) -> float:
-    """Independent of rollout_service.rewards: the test's own statement of the reward."""
+    """Independent of rollout_service.scoring.rewards: the test's own statement of the reward."""
     chars = re.sub(r"\s", "", text)
     return chars.count(target) / len(chars) if chars else 0.0
 

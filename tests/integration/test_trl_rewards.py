@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
+from rollout_service.generation.prompts import PromptRenderer, PromptSpec
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.prompts import PromptRenderer, PromptSpec
-from rollout_service.rewards import RewardRegistry
 from rollout_service.runs import RunSpec
+from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.types import SamplingParams
 from tests.integration import reward_plugins

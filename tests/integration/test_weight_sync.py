@@ -21,7 +21,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
-from rollout_service.app import RunningService
+from rollout_service.edge.app import RunningService
 from tests.integration.conftest import service_settings, service_with_client
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec

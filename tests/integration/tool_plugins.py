@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_service.environments import GuessNumber
+from rollout_service.generation.environments import GuessNumber
 
 
 def shout(text: str) -> str:

@@ -7,9 +7,9 @@ import asyncio
 
 from rollout_service.config import SchedulerSettings
 from rollout_service.errors import EngineError
+from rollout_service.generation.prompts import PromptRenderer
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.prompts import PromptRenderer
-from rollout_service.rewards import RewardRegistry
+from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.types import Completion, SamplingParams
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.adapters import AdapterPublisher, validate_adapter_files
 from rollout_service.engine.control import WeightSyncError
 from rollout_service.errors import FailedPrecondition, InvalidArgument
+from rollout_service.weights.adapters import AdapterPublisher, validate_adapter_files
 
 ADAPTER = {"adapter_config.json": json.dumps({"r": 8}).encode(), "adapter_model.safetensors": b"\0" * 16}
 

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from rollout_service.advantages import EPS, AdvantageComputer, weighted_total
+from rollout_service.scoring.advantages import EPS, AdvantageComputer, weighted_total
 from rollout_service.types import AdvantageScaling
 
 

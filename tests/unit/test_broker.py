@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED, RunBroker
+from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED, RunBroker
 from rollout_service.errors import AlreadyExists, FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import EpisodeResult, PromptItem, ScoredGroup

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rollout_service.broker import ACK_TRAINED
-from rollout_service.consumer import Ack, ConsumerRequest, ConsumerSession, Credit
+from rollout_service.delivery.broker import ACK_TRAINED
+from rollout_service.delivery.consumer import Ack, ConsumerRequest, ConsumerSession, Credit
 from rollout_service.errors import InvalidArgument
 from rollout_service.types import ScoredGroup
 from tests.unit.scripted import ScriptedEngine, make_service

@@ -18,17 +18,23 @@ from transformers import AutoTokenizer
 from rollout_api import rollout_pb2 as pb
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import SchedulerSettings
-from rollout_service.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, server_info_to_pb
+from rollout_service.edge.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, server_info_to_pb
 from rollout_service.engine.vllm_client import completion_body
-from rollout_service.environments import EnvironmentRegistry, GuessNumber, StepResult
-from rollout_service.episode import MultiTurnConfig, TurnTemplate, run_episode, run_single_turn, run_single_turn_group
 from rollout_service.errors import EnvironmentFailure, FailedPrecondition, InvalidArgument
+from rollout_service.generation.environments import EnvironmentRegistry, GuessNumber, StepResult
+from rollout_service.generation.episode import (
+    MultiTurnConfig,
+    TurnTemplate,
+    run_episode,
+    run_single_turn,
+    run_single_turn_group,
+)
+from rollout_service.generation.prompts import PromptRenderer, PromptSpec
+from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.prompts import PromptRenderer, PromptSpec
-from rollout_service.rewards import RewardRegistry
 from rollout_service.runs import RunSpec
+from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
-from rollout_service.tools import ToolRegistry
 from rollout_service.types import Completion, EpisodeSpec, FinishReason, PromptItem, SamplingParams
 from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from rollout_service.consumer import ConsumerSession
+from rollout_service.delivery.consumer import ConsumerSession
+from rollout_service.edge.server import start_grpc_server, status_code
 from rollout_service.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -20,7 +21,6 @@ from rollout_service.errors import (
     ResourceExhausted,
     ServiceError,
 )
-from rollout_service.server import start_grpc_server, status_code
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec
 from trainer_client.client import RolloutClient

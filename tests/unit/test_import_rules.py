@@ -10,7 +10,7 @@ from tools.import_graph import GRPC_EDGE, project_graph, violations
 
 def test_the_tree_keeps_every_layering_rule() -> None:
     graph = project_graph()
-    assert "rollout_service.scheduler" in graph and "trainer_client.trainer" in graph  # the files were read
+    assert "rollout_service.generation.scheduler" in graph and "trainer_client.trainer" in graph  # the files were read
     assert violations(graph) == []
 
 
@@ -23,13 +23,17 @@ def test_grpc_is_imported_by_the_edge_alone() -> None:
 @pytest.mark.parametrize(
     ("module", "imported", "rule"),
     [
-        ("rollout_service.broker", "grpc", "only the gRPC edge imports grpc"),
-        ("rollout_service.scheduler", "rollout_api.rollout_pb2_grpc", "only the gRPC edge imports grpc"),
+        ("rollout_service.delivery.broker", "grpc", "only the gRPC edge imports grpc"),
+        ("rollout_service.generation.scheduler", "rollout_api.rollout_pb2_grpc", "only the gRPC edge imports grpc"),
         ("trainer_client.train", "rollout_service.config", "the trainer does not import the service"),
-        ("rollout_service.app", "trainer_client.train", "the service does not import the trainer"),
+        ("rollout_service.edge.app", "trainer_client.train", "the service does not import the trainer"),
         ("rollout_common.tiny_model", "rollout_service.config", "shared packages import neither side"),
         ("vllm_gloo_transfer.plugin", "trainer_client.weights", "shared packages import neither side"),
-        ("rollout_service.engine.pool", "rollout_service.broker", "the engine imports nothing from scheduling"),
+        (
+            "rollout_service.engine.pool",
+            "rollout_service.delivery.broker",
+            "the engine imports nothing from scheduling",
+        ),
     ],
 )
 def test_each_rule_catches_its_break(module: str, imported: str, rule: str) -> None:
@@ -39,9 +43,9 @@ def test_each_rule_catches_its_break(module: str, imported: str, rule: str) -> N
 
 def test_allowed_imports_pass() -> None:
     graph = {
-        "rollout_service.server": {"grpc", "rollout_api.rollout_pb2_grpc"},
+        "rollout_service.edge.server": {"grpc", "rollout_api.rollout_pb2_grpc"},
         "rollout_service.engine.managed": {"rollout_service.config", "rollout_common.cpu_budget"},
         "trainer_client.weights": {"vllm_gloo_transfer.packing"},
-        "rollout_demo.demo": {"rollout_service.app", "trainer_client.train", "grpc"},
+        "rollout_demo.demo": {"rollout_service.edge.app", "trainer_client.train", "grpc"},
     }
     assert violations(graph) == []

@@ -14,11 +14,13 @@ from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishm
 
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import SchedulerSettings
-from rollout_service.environments import EnvironmentRegistry
-from rollout_service.episode import MultiTurnConfig, TurnTemplate, run_episode, run_single_turn
+from rollout_service.generation.environments import EnvironmentRegistry
+from rollout_service.generation.episode import MultiTurnConfig, TurnTemplate, run_episode, run_single_turn
+from rollout_service.generation.prompts import PromptRenderer, PromptSpec
+from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.prompts import PromptRenderer, PromptSpec
-from rollout_service.rewards import (
+from rollout_service.runs import RunSpec
+from rollout_service.scoring.rewards import (
     RewardInputs,
     RewardRegistry,
     call_reward,
@@ -26,9 +28,7 @@ from rollout_service.rewards import (
     exact_answer,
     reward_inputs,
 )
-from rollout_service.runs import RunSpec
 from rollout_service.service import RolloutService, ServiceInfo
-from rollout_service.tools import ToolRegistry
 from rollout_service.types import Completion, EpisodeResult, EpisodeSpec, PromptItem, SamplingParams
 from tests.support import wait_until
 

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from rollout_service.errors import InvalidArgument, RewardError
-from rollout_service.rewards import RewardInputs, RewardRegistry, call_reward, char_fraction, exact_answer
+from rollout_service.scoring.rewards import RewardInputs, RewardRegistry, call_reward, char_fraction, exact_answer
 
 
 def test_char_fraction_counts_non_space_characters() -> None:

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from rollout_service.convert import stats_to_pb
+from rollout_service.edge.convert import stats_to_pb
+from rollout_service.generation.prompts import PromptSpec
 from rollout_service.metrics import RecentRate
-from rollout_service.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
 from tests.support import wait_until

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 from rollout_service.config import EngineSettings
-from rollout_service.consumer import ConsumerSession, WeightsWanted
+from rollout_service.delivery.consumer import ConsumerSession, WeightsWanted
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.server_recovery import ServerRecovery
+from rollout_service.weights.server_recovery import ServerRecovery
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from rollout_service.consumer import ConsumerSession
+from rollout_service.delivery.consumer import ConsumerSession
 from rollout_service.errors import FailedPrecondition, ResourceExhausted
-from rollout_service.prompts import PromptSpec, RenderedPrompt, SubmittedPromptSource
+from rollout_service.generation.prompts import PromptSpec, RenderedPrompt, SubmittedPromptSource
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
 from tests.unit.scripted import ScriptedEngine, ScriptedTokenizer, make_service

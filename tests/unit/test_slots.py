@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from rollout_service.slots import WeightedSlots
+from rollout_service.generation.slots import WeightedSlots
 
 
 async def settle() -> None:

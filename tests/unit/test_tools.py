@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from rollout_service.errors import InvalidArgument
-from rollout_service.tools import (
+from rollout_service.generation.tools import (
     ToolCall,
     ToolRegistry,
     UnreadableCall,

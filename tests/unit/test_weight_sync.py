@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from rollout_service.config import WeightSyncSettings
-from rollout_service.convert import update_times_to_pb
+from rollout_service.edge.convert import update_times_to_pb
 from rollout_service.engine.control import WeightSyncError
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.weight_sync import TensorSpec, WeightSyncCoordinator
+from rollout_service.weights.weight_sync import TensorSpec, WeightSyncCoordinator
 from tests.support import wait_until
 
 STEP_SECONDS = {

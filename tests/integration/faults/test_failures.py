@@ -130,7 +130,7 @@ async def test_sigterm_exits_in_bounded_time_even_with_a_reward_hung_in_a_thread
         ROLLOUT_SHUTDOWN_TIMEOUT_S="3",
         HANGING_REWARD_MARKER=str(marker),
     )
-    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
+    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--vllm-url", vllm_server.url]
     command += ["--port", str(port), "--metrics-port", "0"]
     log = tmp_path / "service.log"
     with log.open("wb") as out:
@@ -268,7 +268,7 @@ async def test_sigterm_lets_consumers_ack_what_they_hold_and_ends_early_once_the
         ROLLOUT_ENGINE__MODEL="tiny",
         ROLLOUT_SHUTDOWN_GRACE_S="60",
     )
-    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_server.url]
+    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--vllm-url", vllm_server.url]
     command += ["--port", str(port), "--metrics-port", "0"]
     log = tmp_path / "service.log"
     with log.open("wb") as out:

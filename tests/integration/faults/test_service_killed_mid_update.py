@@ -44,7 +44,7 @@ def service_process(vllm_url: str, tiny_model: Path, log: Path) -> Iterator[tupl
         ROLLOUT_ADAPTERS__DIR=str(log.parent / "adapters"),
         ROLLOUT_WEIGHT_SYNC__TRANSFER_TIMEOUT_S="8",  # vLLM's side of a broken transfer gives up soon
     )
-    command = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm-url", vllm_url]
+    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--vllm-url", vllm_url]
     command += ["--port", str(port), "--metrics-port", "0"]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

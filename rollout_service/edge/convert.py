@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service import __version__
-from rollout_service.broker import ACK_DROPPED_STALE, ACK_TRAINED
-from rollout_service.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
+from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
+from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.errors import InvalidArgument
-from rollout_service.prompts import BUILTIN_DATASETS, PromptSpec
+from rollout_service.generation.prompts import BUILTIN_DATASETS, PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
 from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams, ScoredGroup
-from rollout_service.weight_sync import TensorSpec, UpdateTimes
+from rollout_service.weights.weight_sync import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
     from rollout_service.service import RolloutService, ServiceStats

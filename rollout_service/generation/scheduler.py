@@ -28,17 +28,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, cast
 
-from rollout_service.adapters import AdapterRouting
-from rollout_service.advantages import weighted_total
 from rollout_service.engine.protocol import Engine, GroupEngine, samples_groups_at_once
-from rollout_service.episode import run_episode, run_single_turn, run_single_turn_group
 from rollout_service.errors import EngineError, EnvironmentFailure, RewardError
+from rollout_service.generation.episode import run_episode, run_single_turn, run_single_turn_group
+from rollout_service.generation.slots import WeightedSlots
+from rollout_service.generation.tools import ToolResult
 from rollout_service.metrics import RecentRate, ServiceMetrics
-from rollout_service.rewards import RewardRegistry, call_reward, reward_inputs
 from rollout_service.runs import Run
-from rollout_service.slots import WeightedSlots
-from rollout_service.tools import ToolResult
+from rollout_service.scoring.advantages import weighted_total
+from rollout_service.scoring.rewards import RewardRegistry, call_reward, reward_inputs
 from rollout_service.types import EpisodeResult, PromptItem, SamplingParams, ScoredGroup
+from rollout_service.weights.adapters import AdapterRouting
 
 logger = logging.getLogger(__name__)
 

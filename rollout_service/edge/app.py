@@ -17,23 +17,23 @@ from typing import Any
 
 import aiohttp
 
-from rollout_service.adapters import AdapterPublisher
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
+from rollout_service.edge.server import set_serving, start_grpc_server
 from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.supervisor import ServerSupervisor
 from rollout_service.engine.vllm_client import VLLMServerClient
-from rollout_service.environments import EnvironmentRegistry
 from rollout_service.errors import StartupError
+from rollout_service.generation.environments import EnvironmentRegistry
+from rollout_service.generation.prompts import PromptRenderer
+from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics, start_metrics_server
-from rollout_service.prompts import PromptRenderer
-from rollout_service.rewards import RewardRegistry
-from rollout_service.server import set_serving, start_grpc_server
-from rollout_service.server_recovery import ServerRecovery
+from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
-from rollout_service.tools import ToolRegistry
-from rollout_service.weight_sync import WeightSyncCoordinator
+from rollout_service.weights.adapters import AdapterPublisher
+from rollout_service.weights.server_recovery import ServerRecovery
+from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 

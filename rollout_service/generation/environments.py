@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout_service.errors import EnvironmentFailure, InvalidArgument
+from rollout_service.generation.user_code import call_user_function
 from rollout_service.types import PromptItem
-from rollout_service.user_code import call_user_function
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from rollout_service.engine.protocol import Engine, GroupEngine
-from rollout_service.environments import EnvironmentFactory, call_environment
-from rollout_service.tools import ParsedCall, ToolCall, ToolResult, ToolSet
+from rollout_service.generation.environments import EnvironmentFactory, call_environment
+from rollout_service.generation.tools import ParsedCall, ToolCall, ToolResult, ToolSet
 from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams
 
 DEFAULT_MAX_TURNS = 8

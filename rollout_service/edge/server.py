@@ -21,9 +21,8 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api import rollout_pb2_grpc as pb_grpc
-from rollout_service.adapters import MAX_ADAPTER_BYTES, check_adapter_file_name
-from rollout_service.consumer import ConsumerRequest, ConsumerSession
-from rollout_service.convert import (
+from rollout_service.delivery.consumer import ConsumerRequest, ConsumerSession
+from rollout_service.edge.convert import (
     PAUSE_MODE_FROM_PB,
     consumer_message_to_pb,
     consumer_request_from_pb,
@@ -43,6 +42,7 @@ from rollout_service.errors import (
     ServiceError,
 )
 from rollout_service.service import RolloutService
+from rollout_service.weights.adapters import MAX_ADAPTER_BYTES, check_adapter_file_name
 
 logger = logging.getLogger(__name__)
 

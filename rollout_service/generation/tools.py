@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from rollout_service.errors import InvalidArgument
-from rollout_service.user_code import call_user_function
+from rollout_service.generation.user_code import call_user_function
 
 ToolFunction = Callable[..., Any]
 ToolErrorKind = Literal["unknown_tool", "bad_json", "bad_arguments", "error", "timeout"]
