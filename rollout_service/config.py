@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -17,10 +17,19 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from rollout_service.engine.control import PauseModeName
+
 DEFAULT_MODEL_DIR = Path("models/tiny-qwen2")
 
 
-class ManagedServerSettings(BaseModel):
+class Section(BaseModel):
+    """A nested group of settings. Unknown keys are errors, as at the top level: a
+    misspelt ``scheduler.max_inflght`` in a YAML file used to be dropped in silence."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ManagedServerSettings(Section):
     """A vLLM server the service launches itself as a subprocess and stops on exit."""
 
     model: Path = DEFAULT_MODEL_DIR
@@ -53,9 +62,6 @@ class ManagedServerSettings(BaseModel):
     max_restarts: int = Field(default=3, ge=0)
     """Times the service restarts the server after its API process dies; then it stays down
     (a crash loop is a bug to read in vLLM's log, not to hide)."""
-    weight_transfer_backend: str | None = "gloo"
-    """vLLM weight-transfer engine for pushing trainer weights ("gloo" on CPU: this project's
-    plugin; "nccl" on GPU); None serves without weight updates."""
     max_loras: int = Field(default=0, ge=0)
     """LoRA adapters the server holds at once (runs that train adapters load theirs at
     runtime, two versions each while one replaces the other); 0 serves without LoRA."""
@@ -67,7 +73,7 @@ class ManagedServerSettings(BaseModel):
     """Where the server's output goes; None: a temporary file named in the logs."""
 
 
-class EngineSettings(BaseModel):
+class EngineSettings(Section):
     """How the service talks to vLLM's OpenAI-compatible HTTP API."""
 
     urls: list[str] = Field(default_factory=list)
@@ -103,7 +109,7 @@ class EngineSettings(BaseModel):
     no new ones until it answers again."""
 
 
-class SchedulerSettings(BaseModel):
+class SchedulerSettings(Section):
     """Slots and buffering."""
 
     max_inflight: int = Field(default=64, ge=1)
@@ -150,7 +156,7 @@ class SchedulerSettings(BaseModel):
     of very different lengths leave slots idle; off: one request per member."""
 
 
-class AdapterSettings(BaseModel):
+class AdapterSettings(Section):
     """LoRA adapters pushed by runs that train adapters on a shared base model."""
 
     dir: Path = Path("outputs/adapters")
@@ -160,11 +166,13 @@ class AdapterSettings(BaseModel):
     """Bound on loading (or unloading) one adapter on one server."""
 
 
-class WeightSyncSettings(BaseModel):
+class WeightSyncSettings(Section):
     """Pushing trainer weights into the vLLM servers."""
 
     backend: str = "gloo"
-    """Transfer backend the servers were started with (--weight-transfer-config): gloo on CPU, nccl on GPU."""
+    """vLLM weight-transfer engine the servers run (their --weight-transfer-config): "gloo"
+    on CPU (this project's ``vllm_gloo_transfer``), "nccl" on GPU. A managed server is
+    started with it; servers of your own must have been started with it."""
     resume_retry_s: float = Field(default=1.0, gt=0)
     """A failed /resume is retried after this, doubling, 3 times; then every 8x this in the
     background until it works: a server left paused would never generate again."""
@@ -173,7 +181,7 @@ class WeightSyncSettings(BaseModel):
     group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""
     control_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on each pause, resume, start, finish and prefix-cache reset call."""
-    pause_mode: Literal["keep", "abort", "wait", "none"] = "none"
+    pause_mode: PauseModeName = "none"
     """Default for in-flight requests during an update (see the proto's PauseMode). none
     does not pause: requests go on and their later tokens come from the new weights. keep
     freezes them, but vLLM's pause preempts every running request, which then recomputes

@@ -100,7 +100,7 @@ def main(
     """Train on the service's stream and print the summary as JSON."""
     logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
     from trainer_client.step_timing import format_split
-    from trainer_client.train import LoraOptions, RunOptions, cpu_training_config, train
+    from trainer_client.train import ADMISSION_MODES, LoraOptions, RunOptions, cpu_training_config, train
 
     if not (model / "config.json").exists():
         if model != Path("models/tiny-qwen2"):
@@ -132,8 +132,8 @@ def main(
     if lora_serving not in ("merged", "adapter"):
         raise typer.BadParameter(f"--lora-serving {lora_serving!r}: choose merged or adapter")
     lora = LoraOptions(lora_rank, lora_alpha, targets, lora_serving) if lora_rank else None  # type: ignore[arg-type]
-    if admission not in ("staleness", "buffer"):
-        raise typer.BadParameter(f"--admission {admission!r}: choose staleness or buffer")
+    if admission not in ADMISSION_MODES:
+        raise typer.BadParameter(f"--admission {admission!r}: choose {' or '.join(ADMISSION_MODES)}")
     options = RunOptions(
         dataset,
         _rewards(reward or ["char_fraction"]),

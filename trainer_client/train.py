@@ -38,6 +38,8 @@ from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
+ADMISSION_MODES = {"staleness": pb.ADMISSION_MODE_STALENESS, "buffer": pb.ADMISSION_MODE_BUFFER}
+"""``RunOptions.admission`` -> the proto's AdmissionMode (the one list of the trainer's names)."""
 
 
 @dataclass
@@ -127,7 +129,7 @@ async def _create_run(
         )
         spec.sampling.temperature = config.temperature
         spec.serve_adapter = serve_adapter
-        spec.admission = pb.ADMISSION_MODE_STALENESS if options.admission == "staleness" else pb.ADMISSION_MODE_BUFFER
+        spec.admission = ADMISSION_MODES[options.admission]
         # This trainer pushes before it trains and refuses groups of older weights: generating
         # before that push would only make groups to drop.
         spec.await_first_update = pushes

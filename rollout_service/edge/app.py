@@ -104,7 +104,11 @@ async def running_service(
                 from rollout_common.tiny_model import build_tiny_model
 
                 await asyncio.to_thread(build_tiny_model, managed_settings.model)
-            managed = ManagedVLLMServer(managed_settings, served_model_name=engine_settings.model)
+            managed = ManagedVLLMServer(
+                managed_settings,
+                served_model_name=engine_settings.model,
+                weight_transfer_backend=settings.weight_sync.backend,  # one setting for both ends
+            )
             stack.push_async_callback(asyncio.to_thread, managed.stop)  # before start: no orphan server
             await asyncio.to_thread(managed.start)
         if managed is not None:

@@ -48,8 +48,16 @@ class ManagedServerError(StartupError):
 class ManagedVLLMServer:
     """A vLLM OpenAI-compatible server owned by this process."""
 
-    def __init__(self, settings: ManagedServerSettings, served_model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: ManagedServerSettings,
+        served_model_name: str | None = None,
+        weight_transfer_backend: str | None = "gloo",
+    ) -> None:
+        """``weight_transfer_backend``: the service's ``weight_sync.backend``; None serves
+        without weight updates."""
         self.settings = settings
+        self.weight_transfer_backend = weight_transfer_backend
         self.port = settings.port or free_port()
         self.served_model_name = served_model_name or str(settings.model)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -82,7 +90,7 @@ class ManagedVLLMServer:
         return [] if block_size is None else ["--block-size", str(block_size)]
 
     def _weight_transfer_args(self) -> list[str]:
-        backend = self.settings.weight_transfer_backend
+        backend = self.weight_transfer_backend
         return [] if backend is None else ["--weight-transfer-config", json.dumps({"backend": backend})]
 
     def _lora_args(self) -> list[str]:

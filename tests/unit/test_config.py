@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
 
@@ -32,6 +33,24 @@ def test_missing_file_and_unknown_keys_are_errors(tmp_path: Path) -> None:
     bad.write_text("max_inflight: 3\n")  # belongs under scheduler:
     with pytest.raises(ValueError, match="max_inflight"):
         load_settings(bad)
+
+
+@pytest.mark.parametrize(
+    ("nested", "typo"),
+    [
+        ({"scheduler": {"max_inflght": 8}}, "max_inflght"),
+        ({"engine": {"managed": {"blocksize": 16}}}, "blocksize"),
+        ({"weight_sync": {"pause": "keep"}}, "pause"),
+        ({"adapters": {"directory": "x"}}, "directory"),
+    ],
+)
+def test_unknown_nested_keys_are_errors_that_name_them(nested: dict, typo: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=typo):
+        load_settings(**nested)
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump(nested))
+    with pytest.raises(ValueError, match=typo):
+        load_settings(config)
 
 
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("*.yaml")), ids=lambda p: p.name)
