@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -35,9 +34,9 @@ from rollout_service.generation.slots import WeightedSlots
 from rollout_service.generation.tools import ToolResult
 from rollout_service.metrics import RecentRate, ServiceMetrics
 from rollout_service.runs import Run
-from rollout_service.scoring.advantages import weighted_total
-from rollout_service.scoring.rewards import RewardRegistry, call_reward, reward_inputs
-from rollout_service.types import EpisodeResult, PromptItem, SamplingParams, ScoredGroup
+from rollout_service.scoring.rewards import RewardRegistry
+from rollout_service.scoring.score import GroupScorer
+from rollout_service.types import EpisodeResult, PromptItem, SamplingParams
 from rollout_service.weights.adapters import AdapterRouting
 
 logger = logging.getLogger(__name__)
@@ -61,12 +60,12 @@ class Scheduler:
         self.group_requests = group_requests
         """Single-turn groups as one request when the engine can (``SchedulerSettings``)."""
         self.decode = decode
-        self.rewards = rewards
         self.metrics = metrics
         self.max_inflight = max_inflight
-        self.reward_timeout_s = reward_timeout_s
         self.reward_executor = ThreadPoolExecutor(reward_threads, thread_name_prefix="reward")
         """Sync reward functions' own threads (``SchedulerSettings.reward_threads``)."""
+        self.scorer = GroupScorer(rewards, reward_timeout_s, self.reward_executor)
+        """Scores each group as its last member finishes (``scoring.score``)."""
         self.slots_busy = 0
         self.max_slots_busy_seen = 0
         self.engine_failures = 0
@@ -304,7 +303,7 @@ class Scheduler:
                 await self._drop(run, group_id, "aborted", "a member was aborted by a weight update")
                 return
             try:
-                scored = await self._score(run, prompt, group_id, episodes, time.monotonic() - started)
+                scored = await self.scorer.score(run, prompt, group_id, episodes, time.monotonic() - started)
             except RewardError as exc:
                 await self._drop(run, group_id, "reward", exc)
                 return
@@ -333,37 +332,6 @@ class Scheduler:
         run.counters.groups_dropped += 1
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()
         logger.warning("dropped group %s (%s): %s", group_id, reason, error)
-
-    async def _score(
-        self, run: Run, prompt: PromptItem, group_id: str, episodes: list[EpisodeResult], seconds: float
-    ) -> ScoredGroup:
-        size = len(episodes)
-        inputs = reward_inputs(prompt, episodes, multi_turn=run.episode is not None)  # TRL's inputs
-        names = [name for name, _ in run.spec.rewards]
-        values = await asyncio.gather(
-            *(
-                call_reward(name, self.rewards.get(name), inputs, self.reward_timeout_s, self.reward_executor)
-                for name in names
-            )
-        )
-        components = dict(zip(names, values, strict=True))
-        weights = run.reward_weights()
-        totals = weighted_total(components, weights, size)
-        if any(math.isnan(t) for t in totals):
-            raise RewardError("every reward function returned None for a sample of the group")
-        if not all(math.isfinite(t) for t in totals):
-            raise RewardError(f"the weighted reward overflowed ({totals}); use smaller rewards or weights")
-        return ScoredGroup(
-            group_id=group_id,
-            run_id=run.run_id,
-            prompt=prompt,
-            episodes=episodes,
-            rewards=totals,
-            reward_components=components,
-            reward_weights=weights,
-            advantages=run.advantages(totals),
-            generation_seconds=seconds,
-        )
 
 
 def _episodes(result: EpisodeResult | list[EpisodeResult]) -> list[EpisodeResult]:
