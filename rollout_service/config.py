@@ -20,6 +20,8 @@ from pydantic_settings import (
 from rollout_service.engine.control import PauseModeName
 
 DEFAULT_MODEL_DIR = Path("models/tiny-qwen2")
+DEFAULT_WEIGHT_TRANSFER_BACKEND = "gloo"
+"""This project's vLLM weight-transfer engine for CPU servers (``vllm_gloo_transfer``)."""
 
 
 class Section(BaseModel):
@@ -169,7 +171,7 @@ class AdapterSettings(Section):
 class WeightSyncSettings(Section):
     """Pushing trainer weights into the vLLM servers."""
 
-    backend: str = "gloo"
+    backend: str = DEFAULT_WEIGHT_TRANSFER_BACKEND
     """vLLM weight-transfer engine the servers run (their --weight-transfer-config): "gloo"
     on CPU (this project's ``vllm_gloo_transfer``), "nccl" on GPU. A managed server is
     started with it; servers of your own must have been started with it."""

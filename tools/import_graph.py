@@ -62,7 +62,8 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: resolve against this module's package
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                parts = package.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)

@@ -341,7 +341,7 @@ class AsyncGRPOTrainer(Trainer):
         """TRL's ``num_items_in_batch``: the loss tokens of all of an optimizer step's
         micro-batches, summed over ranks. dapo, cispo and vespo divide by it, so under gradient
         accumulation every token of the step weighs the same, not each micro-batch's tokens."""
-        tokens = sum(self._loss_mask(inputs).sum() for inputs in batch_samples)
+        tokens = sum(self._loss_mask(inputs, self._fresh(inputs)).sum() for inputs in batch_samples)
         tokens = torch.as_tensor(tokens, dtype=torch.float32, device=device)
         return self.accelerator.gather(tokens).sum() if self.args.world_size > 1 else tokens
 
@@ -351,11 +351,14 @@ class AsyncGRPOTrainer(Trainer):
         last step has fewer), or the configured count outside the training loop."""
         return getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
 
-    def _loss_mask(self, inputs: dict[str, Any]) -> torch.Tensor:
-        """The completion mask without samples past ``max_staleness``, judged against the
-        version this step trains at (a batch of several accumulation steps, or a push between
-        fetch and step): those are masked out of the loss and their groups acked as dropped."""
-        fresh = [self.feed.is_fresh(v) for v in inputs["staleness_versions"]]
+    def _fresh(self, inputs: dict[str, Any]) -> list[bool]:
+        """Which samples are within ``max_staleness``, judged against the version this step
+        trains at (a batch of several accumulation steps, or a push between fetch and step).
+        The others are masked out of the loss and their groups acked as dropped."""
+        return [self.feed.is_fresh(v) for v in inputs["staleness_versions"]]
+
+    @staticmethod
+    def _loss_mask(inputs: dict[str, Any], fresh: list[bool]) -> torch.Tensor:
         mask = inputs["completion_mask"]
         return mask * torch.tensor(fresh, dtype=mask.dtype, device=mask.device)[:, None]
 
@@ -370,8 +373,8 @@ class AsyncGRPOTrainer(Trainer):
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | None = None
     ) -> torch.Tensor:
         versions = inputs["staleness_versions"]
-        fresh = [self.feed.is_fresh(v) for v in versions]
-        completion_mask = self._loss_mask(inputs)
+        fresh = self._fresh(inputs)
+        completion_mask = self._loss_mask(inputs, fresh)
         logps = self._completion_logprobs(model, inputs)
         ref_logps = self._reference_logprobs(inputs) if self.loss_config.beta > 0 else None
         output = compute_loss(

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget
-from rollout_service.config import ManagedServerSettings
+from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
 from rollout_service.errors import StartupError
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class ManagedVLLMServer:
         self,
         settings: ManagedServerSettings,
         served_model_name: str | None = None,
-        weight_transfer_backend: str | None = "gloo",
+        weight_transfer_backend: str | None = DEFAULT_WEIGHT_TRANSFER_BACKEND,
     ) -> None:
         """``weight_transfer_backend``: the service's ``weight_sync.backend``; None serves
         without weight updates."""

@@ -259,7 +259,7 @@ async def run_episode(
             finish = limit
             break
         turns += 1
-        turn_params = replace(params, max_tokens=cap, cache_salt=salt(version_last))  # the version read last
+        turn_params = salted(replace(params, max_tokens=cap), version_last)  # the version read last
         completion = await engine.generate(prompt.token_ids + transcript.ids, turn_params, affinity=affinity)
         version_last = policy_version()
         turn_ids = completion.token_ids
