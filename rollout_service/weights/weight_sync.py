@@ -8,8 +8,9 @@ One update at a time, in two RPCs from the trainer:
   once, because the init and update steps wait on the trainer (it hosts the rendezvous as
   rank 0 and broadcasts only after begin returns).
 - ``commit``: waits for the pipeline, then finish_weight_update (vLLM applies the weights),
-  bumps the policy version, resets the prefix cache (cached KV of the old weights would be
-  reused otherwise) and resumes generation.
+  bumps the policy version and resumes generation. Cached KV of the old weights is not
+  reused because every request is salted with its policy version; the prefix-cache reset
+  is a setting (``WeightSyncSettings.reset_prefix_cache``).
 
 Invariant: every paused server is resumed, whatever happens. A pipeline that fails (the
 trainer died mid-broadcast), a trainer that never commits (watchdog), or an explicit abort
@@ -277,9 +278,10 @@ class WeightSyncCoordinator:
                 await self._phase(
                     update, "finish", *(s.finish_weight_update(str(new_version), control_s) for s in self.servers)
                 )
-                await self._phase(
-                    update, "reset_prefix_cache", *(s.reset_prefix_cache(control_s) for s in self.servers)
-                )
+                if self.settings.reset_prefix_cache:
+                    await self._phase(
+                        update, "reset_prefix_cache", *(s.reset_prefix_cache(control_s) for s in self.servers)
+                    )
             except WeightSyncError as exc:
                 # Some servers may have applied the weights: the group and the versions are
                 # no longer trustworthy, so the next update re-joins and re-sends everything.
