@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
 from rollout_service.errors import InvalidArgument
 from rollout_service.generation.episode import MultiTurnConfig
@@ -181,10 +182,14 @@ class Run:
         self.slots = asyncio.Semaphore(self.max_inflight)
 
     @property
+    def admission(self) -> RunAdmission:
+        """The run's versions and staleness bound (its broker consults them)."""
+        return self.broker.admission
+
+    @property
     def policy_version(self) -> int:
-        """The version this run samples from: the base weights', or its own adapter pushes'.
-        Kept by the broker, whose admission judges staleness against it."""
-        return self.broker.policy_version
+        """The version this run samples from: the base weights', or its own adapter pushes'."""
+        return self.broker.admission.policy_version
 
     @staticmethod
     def new_id() -> str:

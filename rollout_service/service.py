@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_service.config import SchedulerSettings
+from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -126,13 +127,13 @@ class RolloutService:
         it; runs that serve their own adapter count their adapter pushes instead."""
         self.policy_version = version
         for run in self._runs_on_base_weights():
-            run.broker.set_policy_version(version)
+            run.admission.set_policy_version(version)
 
     def set_trainer_version(self, version: int) -> None:
         """A push of base weights began (version: the servers' plus one) or was aborted
         (theirs): admission plans with the trainer's version, which leads the servers'."""
         for run in self._runs_on_base_weights():
-            run.broker.set_trainer_version(version)
+            run.admission.set_trainer_version(version)
 
     def engines_usable(self, usable: bool) -> None:
         """The engine pool lost (or regained) every server: say so on the running runs, whose
@@ -182,16 +183,16 @@ class RolloutService:
 
     def _broker(self, run_id: str, spec: RunSpec, max_buffered: int) -> RunBroker:
         version = 0 if spec.serve_adapter else self.policy_version
-        return RunBroker(
+        admission = RunAdmission(
             run_id,
-            max_buffered,
             self.metrics,
-            lease_timeout_s=spec.lease_timeout_s or self.settings.lease_timeout_s,
             max_staleness=spec.max_staleness if spec.admission == "staleness" else None,
             policy_version=version,
             await_version=version + 1 if spec.await_first_update else 0,
             free_clock=self.scheduler.slots.free_seconds,
         )
+        lease_timeout_s = spec.lease_timeout_s or self.settings.lease_timeout_s
+        return RunBroker(run_id, max_buffered, self.metrics, lease_timeout_s=lease_timeout_s, admission=admission)
 
     def _episode_config(self, spec: RunSpec) -> MultiTurnConfig | None:
         """Resolve a multi-turn spec against the registries; unknown names are INVALID_ARGUMENT."""
@@ -288,7 +289,7 @@ class RolloutService:
             )
         version = await self.adapters.publish(run_id, files)
         run.adapter = self.adapters.current(run_id)
-        run.broker.set_policy_version(version)
+        run.admission.set_policy_version(version)
         assert run.adapter is not None
         return version, run.adapter
 

@@ -5,24 +5,9 @@ one consumer (sent, not acked), or gone (acked). A consumer that leaves returns 
 unacked leases to the front of the buffer, so no group is lost and none is handed to two
 consumers at once. Acks are idempotent by group id.
 
-Staleness-aware admission: with ``max_staleness`` set, the broker also keeps the groups
-started but not yet consumed (reserved + buffered + leased) within what the consumers will
-train before those groups exceed max_staleness. Two versions matter: V, what the servers
-hold (a group admitted now samples from it), and T, the trainer's, which runs one ahead of
-V while a push is in flight (``set_trainer_version`` at its begin, and at an abort). A group
-admitted now, behind P pending groups and with k groups already trained at T, trains at
-about T + (k + P) / C, so it is admitted only while k + P < (max_staleness - (T - V) + 1) * C,
-where C is the groups trained per trainer version. Acks say the version they were trained
-at (an ack without one counts at T), so an ack that reaches the service after the next
-push's begin still lands on the version it was trained at; C is learned as T moves on.
-When T == V, a run whose pending groups are below one version's worth is always admitted,
-so an estimate that is off never starves the trainer; while a push is in flight the
-commit will come and re-open admission. Until C is measured, the consumers' credits
-stand in for it (a trainer asks for one step's worth), once some trainer has pushed: a run
-whose policy never changes has nothing to go stale, so before the first version bump only
-max_buffered applies. ``await_version`` holds a run's generation until the servers hold at
-least that version (the trainer's first push), so no group is generated from weights its
-trainer will refuse.
+Admission: the scheduler starts a group only when the run's ``RunAdmission`` (versions and
+staleness, ``delivery/admission.py``) allows one more pending group and the buffer has room;
+this broker counts the pending groups and wakes reservations when either answer may change.
 
 Lease timeout: a consumer that stays connected but stops acking (a hung trainer) would hold
 its groups for ever. With ``lease_timeout_s`` set, a lease older than that returns to the
@@ -38,9 +23,8 @@ fills it with ``put`` or gives it back with ``unreserve`` (a dropped group); at 
 ``max_buffered`` groups are ever reserved or buffered, so a run without consumers stops
 generating once that many groups wait, and memory stays bounded.
 
-Admission wait: the seconds a reservation waited (full buffer, staleness bound, first
-update) are measured on ``free_clock``, which the service makes a clock that runs only
-while a slot is free: a run held back while every slot was busy lost nothing to admission.
+A reservation that waits (full buffer, staleness bound, first update) is timed by the
+run's admission (``admission_wait_seconds``).
 """
 
 from __future__ import annotations
@@ -50,6 +34,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from rollout_service.delivery.admission import RunAdmission
 from rollout_service.errors import AlreadyExists, FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import ScoredGroup
@@ -69,10 +54,7 @@ class RunBroker:
         metrics: ServiceMetrics,
         lease_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
-        max_staleness: int | None = None,
-        policy_version: int = 0,
-        await_version: int = 0,
-        free_clock: Callable[[], float] | None = None,
+        admission: RunAdmission | None = None,
     ) -> None:
         self.run_id = run_id
         self.max_buffered = max_buffered
@@ -91,36 +73,14 @@ class RunBroker:
         self.leases_expired = 0
         self.groups_returned = 0
         """Leased groups put back for another consumer (the consumer left, or its lease expired)."""
-        self.max_staleness = max_staleness
-        self.policy_version = policy_version
-        self.await_version = await_version
-        self.trainer_version = policy_version
-        """T: the servers' version, plus one while a push is in flight."""
-        self.trained_by_version: dict[int, int] = {}
-        """Groups acked as trained, by the trainer version they were trained at (recent ones)."""
-        self.trained_per_version: float | None = None
-        """C: moving average of groups trained per version; None until measured."""
-        self.credits: dict[str, int] = {}
-        """Credits each consumer subscribed with: C's stand-in until it is measured."""
-        self.version_bumped = False
-        self.admission_waits = 0
-        """Times a reservation found room in the buffer but waited for the staleness bound."""
-        self.free_clock = free_clock if free_clock is not None else clock
-        """Seconds on which admission waits are measured (default: every second counts)."""
-        self._wait_seconds = 0.0
-        self._held_back = 0
-        """Reservations waiting because admission said no; the wait runs while this is > 0."""
-        self._held_back_since = 0.0
+        self.admission = admission if admission is not None else RunAdmission(run_id, metrics, free_clock=clock)
+        """The run's versions and staleness bound; a version that moves may admit waiters."""
+        self.admission.on_change(self._wake_soon)
         self._wakeups: set[asyncio.Task[None]] = set()
         self._reservers_waiting = 0
         """Reservations waiting for room: only then does an ack need to wake anyone."""
         self.acked: OrderedDict[str, str] = OrderedDict()
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
-        self.weights_requests = 0
-        """Pushes asked of the run's trainer (``request_weights``), in all."""
-        self.weights_wanted = ""
-        """Why a push is wanted, until the next version commits ("" : none is)."""
-        self._watchers: set[Callable[[], None]] = set()
         self.reserved = 0
         self.closed = False
         self.draining = False
@@ -131,107 +91,33 @@ class RunBroker:
 
     # -- producer side -------------------------------------------------------------------
     def has_room(self) -> bool:
-        return self._buffer_has_room() and self.policy_version >= self.await_version and self._within_staleness()
+        return self._buffer_has_room() and self.admission.allows(self.pending)
 
     def _buffer_has_room(self) -> bool:
         return len(self.buffered) + self.reserved < self.max_buffered
 
     @property
-    def groups_per_version(self) -> float | None:
-        """C as admission uses it: measured, else (after a push) the consumers' credits, else unknown."""
-        if self.trained_per_version is not None:
-            return self.trained_per_version
-        if not self.version_bumped:
-            return None
-        return float(sum(self.credits.values())) or None
-
-    def _within_staleness(self) -> bool:
-        per_version = self.groups_per_version
-        if self.max_staleness is None or per_version is None:
-            return True
-        pending = self.reserved + len(self.buffered) + self.num_leased
-        lag = self.trainer_version - self.policy_version
-        budget = (self.max_staleness - lag + 1) * per_version - self.trained_at_version
-        return pending < budget or (lag == 0 and pending < per_version)
-
-    @property
-    def trained_at_version(self) -> int:
-        """k: groups acked as trained at the trainer's current version."""
-        return self.trained_by_version.get(self.trainer_version, 0)
+    def pending(self) -> int:
+        """Groups started and not yet consumed: reserved + buffered + leased."""
+        return self.reserved + len(self.buffered) + self.num_leased
 
     async def reserve(self) -> bool:
         """Wait for room and reserve a place for one group; False once the run is closed."""
         async with self._changed:
             held_back = not self.has_room() and not self.closed
             if held_back:
-                self._hold_back()
-                if self._buffer_has_room():
-                    self.admission_waits += 1
-                    self.metrics.admission_waits.labels(self.run_id).inc()
+                self.admission.hold_back(counts_as_staleness_wait=self._buffer_has_room())
             self._reservers_waiting += 1
             try:
                 await self._changed.wait_for(lambda: self.has_room() or self.closed or self.draining)
             finally:
                 self._reservers_waiting -= 1
                 if held_back:
-                    self._admit()
+                    self.admission.admit()
             if self.closed or self.draining:
                 return False
             self.reserved += 1
             return True
-
-    @property
-    def admission_wait_seconds(self) -> float:
-        """Seconds (on ``free_clock``) a reservation waited for admission; a wait in progress
-        counts up to now."""
-        running = self.free_clock() - self._held_back_since if self._held_back else 0.0
-        return self._wait_seconds + running
-
-    def _hold_back(self) -> None:
-        if self._held_back == 0:
-            self._held_back_since = self.free_clock()
-        self._held_back += 1
-
-    def _admit(self) -> None:
-        self._held_back -= 1
-        if self._held_back == 0:
-            waited = self.free_clock() - self._held_back_since
-            self._wait_seconds += waited
-            self.metrics.admission_wait_seconds.labels(self.run_id).inc(waited)
-
-    def set_policy_version(self, version: int) -> None:
-        """The servers now hold this version (a push committed)."""
-        if version <= self.policy_version:
-            return
-        self.policy_version = version
-        self.weights_wanted = ""
-        self.version_bumped = True
-        self._advance_trainer(max(version, self.trainer_version))
-        self._wake_soon()
-
-    def set_trainer_version(self, version: int) -> None:
-        """The trainer's weights are at this version: one ahead of the servers' when a push
-        begins, the servers' again when it is aborted."""
-        if version > self.trainer_version:
-            self._advance_trainer(version)
-        elif version < self.trainer_version:
-            self.trainer_version = max(version, self.policy_version)
-        self._wake_soon()
-
-    def _advance_trainer(self, version: int) -> None:
-        """Move T forward and learn C from the version that just ended (one with nothing
-        trained, like the one before a trainer's first push, teaches nothing)."""
-        ended = self.trainer_version
-        if version <= ended:
-            return
-        self.trainer_version = version
-        trained = self.trained_by_version.pop(ended, 0)
-        if trained:
-            sample = trained / (version - ended)
-            previous = self.trained_per_version
-            self.trained_per_version = sample if previous is None else 0.5 * previous + 0.5 * sample
-        for old in [v for v in self.trained_by_version if v < ended]:
-            del self.trained_by_version[old]
 
     def _wake_soon(self) -> None:
         """Wake waiters from synchronous code (notify needs the condition's lock)."""
@@ -256,23 +142,6 @@ class RunBroker:
             self._update_gauges()
             self._changed.notify_all()
 
-    # -- asking the trainer for its weights ---------------------------------------------
-    def request_weights(self, reason: str) -> None:
-        """Ask the run's consumers for a push of its current weights now (a restarted server
-        waits for them): every stream sends one WeightsWanted, also one that subscribes
-        before the next push commits."""
-        self.weights_requests += 1
-        self.weights_wanted = reason
-        for wake in list(self._watchers):
-            wake()
-
-    def watch(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` on every weights request (a consumer stream's wake-up)."""
-        self._watchers.add(wake)
-
-    def unwatch(self, wake: Callable[[], None]) -> None:
-        self._watchers.discard(wake)
-
     # -- consumer side -------------------------------------------------------------------
     def subscribe(self, consumer_id: str, credits: int = 0) -> None:
         if self.closed:
@@ -283,7 +152,7 @@ class RunBroker:
                 "use a unique consumer_id per trainer process"
             )
         self.leases[consumer_id] = {}
-        self.credits[consumer_id] = credits
+        self.admission.consumer_joined(consumer_id, credits)
 
     async def take(self, consumer_id: str) -> ScoredGroup | None:
         """Wait for a group and lease it to the consumer; None once the run is closed.
@@ -374,8 +243,7 @@ class RunBroker:
             self._remember(self.acked, group_id, status)
             self.ack_counts[status] += 1
             if status == ACK_TRAINED:
-                version = self.trainer_version if trained_at is None else trained_at
-                self.trained_by_version[version] = self.trained_by_version.get(version, 0) + 1
+                self.admission.trained(trained_at)
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             newly += 1
         self._update_gauges()
@@ -387,7 +255,7 @@ class RunBroker:
         """The consumer left: its unacked groups go back to the front, oldest first."""
         async with self._changed:
             leased = self.leases.pop(consumer_id, {})
-            self.credits.pop(consumer_id, None)
+            self.admission.consumer_left(consumer_id)
             # Its stream is gone, so it holds no first copy: its expired groups may go to anyone.
             for group_id in [g for g, holder in self.expired_holder.items() if holder == consumer_id]:
                 del self.expired_holder[group_id]
@@ -407,12 +275,11 @@ class RunBroker:
         freed = len(self.buffered) + self.num_leased
         self.buffered.clear()
         self.leases.clear()
-        self.credits.clear()
         self.lease_deadlines.clear()
         self.acked.clear()
         self.expired_from.clear()
         self.expired_holder.clear()
-        self.trained_by_version.clear()
+        self.admission.forget()
         return freed
 
     async def drain(self) -> None:

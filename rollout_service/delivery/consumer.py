@@ -158,8 +158,8 @@ class ConsumerSession:
 
     def _weights_wanted(self) -> WeightsWanted | None:
         """A request for weights this stream has not passed on yet (one per request)."""
-        broker = self.broker
-        if not broker.weights_wanted or self.weights_requests_sent == broker.weights_requests:
+        admission = self.broker.admission
+        if not admission.weights_wanted or self.weights_requests_sent == admission.weights_requests:
             return None
-        self.weights_requests_sent = broker.weights_requests
-        return WeightsWanted(broker.policy_version, broker.weights_wanted)
+        self.weights_requests_sent = admission.weights_requests
+        return WeightsWanted(admission.policy_version, admission.weights_wanted)

@@ -181,7 +181,7 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
 
 
 def run_stats_to_pb(run: Run) -> pb.RunStats:
-    c, b = run.counters, run.broker
+    c, b, a = run.counters, run.broker, run.admission
     return pb.RunStats(
         groups_started=c.groups_started,
         groups_scored=c.groups_scored,
@@ -197,10 +197,10 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         tool_failures=c.tool_failures,
         groups_returned=b.groups_returned,
         leases_expired=b.leases_expired,
-        admission_waits=b.admission_waits,
-        groups_per_version=b.groups_per_version or 0.0,
+        admission_waits=a.admission_waits,
+        groups_per_version=a.groups_per_version or 0.0,
         slot_seconds=c.slot_seconds,
-        admission_wait_seconds=b.admission_wait_seconds,
+        admission_wait_seconds=a.admission_wait_seconds,
     )
 
 

@@ -234,7 +234,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             # Only a stream that subscribed may release: a refused duplicate must not hand
             # back the leases of the live stream that holds this consumer id.
             session = candidate
-            session.broker.watch(session.wake)
+            session.broker.admission.watch(session.wake)
             requests = _consumer_requests(request_iterator)
             reader = asyncio.create_task(session.read(requests), name=f"read-{subscribe.consumer_id}")
             yield pb.StreamSamplesResponse(
@@ -250,7 +250,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if reader is not None:
                 reader.cancel()
             if session is not None:
-                session.broker.unwatch(session.wake)
+                session.broker.admission.unwatch(session.wake)
                 returned = await session.broker.release(session.consumer_id)
                 if returned:
                     logger.info("consumer %s left; %d unacked groups returned", session.consumer_id, returned)

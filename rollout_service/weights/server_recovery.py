@@ -54,7 +54,7 @@ class ServerRecovery:
             logger.warning("%s; no run pushes the base weights now, so it waits for the next push", reason)
             return
         logger.info("asking run %s's trainer to push its weights now: %s", owner.run_id, reason)
-        owner.broker.request_weights(reason)
+        owner.admission.request_weights(reason)
 
     def version_committed(self, version: int) -> None:
         """A full-weight push committed: every server, the restarted ones too, holds it."""

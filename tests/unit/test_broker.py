@@ -1,7 +1,9 @@
 import asyncio
+from typing import Any
 
 import pytest
 
+from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED, RunBroker
 from rollout_service.errors import AlreadyExists, FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
@@ -11,6 +13,10 @@ from rollout_service.types import EpisodeResult, PromptItem, ScoredGroup
 def group(group_id: str) -> ScoredGroup:
     episode = EpisodeResult([1], [-0.1], [1], "stop", "x", 0, 0)
     return ScoredGroup(group_id, "r", PromptItem(0, [1], "p"), [episode] * 2, [0.0, 1.0], {}, {}, [-1.0, 1.0], 0.1)
+
+
+def admission(metrics: ServiceMetrics | None = None, **kwargs: Any) -> RunAdmission:
+    return RunAdmission("r", metrics if metrics is not None else ServiceMetrics(), **kwargs)
 
 
 async def filled(*ids: str, max_buffered: int = 8) -> RunBroker:
@@ -179,20 +185,20 @@ async def produce(broker: RunBroker, *ids: str) -> None:
 
 
 async def test_admission_keeps_pending_groups_within_what_trains_before_max_staleness() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=1))
     broker.subscribe("c")
     await produce(broker, *(f"a{i}" for i in range(4)))  # C unknown: only max_buffered applies
     await consume(broker, "c", 4)
-    broker.set_policy_version(1)
-    assert broker.trained_per_version == 4 and broker.trained_at_version == 0
+    broker.admission.set_policy_version(1)
+    assert broker.admission.trained_per_version == 4 and broker.admission.trained_at_version == 0
 
     # (max_staleness + 1) * C = 8 groups may be pending: all of them train within one version.
     await produce(broker, *(f"b{i}" for i in range(8)))
     assert not broker.has_room()
     await consume(broker, "c", 4)  # consumed at this version: k = 4, pending 4
     assert not broker.has_room()  # k + P = 8: the next group would be two versions old
-    broker.set_policy_version(2)
-    assert broker.trained_per_version == 4
+    broker.admission.set_policy_version(2)
+    assert broker.admission.trained_per_version == 4
     await produce(broker, *(f"c{i}" for i in range(4)))  # k = 0, pending 4 -> 8
     assert not broker.has_room()
 
@@ -200,51 +206,51 @@ async def test_admission_keeps_pending_groups_within_what_trains_before_max_stal
 async def test_one_step_off_policy_pipeline_generates_the_next_step_while_this_one_trains() -> None:
     """max_staleness 1, a trainer that pushes in the background: while step s trains on its
     leased groups, the next step's groups are generated from the weights step s-1 made."""
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=1))
     broker.subscribe("c", credits=4)
-    broker.set_trainer_version(1)  # the first push begins ...
-    broker.set_policy_version(1)  # ... and lands
+    broker.admission.set_trainer_version(1)  # the first push begins ...
+    broker.admission.set_policy_version(1)  # ... and lands
     await produce(broker, *(f"a{i}" for i in range(4)))
     taken = [(await broker.take("c")).group_id for _ in range(4)]  # step 1 trains at version 1
     await produce(broker, *(f"b{i}" for i in range(4)))  # step 2's groups, generated meanwhile
     assert not broker.has_room()  # a third step's worth would be two versions old
     broker.ack("c", taken, ACK_TRAINED, trained_at=1)
-    broker.set_trainer_version(2)  # step 1's push begins; the servers still hold version 1
+    broker.admission.set_trainer_version(2)  # step 1's push begins; the servers still hold version 1
     assert not broker.has_room()  # admitted now, from version 1, it would train at version 3
-    broker.set_policy_version(2)  # the push lands: generating from version 2 is fine again
-    assert broker.trained_per_version == 4
+    broker.admission.set_policy_version(2)  # the push lands: generating from version 2 is fine again
+    assert broker.admission.trained_per_version == 4
     assert broker.has_room()
 
 
 async def test_an_ack_that_arrives_after_the_next_push_began_counts_where_it_was_trained() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=1))
     broker.subscribe("c", credits=4)
-    broker.set_trainer_version(1)
-    broker.set_policy_version(1)
+    broker.admission.set_trainer_version(1)
+    broker.admission.set_policy_version(1)
     await produce(broker, *(f"a{i}" for i in range(4)))
     taken = [(await broker.take("c")).group_id for _ in range(4)]
-    broker.set_trainer_version(2)  # the begin overtook the ack
+    broker.admission.set_trainer_version(2)  # the begin overtook the ack
     broker.ack("c", taken, ACK_TRAINED, trained_at=1)
-    assert broker.trained_at_version == 0  # nothing is trained at version 2 yet
+    assert broker.admission.trained_at_version == 0  # nothing is trained at version 2 yet
 
 
 async def test_an_aborted_push_gives_the_trainer_the_servers_version_back() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=0)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=0))
     broker.subscribe("c", credits=2)
-    broker.set_policy_version(1)
+    broker.admission.set_policy_version(1)
     assert broker.has_room()
-    broker.set_trainer_version(2)  # a push begins: anything admitted now would be stale
+    broker.admission.set_trainer_version(2)  # a push begins: anything admitted now would be stale
     assert not broker.has_room()
-    broker.set_trainer_version(1)  # aborted: the trainer goes on from version 1
+    broker.admission.set_trainer_version(1)  # aborted: the trainer goes on from version 1
     assert broker.has_room()
 
 
 async def test_admission_never_starves_below_one_versions_worth() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=0)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=0))
     broker.subscribe("c")
     await produce(broker, "a0", "a1")
     await consume(broker, "c", 2)
-    broker.set_policy_version(1)  # C = 2
+    broker.admission.set_policy_version(1)  # C = 2
     await produce(broker, "b0", "b1")
     assert not broker.has_room()
     await consume(broker, "c", 2)  # k = 2 = (0 + 1) * C: the version's budget is spent ...
@@ -253,88 +259,88 @@ async def test_admission_never_starves_below_one_versions_worth() -> None:
 
 
 async def test_a_bump_without_consumption_teaches_nothing() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
-    broker.set_policy_version(1)  # a trainer's first push, before it trained anything
-    assert broker.trained_per_version is None
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=1))
+    broker.admission.set_policy_version(1)  # a trainer's first push, before it trained anything
+    assert broker.admission.trained_per_version is None
     await produce(broker, *(f"a{i}" for i in range(50)))  # no consumer credits either: only max_buffered
 
 
 async def test_a_waiting_reservation_is_admitted_after_a_version_bump() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=0)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=0))
     broker.subscribe("c")
     await produce(broker, "a0")
     await consume(broker, "c", 1)
-    broker.set_policy_version(1)  # C = 1
+    broker.admission.set_policy_version(1)  # C = 1
     await produce(broker, "b0")
     waiting = asyncio.ensure_future(broker.reserve())
     await asyncio.sleep(0)  # let it reach its wait
-    assert not waiting.done() and broker.admission_waits == 1
+    assert not waiting.done() and broker.admission.admission_waits == 1
     await consume(broker, "c", 1)
-    broker.set_policy_version(2)
+    broker.admission.set_policy_version(2)
     assert await asyncio.wait_for(waiting, 5)
 
 
 async def test_await_version_holds_generation_until_the_first_push() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), await_version=1)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(await_version=1))
     assert not broker.has_room()
     waiting = asyncio.ensure_future(broker.reserve())
     await asyncio.sleep(0)
     assert not waiting.done()
-    broker.set_policy_version(1)
+    broker.admission.set_policy_version(1)
     assert await asyncio.wait_for(waiting, 5)
 
 
 async def test_the_consumers_credits_stand_in_for_c_until_it_is_measured() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=1))
     broker.subscribe("trainer", credits=3)  # a trainer asks for one step's worth
-    assert broker.groups_per_version is None  # nobody pushes: nothing can go stale
-    broker.set_policy_version(1)  # the trainer's first push, before it trained anything
-    assert broker.groups_per_version == 3
+    assert broker.admission.groups_per_version is None  # nobody pushes: nothing can go stale
+    broker.admission.set_policy_version(1)  # the trainer's first push, before it trained anything
+    assert broker.admission.groups_per_version == 3
     await produce(broker, *(f"a{i}" for i in range(6)))  # (1 + 1) * 3
     assert not broker.has_room()
 
 
 async def test_dropped_groups_do_not_count_as_trained_per_version() -> None:
-    broker = RunBroker("r", 100, ServiceMetrics(), max_staleness=1)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(max_staleness=1))
     broker.subscribe("c")
     await produce(broker, *(f"a{i}" for i in range(8)))
     taken = [(await broker.take("c")).group_id for _ in range(8)]
     broker.ack("c", taken[:4], ACK_TRAINED)
     broker.ack("c", taken[4:], ACK_DROPPED_STALE)
-    broker.set_policy_version(1)
-    assert broker.trained_per_version == 4  # counting drops would admit more and drop more
+    broker.admission.set_policy_version(1)
+    assert broker.admission.trained_per_version == 4  # counting drops would admit more and drop more
 
 
 async def test_admission_wait_seconds_count_only_while_a_slot_is_free() -> None:
     """A wait is measured on the free-slot clock: seconds with every slot busy cost nothing."""
     clock, free = Clock(), Clock()
     metrics = ServiceMetrics()
-    broker = RunBroker("r", 1, metrics, clock=clock, free_clock=free)
+    broker = RunBroker("r", 1, metrics, clock=clock, admission=admission(metrics, free_clock=free))
     assert await broker.reserve()  # room: no wait
-    assert broker.admission_wait_seconds == 0.0
+    assert broker.admission.admission_wait_seconds == 0.0
     waiting = asyncio.ensure_future(broker.reserve())  # the buffer is full: held back
     await asyncio.sleep(0)  # let it reach its wait
     assert not waiting.done()
     free.now = 4.0  # 4 s with a slot free ...
     clock.now = 10.0  # ... out of 10 s of waiting
-    assert broker.admission_wait_seconds == 4.0  # a wait in progress counts up to now
+    assert broker.admission.admission_wait_seconds == 4.0  # a wait in progress counts up to now
     await broker.unreserve()
     assert await asyncio.wait_for(waiting, 5)
     free.now = 9.0  # after the wait nothing more is counted
-    assert broker.admission_wait_seconds == 4.0
+    assert broker.admission.admission_wait_seconds == 4.0
     assert metrics.registry.get_sample_value("rollout_admission_wait_seconds_total", {"run": "r"}) == 4.0
 
 
-async def test_admission_wait_seconds_default_to_the_brokers_clock_and_end_at_close() -> None:
+async def test_admission_wait_seconds_end_at_close() -> None:
     clock = Clock()
-    broker = RunBroker("r", 100, ServiceMetrics(), clock=clock, await_version=1)
+    broker = RunBroker("r", 100, ServiceMetrics(), admission=admission(await_version=1, free_clock=clock))
     waiting = asyncio.ensure_future(broker.reserve())  # held until the trainer's first push
     await asyncio.sleep(0)
     clock.now = 2.5
     await broker.close()
     assert not await asyncio.wait_for(waiting, 5)
     clock.now = 7.0
-    assert broker.admission_wait_seconds == 2.5
+    assert broker.admission.admission_wait_seconds == 2.5
 
 
 async def test_a_draining_broker_starts_and_hands_out_nothing_while_leases_settle() -> None:
@@ -354,3 +360,19 @@ async def test_a_draining_broker_starts_and_hands_out_nothing_while_leases_settl
     assert [g.group_id for g in broker.buffered] == [held_b.group_id, "g3"]
     await broker.close()
     assert await asyncio.wait_for(waiting, 5) is None
+
+
+def test_admission_answers_from_versions_and_pending_counts_alone() -> None:
+    """The versions' owner needs no broker: weight sync moves them, the broker asks."""
+    gate = admission(max_staleness=0, await_version=1)
+    assert not gate.allows(0)  # held until the first push lands
+    woken: list[int] = []
+    gate.on_change(lambda: woken.append(gate.policy_version))
+    gate.consumer_joined("c", 2)
+    gate.set_policy_version(1)  # C stands in as the credits: 2
+    assert woken == [1] and gate.allows(1) and not gate.allows(2)
+    gate.trained(trained_at=1)
+    gate.set_trainer_version(2)  # a push is in flight: nothing admitted now would be fresh
+    assert gate.trained_per_version == 1 and not gate.allows(0)
+    gate.set_policy_version(2)
+    assert woken == [1, 1, 2] and gate.allows(0)

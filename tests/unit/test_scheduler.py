@@ -224,7 +224,7 @@ async def test_stats_account_tokens_slot_time_and_admission_waits() -> None:
     run = await service.create_run(spec([[1]], group_size=2))
     try:
         await wait_until(lambda: len(run.broker.buffered) == 2 and run.counters.slots_busy == 0, 5, "a full buffer")
-        await wait_until(lambda: run.broker.admission_wait_seconds > 0, 5, "an admission wait")
+        await wait_until(lambda: run.admission.admission_wait_seconds > 0, 5, "an admission wait")
         stats = service.stats()
         response = stats_to_pb(stats, service.runs.values())
     finally:
@@ -250,10 +250,10 @@ async def test_a_push_that_begins_moves_the_trainer_version_of_runs_on_the_base_
     adapter = await service.create_run(spec([[1]], max_staleness=2, serve_adapter=True))
     try:
         service.set_trainer_version(1)
-        assert (base.broker.trainer_version, base.broker.policy_version) == (1, 0)
-        assert adapter.broker.trainer_version == 0  # its versions count its own adapter pushes
+        assert (base.admission.trainer_version, base.admission.policy_version) == (1, 0)
+        assert adapter.admission.trainer_version == 0  # its versions count its own adapter pushes
         service.set_policy_version(1)
-        assert (base.broker.trainer_version, base.broker.policy_version) == (1, 1)
+        assert (base.admission.trainer_version, base.admission.policy_version) == (1, 1)
     finally:
         await service.close()
 

@@ -44,7 +44,7 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
     recovery.version_committed(3)
     run.broker.subscribe("trainer", 0)  # no credits: only control messages can come
     session = ConsumerSession(service, run.run_id, "trainer", 0)
-    run.broker.watch(session.wake)
+    run.admission.watch(session.wake)
     waiting = asyncio.ensure_future(session.next_message())
 
     recovery.server_down(URL)
@@ -63,7 +63,7 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
 
     recovery.version_committed(4)  # the push answered: the restarted server holds version 4
     assert not pool.held
-    assert run.broker.policy_version == 4 and not run.broker.weights_wanted
+    assert run.policy_version == 4 and not run.admission.weights_wanted
     after = ConsumerSession(service, run.run_id, "after", 0)
     first = asyncio.ensure_future(after.next_message())
     done, _ = await asyncio.wait({first}, timeout=0.2)

@@ -62,7 +62,7 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
         assert vllm_server.pid not in (None, old_pid)
         assert not _alive_in_group(old_pid), "the killed server's engine or worker outlived it"
         run = running.service.get_run(run_id)
-        assert run.broker.weights_requests >= 1  # the trainer was asked for its weights ...
+        assert run.admission.weights_requests >= 1  # the trainer was asked for its weights ...
         assert "pushing the weights now, as the service asks" in log  # ... and pushed them
         assert not running.service.scheduler.engine.held  # the restarted server takes requests again
         info = await client.get_run(run_id)
