@@ -9,11 +9,39 @@ server and the step.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 
 PauseModeName = Literal["keep", "abort", "wait", "none"]
+
+
+class WeightControl(Protocol):
+    """What weight sync drives on one server: pause/resume and vLLM's weight-transfer
+    handshake. ``VLLMControlClient`` speaks it over HTTP; unit tests drive
+    ``WeightSyncCoordinator`` with a scripted one, as the scheduler is driven with a
+    scripted ``Engine``. Every call raises ``WeightSyncError`` on failure or timeout."""
+
+    base_url: str
+
+    async def world_size(self, timeout_s: float) -> int: ...
+    async def pause(self, mode: PauseModeName, timeout_s: float) -> None: ...
+    async def is_paused(self, timeout_s: float) -> bool: ...
+    async def resume(self, timeout_s: float) -> None: ...
+    async def init_weight_transfer(self, init_info: dict[str, Any], timeout_s: float) -> None: ...
+    async def start_weight_update(self, timeout_s: float) -> None: ...
+    async def update_weights(self, update_info: dict[str, Any], timeout_s: float) -> None: ...
+    async def finish_weight_update(self, version: str, timeout_s: float) -> None: ...
+    async def reset_prefix_cache(self, timeout_s: float) -> None: ...
+
+
+class AdapterControl(Protocol):
+    """What adapter publishing drives on one server: vLLM's runtime LoRA endpoints."""
+
+    base_url: str
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> None: ...
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> None: ...
 
 
 class WeightSyncError(Exception):

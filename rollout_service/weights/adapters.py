@@ -21,12 +21,12 @@ import contextlib
 import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
-from rollout_service.engine.control import VLLMControlClient, WeightSyncError
+from rollout_service.engine.control import AdapterControl, WeightSyncError
 from rollout_service.engine.protocol import Engine, GroupEngine
 from rollout_service.errors import FailedPrecondition, InvalidArgument
 from rollout_service.types import Completion, SamplingParams
@@ -91,7 +91,7 @@ class AdapterPublisher:
     """Writes, loads and retires the adapters of every run on every server."""
 
     def __init__(
-        self, root: Path, servers: list[VLLMControlClient], timeout_s: float, max_rank: int | None = None
+        self, root: Path, servers: Sequence[AdapterControl], timeout_s: float, max_rank: int | None = None
     ) -> None:
         self.root = root
         self.servers = servers
@@ -117,9 +117,9 @@ class AdapterPublisher:
             version = state.version + 1
             name, path = adapter_name(run_id, version), self.root / run_id / f"v{version}"
             await asyncio.to_thread(_write_files, path, files)
-            loaded: list[VLLMControlClient] = []
+            loaded: list[AdapterControl] = []
 
-            async def load(server: VLLMControlClient) -> None:
+            async def load(server: AdapterControl) -> None:
                 await server.load_lora_adapter(name, str(path.resolve()), self.timeout_s)
                 loaded.append(server)
 
@@ -167,8 +167,8 @@ class AdapterPublisher:
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
 
-    async def _unload(self, name: str, servers: list[VLLMControlClient]) -> None:
-        async def unload(server: VLLMControlClient) -> None:
+    async def _unload(self, name: str, servers: Sequence[AdapterControl]) -> None:
+        async def unload(server: AdapterControl) -> None:
             with contextlib.suppress(WeightSyncError):  # a server that restarted no longer has it
                 await server.unload_lora_adapter(name, self.timeout_s)
 

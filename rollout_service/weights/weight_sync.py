@@ -28,54 +28,17 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_service.config import WeightSyncSettings
-from rollout_service.engine.control import PauseModeName, VLLMControlClient, WeightSyncError
-from rollout_service.errors import FailedPrecondition, InvalidArgument
+from rollout_service.engine.control import PauseModeName, WeightControl, WeightSyncError
+from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.weights.update_messages import TensorSpec, UpdateTicket, UpdateTimes, init_info, validate_begin
 
 logger = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
-PHASES = ("join", "pause", "transfer", "finish", "reset_prefix_cache", "resume")
-"""Phases of an update in order; ``transfer`` is /start_weight_update and /update_weights,
-which returns once the trainer's broadcast has arrived."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of an update, in the trainer's broadcast order."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class UpdateTicket:
-    """What ``begin`` tells the trainer."""
-
-    update_id: str
-    join_group: bool
-    group_world_size: int
-    backend: str
-    policy_version: int
-    group_epoch: int
-
-
-@dataclass(frozen=True)
-class UpdateTimes:
-    """Where the seconds of one finished update went."""
-
-    update_id: str
-    committed: bool
-    phases: dict[str, float]
-    """Phase name (``PHASES``) -> wall-clock seconds; phases the update did not reach are absent."""
-    paused_seconds: float
-    """From the first pause call to the end of resume (0 if it never paused)."""
 
 
 @dataclass
@@ -99,7 +62,7 @@ class _Update:
 class WeightSyncCoordinator:
     def __init__(
         self,
-        servers: list[VLLMControlClient],
+        servers: Sequence[WeightControl],
         settings: WeightSyncSettings,
         on_version: Callable[[int], None],
         version: int = 0,
@@ -134,7 +97,7 @@ class WeightSyncCoordinator:
     async def begin(
         self, run_id: str, trainer_address: str, trainer_port: int, tensors: list[TensorSpec], mode: PauseModeName
     ) -> UpdateTicket:
-        _validate(trainer_address, trainer_port, tensors)
+        validate_begin(trainer_address, trainer_port, tensors)
         async with self._lock:
             if self._current is not None:
                 raise FailedPrecondition(
@@ -227,7 +190,7 @@ class WeightSyncCoordinator:
         finally:
             update.phases[phase] = update.phases.get(phase, 0.0) + self._clock() - started
 
-    async def _pause(self, update: _Update, server: VLLMControlClient, mode: PauseModeName) -> None:
+    async def _pause(self, update: _Update, server: WeightControl, mode: PauseModeName) -> None:
         update.paused.add(server.base_url)  # before the call: a pause that times out may still land
         if update.paused_at is None:
             update.paused_at = self._clock()
@@ -356,7 +319,7 @@ class WeightSyncCoordinator:
             if self._metrics is not None:
                 self._metrics.weight_update_paused_seconds.inc(update.paused_seconds)
 
-    async def _resume_server(self, server: VLLMControlClient, attempts: int = 3) -> bool:
+    async def _resume_server(self, server: WeightControl, attempts: int = 3) -> bool:
         """Resume one server, retrying with a doubling delay; False if every attempt failed."""
         delay = self.settings.resume_retry_s
         for attempt in range(attempts):
@@ -370,7 +333,7 @@ class WeightSyncCoordinator:
                 delay *= 2
         return False
 
-    def _keep_resuming(self, server: VLLMControlClient) -> None:
+    def _keep_resuming(self, server: WeightControl) -> None:
         if server.base_url in self.stuck_paused:
             return
         self.stuck_paused.add(server.base_url)
@@ -445,40 +408,3 @@ class WeightSyncCoordinator:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _validate(address: str, port: int, tensors: list[TensorSpec]) -> None:
-    if not address:
-        raise InvalidArgument("trainer_address is empty; give the address vLLM's workers can reach the trainer at")
-    if not 0 < port < 65536:
-        raise InvalidArgument(f"trainer_port {port} is not a valid TCP port")
-    if not tensors:
-        raise InvalidArgument("tensors is empty; list every tensor the trainer will broadcast, in order")
-    for tensor in tensors:
-        if tensor.dtype not in TORCH_DTYPES:
-            raise InvalidArgument(
-                f"tensor {tensor.name!r} has dtype {tensor.dtype!r}; use one of {', '.join(sorted(TORCH_DTYPES))}"
-            )
-        if not tensor.name:
-            raise InvalidArgument("a tensor has an empty name")
-
-
-def init_info(
-    backend: str, address: str, port: int, rank_offset: int, world_size: int, timeout_s: float, epoch: int
-) -> dict[str, Any]:
-    """The ``/init_weight_transfer_engine`` body for one server.
-
-    vLLM builds the backend's init-info dataclass from these keys and rejects unknown ones,
-    so only this project's gloo engine is sent the extras it understands: the group's
-    timeout and the join epoch that keys its rendezvous (vLLM's nccl rendezvous has no
-    epochs; its trainer hosts a fresh store, on a fresh port, per join).
-    """
-    info: dict[str, Any] = {
-        "master_address": address,
-        "master_port": port,
-        "rank_offset": rank_offset,
-        "world_size": world_size,
-    }
-    if backend == "gloo":
-        info |= {"timeout_s": timeout_s, "epoch": epoch}
-    return info

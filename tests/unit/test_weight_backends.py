@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_service.weights.weight_sync import init_info
+from rollout_service.weights.update_messages import init_info
 from trainer_client.nccl_sender import NcclWeightSender, call_within
 from trainer_client.weight_push import WeightPusher, sender_for
 from trainer_client.weights import GlooWeightSender

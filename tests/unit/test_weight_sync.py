@@ -12,7 +12,8 @@ from rollout_service.edge.convert import update_times_to_pb
 from rollout_service.engine.control import WeightSyncError
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.weights.weight_sync import TensorSpec, WeightSyncCoordinator
+from rollout_service.weights.update_messages import TensorSpec
+from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.support import wait_until
 
 STEP_SECONDS = {
@@ -98,7 +99,7 @@ def coordinator(
     settings = WeightSyncSettings(
         transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001, reset_prefix_cache=reset_prefix_cache
     )
-    return WeightSyncCoordinator([server], settings, lambda _: None, metrics=metrics, clock=clock)  # type: ignore[list-item]
+    return WeightSyncCoordinator([server], settings, lambda _: None, metrics=metrics, clock=clock)
 
 
 async def test_a_committed_update_records_its_phases_and_paused_seconds() -> None:
@@ -225,7 +226,7 @@ async def test_servers_left_paused_by_a_dead_service_are_resumed_at_start() -> N
     left, running = ScriptedControl(clock), ScriptedControl(clock)
     left.paused, left.base_url = True, "http://left"
     settings = WeightSyncSettings(resume_retry_s=0.001)
-    sync = WeightSyncCoordinator([left, running], settings, lambda _: None)  # type: ignore[list-item]
+    sync = WeightSyncCoordinator([left, running], settings, lambda _: None)
     try:
         assert await sync.resume_left_paused() == ["http://left"]
         assert not left.paused and running.resumes == 0
@@ -249,7 +250,7 @@ async def test_the_watchdog_counts_from_the_last_progress_not_from_begin() -> No
     clock = Clock()
     server = SlowTransfer(clock)
     settings = WeightSyncSettings(transfer_timeout_s=1.0, control_timeout_s=0.5, resume_retry_s=0.001)
-    sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)  # type: ignore[list-item]
+    sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)
     try:
         ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
         await asyncio.wait_for(server.received.wait(), 5)

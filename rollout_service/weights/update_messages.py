@@ -1,0 +1,89 @@
+"""The messages of one weight update, apart from the coordinator that sequences them.
+
+What ``BeginWeightUpdate`` announces (``TensorSpec``) and how it is checked, what the trainer
+is told back (``UpdateTicket``), where a finished update's seconds went (``UpdateTimes``), and
+the body vLLM's ``/init_weight_transfer_engine`` takes (``init_info``). Plain data: the edge
+converts these to and from the proto, the coordinator (``weight_sync.py``) drives vLLM with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_service.errors import InvalidArgument
+
+TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
+PHASES = ("join", "pause", "transfer", "finish", "reset_prefix_cache", "resume")
+"""Phases of an update in order; ``transfer`` is /start_weight_update and /update_weights,
+which returns once the trainer's broadcast has arrived."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of an update, in the trainer's broadcast order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UpdateTicket:
+    """What ``begin`` tells the trainer."""
+
+    update_id: str
+    join_group: bool
+    group_world_size: int
+    backend: str
+    policy_version: int
+    group_epoch: int
+
+
+@dataclass(frozen=True)
+class UpdateTimes:
+    """Where the seconds of one finished update went."""
+
+    update_id: str
+    committed: bool
+    phases: dict[str, float]
+    """Phase name (``PHASES``) -> wall-clock seconds; phases the update did not reach are absent."""
+    paused_seconds: float
+    """From the first pause call to the end of resume (0 if it never paused)."""
+
+
+def validate_begin(address: str, port: int, tensors: list[TensorSpec]) -> None:
+    if not address:
+        raise InvalidArgument("trainer_address is empty; give the address vLLM's workers can reach the trainer at")
+    if not 0 < port < 65536:
+        raise InvalidArgument(f"trainer_port {port} is not a valid TCP port")
+    if not tensors:
+        raise InvalidArgument("tensors is empty; list every tensor the trainer will broadcast, in order")
+    for tensor in tensors:
+        if tensor.dtype not in TORCH_DTYPES:
+            raise InvalidArgument(
+                f"tensor {tensor.name!r} has dtype {tensor.dtype!r}; use one of {', '.join(sorted(TORCH_DTYPES))}"
+            )
+        if not tensor.name:
+            raise InvalidArgument("a tensor has an empty name")
+
+
+def init_info(
+    backend: str, address: str, port: int, rank_offset: int, world_size: int, timeout_s: float, epoch: int
+) -> dict[str, Any]:
+    """The ``/init_weight_transfer_engine`` body for one server.
+
+    vLLM builds the backend's init-info dataclass from these keys and rejects unknown ones,
+    so only this project's gloo engine is sent the extras it understands: the group's
+    timeout and the join epoch that keys its rendezvous (vLLM's nccl rendezvous has no
+    epochs; its trainer hosts a fresh store, on a fresh port, per join).
+    """
+    info: dict[str, Any] = {
+        "master_address": address,
+        "master_port": port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+    }
+    if backend == "gloo":
+        info |= {"timeout_s": timeout_s, "epoch": epoch}
+    return info
