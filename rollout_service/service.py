@@ -22,6 +22,7 @@ from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
 from rollout_service.generation.prompts import (
+    BUILTIN_DATASETS,
     CyclingPromptSource,
     PromptRenderer,
     PromptSource,
@@ -37,7 +38,8 @@ from rollout_service.runs import Run, RunSpec
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.weights.adapters import AdapterPublisher
-from rollout_service.weights.weight_sync import UpdateTimes, WeightSyncCoordinator
+from rollout_service.weights.update_messages import UpdateTimes
+from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
 DELETED_RUNS_KEPT = 256
 NO_ENGINE_ERROR = "no vLLM server is answering; groups are dropped until one does (see the service's health)"
@@ -50,6 +52,20 @@ class ServiceInfo:
     model: str
     engine_urls: list[str]
     max_inflight: int
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What GetServerInfo reports: the service's fixed facts and the names a run may use now."""
+
+    model: str
+    engine_urls: list[str]
+    max_inflight: int
+    reward_functions: list[str]
+    datasets: list[str]
+    tools: list[str]
+    tool_parsers: list[str]
+    environments: list[str]
 
 
 @dataclass(frozen=True)
@@ -309,6 +325,18 @@ class RolloutService:
         if run.state != "running":  # stopped or deleted while its prompts were rendered
             raise FailedPrecondition(f"run {run_id} is {run.state}; submit to a running run")
         return len(prompts), run.source.submit(rendered)
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo(
+            model=self.info.model,
+            engine_urls=list(self.info.engine_urls),
+            max_inflight=self.info.max_inflight,
+            reward_functions=self.rewards.names(),
+            datasets=sorted(BUILTIN_DATASETS),
+            tools=self.tools.names(),
+            tool_parsers=self.tools.parser_names(),
+            environments=self.environments.names(),
+        )
 
     def stats(self) -> ServiceStats:
         """The service-wide time accounting; cheap (running totals), so GetStats may poll it."""

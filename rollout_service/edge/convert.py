@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from rollout_api import rollout_pb2 as pb
@@ -10,13 +11,13 @@ from rollout_service import __version__
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.errors import InvalidArgument
-from rollout_service.generation.prompts import BUILTIN_DATASETS, PromptSpec
+from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
 from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams, ScoredGroup
-from rollout_service.weights.weight_sync import TensorSpec, UpdateTimes
+from rollout_service.weights.update_messages import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
-    from rollout_service.service import RolloutService, ServiceStats
+    from rollout_service.service import ServerInfo, ServiceStats
 
 _SCALING_FROM_PB = {
     pb.ADVANTAGE_SCALING_UNSPECIFIED: AdvantageScaling.GROUP,
@@ -290,18 +291,8 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
     )
 
 
-def server_info_to_pb(service: RolloutService) -> pb.GetServerInfoResponse:
-    return pb.GetServerInfoResponse(
-        service_version=__version__,
-        model=service.info.model,
-        engine_urls=service.info.engine_urls,
-        max_inflight=service.info.max_inflight,
-        reward_functions=service.rewards.names(),
-        datasets=sorted(BUILTIN_DATASETS),
-        tools=service.tools.names(),
-        tool_parsers=service.tools.parser_names(),
-        environments=service.environments.names(),
-    )
+def server_info_to_pb(info: ServerInfo) -> pb.GetServerInfoResponse:
+    return pb.GetServerInfoResponse(service_version=__version__, **asdict(info))
 
 
 def consumer_request_from_pb(message: pb.StreamSamplesRequest) -> ConsumerRequest:

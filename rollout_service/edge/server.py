@@ -148,7 +148,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @_edge
     async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
-        return server_info_to_pb(self.service)
+        return server_info_to_pb(self.service.server_info())
 
     @_edge
     async def CreateRun(self, request: pb.CreateRunRequest, context) -> pb.CreateRunResponse:  # type: ignore[no-untyped-def]

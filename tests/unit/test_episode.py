@@ -363,7 +363,7 @@ def test_episode_spec_round_trips_through_proto(tokenizer) -> None:
     assert spec.episode == EpisodeSpec(("add", "calculator"), "qwen", 2.5, 5, 300, "guess_number")
     assert run_spec_to_pb(spec).episode == message.episode
     assert not run_spec_to_pb(env_spec()).HasField("episode")  # single-turn runs leave it unset
-    info = server_info_to_pb(real_service(tokenizer, None))
+    info = server_info_to_pb(real_service(tokenizer, None).server_info())
     assert "add" in info.tools and "hermes" in info.tool_parsers and list(info.environments) == ["guess_number"]
 
 
