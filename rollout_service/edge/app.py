@@ -92,25 +92,17 @@ async def running_service(
     settings: ServiceSettings, managed: ManagedVLLMServer | None = None
 ) -> AsyncIterator[RunningService]:
     """``managed``: a running managed server to supervise and serve from, which its owner
-    stops (tests share one); default: ``engine.urls``, else a server of its own."""
+    stops (tests share one); default: ``engine.urls``, else a server of its own.
+
+    Start-up in order: the vLLM servers, the model and tokenizer they serve, the engine
+    pool and control clients, the core service, weight sync beside it, then the network
+    edges (metrics, gRPC). Everything started is stopped in reverse order by one exit stack.
+    """
     engine_settings = settings.engine
     async with contextlib.AsyncExitStack() as stack:
-        urls = list(engine_settings.urls)
-        tokenizer_path = engine_settings.tokenizer
+        urls, tokenizer_path = list(engine_settings.urls), engine_settings.tokenizer
         if managed is None and not urls:
-            assert engine_settings.managed is not None
-            managed_settings = engine_settings.managed
-            if managed_settings.model == DEFAULT_MODEL_DIR:  # the embedded default: build it if missing
-                from rollout_common.tiny_model import build_tiny_model
-
-                await asyncio.to_thread(build_tiny_model, managed_settings.model)
-            managed = ManagedVLLMServer(
-                managed_settings,
-                served_model_name=engine_settings.model,
-                weight_transfer_backend=settings.weight_sync.backend,  # one setting for both ends
-            )
-            stack.push_async_callback(asyncio.to_thread, managed.stop)  # before start: no orphan server
-            await asyncio.to_thread(managed.start)
+            managed = await _start_managed_server(settings, stack)
         if managed is not None:
             urls = [managed.url]
             tokenizer_path = tokenizer_path or str(managed.settings.model)
@@ -123,20 +115,12 @@ async def running_service(
         pool = EnginePool(clients, engine_settings.probe_interval_s, engine_settings.health_timeout_s)
         await pool.start()
         stack.push_async_callback(pool.close)
-
         controls = [VLLMControlClient(url, engine_settings.connect_timeout_s) for url in urls]
         for control in controls:
             await control.start()
             stack.push_async_callback(control.close)
 
-        rewards, tools, environments = RewardRegistry(), ToolRegistry(), EnvironmentRegistry()
-        for registry, modules in (
-            (rewards, settings.reward_modules),
-            (tools, settings.tool_modules),
-            (environments, settings.environment_modules),
-        ):
-            for module in modules:
-                registry.load_module(module)
+        rewards, tools, environments = _user_registries(settings)
         service = RolloutService(
             engine=pool,
             renderer=PromptRenderer(tokenizer, max_model_len),
@@ -148,55 +132,108 @@ async def running_service(
             environments=environments,
         )
         stack.push_async_callback(service.close)
-        recovery = ServerRecovery(service, pool)
-        service.weight_sync = WeightSyncCoordinator(
-            controls,
-            settings.weight_sync,
-            recovery.version_committed,
-            metrics=metrics,
-            on_trainer_version=service.set_trainer_version,
-        )
-        service.adapters = AdapterPublisher(
-            settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(engine_settings)
-        )
-        stack.push_async_callback(service.weight_sync.close)
-        if managed is not None:
-            supervisor = ServerSupervisor(
-                managed,
-                managed.settings.max_restarts,
-                recovery.server_down,
-                recovery.server_restarted,
-                metrics.server_restarts.labels(managed.url).inc,
-            )
-            supervisor.start()
-            stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
-        await service.weight_sync.prefetch_world_sizes()
-        await service.weight_sync.resume_left_paused()
+        await _attach_weights(service, pool, controls, settings, managed, stack)
 
         metrics_port = None
         if settings.metrics_port is not None:
             runner, metrics_port = await start_metrics_server(metrics, settings.host, settings.metrics_port)
             stack.push_async_callback(runner.cleanup)
-
-        server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port)
-
-        def engines_usable(usable: bool) -> None:
-            _report_health(health, usable)
-            service.engines_usable(usable)
-
-        pool.on_usable = engines_usable
-
-        async def stop_grpc() -> None:
-            await health.enter_graceful_shutdown()
-            await service.drain(settings.shutdown_grace_s)
-            await server.stop(GRPC_STOP_GRACE_S)
-
-        stack.push_async_callback(stop_grpc)
+        grpc_port = await _serve_grpc(service, pool, settings, stack)
         logger.info(
             "rollout service on %s:%d (model %s, %d slots, engines %s, metrics port %s)",
             settings.host, grpc_port, model, max_inflight, urls, metrics_port,
         )  # fmt: skip
         yield RunningService(service, grpc_port, metrics_port, urls)
+
+
+async def _start_managed_server(settings: ServiceSettings, stack: contextlib.AsyncExitStack) -> ManagedVLLMServer:
+    """Launch the service's own vLLM server (building the embedded default model if missing)."""
+    engine_settings = settings.engine
+    assert engine_settings.managed is not None
+    managed_settings = engine_settings.managed
+    if managed_settings.model == DEFAULT_MODEL_DIR:  # the embedded default: build it if missing
+        from rollout_common.tiny_model import build_tiny_model
+
+        await asyncio.to_thread(build_tiny_model, managed_settings.model)
+    managed = ManagedVLLMServer(
+        managed_settings,
+        served_model_name=engine_settings.model,
+        weight_transfer_backend=settings.weight_sync.backend,  # one setting for both ends
+    )
+    stack.push_async_callback(asyncio.to_thread, managed.stop)  # before start: no orphan server
+    await asyncio.to_thread(managed.start)
+    return managed
+
+
+def _user_registries(settings: ServiceSettings) -> tuple[RewardRegistry, ToolRegistry, EnvironmentRegistry]:
+    """The built-in rewards, tools and environments plus those of the configured modules."""
+    rewards, tools, environments = RewardRegistry(), ToolRegistry(), EnvironmentRegistry()
+    for registry, modules in (
+        (rewards, settings.reward_modules),
+        (tools, settings.tool_modules),
+        (environments, settings.environment_modules),
+    ):
+        for module in modules:
+            registry.load_module(module)
+    return rewards, tools, environments
+
+
+async def _attach_weights(
+    service: RolloutService,
+    pool: EnginePool,
+    controls: list[VLLMControlClient],
+    settings: ServiceSettings,
+    managed: ManagedVLLMServer | None,
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    """Weight sync, adapters, and (for a managed server) the supervisor that restarts it and
+    holds it out of routing until it holds the runs' policy again."""
+    recovery = ServerRecovery(service, pool)
+    service.weight_sync = WeightSyncCoordinator(
+        controls,
+        settings.weight_sync,
+        recovery.version_committed,
+        metrics=service.metrics,
+        on_trainer_version=service.set_trainer_version,
+    )
+    service.adapters = AdapterPublisher(
+        settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(settings.engine)
+    )
+    stack.push_async_callback(service.weight_sync.close)
+    if managed is not None:
+        supervisor = ServerSupervisor(
+            managed,
+            managed.settings.max_restarts,
+            recovery.server_down,
+            recovery.server_restarted,
+            service.metrics.server_restarts.labels(managed.url).inc,
+        )
+        supervisor.start()
+        stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
+    await service.weight_sync.prefetch_world_sizes()
+    await service.weight_sync.resume_left_paused()
+
+
+async def _serve_grpc(
+    service: RolloutService, pool: EnginePool, settings: ServiceSettings, stack: contextlib.AsyncExitStack
+) -> int:
+    """Start the gRPC server, whose health follows the pool; returns its port. At exit it says
+    NOT_SERVING, drains the runs' leases, then stops."""
+    server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port)
+
+    def engines_usable(usable: bool) -> None:
+        _report_health(health, usable)
+        service.engines_usable(usable)
+
+    pool.on_usable = engines_usable
+
+    async def stop_grpc() -> None:
+        await health.enter_graceful_shutdown()
+        await service.drain(settings.shutdown_grace_s)
+        await server.stop(GRPC_STOP_GRACE_S)
+
+    stack.push_async_callback(stop_grpc)
+    return grpc_port
 
 
 _health_updates: set[asyncio.Task[None]] = set()

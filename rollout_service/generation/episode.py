@@ -215,6 +215,102 @@ class _Transcript:
         self.reward_messages += [dict(m) for m in messages]
 
 
+class _Episode:
+    """One multi-turn episode while it runs: the transcript, the counters, and what answers
+    each model turn. ``run_episode`` drives it turn by turn."""
+
+    def __init__(
+        self,
+        prompt: PromptItem,
+        config: MultiTurnConfig,
+        decode: Decode,
+        on_tool_result: Callable[[ToolResult], None] | None,
+    ) -> None:
+        self.prompt, self.config, self.decode = prompt, config, decode
+        self.on_tool_result = on_tool_result
+        self.environment = config.environment() if config.environment is not None else None
+        self.env_reward: float | None = 0.0 if self.environment is not None else None
+        self.transcript = _Transcript()
+        self.turns = self.tool_calls = self.tool_failures = 0
+
+    def room(self) -> tuple[float, FinishReason]:
+        """Tokens the episode may still add, and the guard that bounds them."""
+        used = len(self.transcript.ids)
+        budget_left = (self.config.max_episode_tokens or math.inf) - used
+        context_left = self.config.max_model_len - len(self.prompt.token_ids) - used
+        if budget_left <= context_left:
+            return budget_left, "max_episode_tokens"
+        return context_left, "max_model_len"
+
+    def record_turn(self, completion: Completion) -> dict[str, Any]:
+        """Add the model's turn; returns its message as reward functions see it."""
+        turn_ids, transcript, decode = completion.token_ids, self.transcript, self.decode
+        self.turns += 1
+        transcript.add_generated(turn_ids, completion.logprobs)
+        transcript.messages.append({"role": "assistant", "content": decode(self.config.template.content(turn_ids))})
+        turn_message: dict[str, Any] = {"role": "assistant", "content": decode(turn_ids, skip_special_tokens=True)}
+        transcript.reward_messages.append(turn_message)
+        return turn_message
+
+    async def answer(self, turn_ids: list[int], turn_message: dict[str, Any]) -> list[dict[str, str]] | FinishReason:
+        """The messages that answer a turn that stopped: its tool calls' results, or the
+        environment's observation. The episode ends instead (a finish reason) when the turn
+        has no tool call and no environment goes on, or when the turn limit is reached."""
+        text = self.decode(turn_ids)
+        tools = self.config.tools
+        calls = tools.parse(text) if tools is not None else []
+        if calls:
+            assert tools is not None
+            if readable := _tool_calls(calls):
+                turn_message["tool_calls"] = readable
+            if self.turns >= self.config.max_turns:
+                return "max_turns"  # its results could never be shown to the model
+            results = await tools.execute_all(calls)
+            for result in results:
+                self.tool_calls += 1
+                self.tool_failures += not result.ok
+                if self.on_tool_result is not None:
+                    self.on_tool_result(result)
+            return [r.message() for r in results]
+        if self.environment is None:
+            return "stop"
+        step = await call_environment("step", self.environment.step, text, **self.config.environment_call())
+        self.env_reward = (self.env_reward or 0.0) + float(step.reward)
+        if step.done or step.observation is None:
+            return "stop"
+        if self.turns >= self.config.max_turns:
+            return "max_turns"
+        return [{"role": "user", "content": step.observation}]
+
+    def append_answer(self, turn_ids: list[int], messages: list[dict[str, str]]) -> FinishReason | None:
+        """Append the answer's template ids; a finish reason if they leave no room to generate."""
+        bridge = self.config.template.bridge(turn_ids, messages)
+        left, limit = self.room()
+        if len(bridge) >= left:  # the appended messages must leave room for a generated token
+            return limit
+        self.transcript.add_template(bridge, messages)
+        return None
+
+    def result(self, finish: FinishReason, version_first: int, version_last: int) -> EpisodeResult:
+        transcript, decode = self.transcript, self.decode
+        return EpisodeResult(
+            completion_ids=transcript.ids,
+            logprobs=transcript.logprobs,
+            mask=transcript.mask,
+            finish_reason=finish,
+            text=decode(transcript.ids),
+            policy_version_first=version_first,
+            policy_version_last=version_last,
+            num_turns=self.turns,
+            num_tool_calls=self.tool_calls,
+            num_tool_failures=self.tool_failures,
+            messages=tuple(transcript.messages),
+            env_reward=self.env_reward,
+            reward_text=decode(transcript.ids, skip_special_tokens=True),
+            reward_messages=tuple(transcript.reward_messages),
+        )
+
+
 async def run_episode(
     engine: Engine,
     prompt: PromptItem,
@@ -231,93 +327,25 @@ async def run_episode(
     a turn without tool calls goes to the environment if there is one, else ends the
     episode. Every failure of a tool call is a message to the model, never an exception.
     """
-    tools, env_factory = config.tools, config.environment
-    environment = env_factory() if env_factory is not None else None
-    env_reward: float | None = None
-    if environment is not None:
-        env_reward = 0.0
-        await call_environment("reset", environment.reset, prompt, **config.environment_call())
-    budget = config.max_episode_tokens or math.inf
-    transcript = _Transcript()
-    turns = tool_calls = tool_failures = 0
-    finish: FinishReason = "stop"
-    version_first = policy_version()
-    version_last = version_first
-
-    def room() -> tuple[float, FinishReason]:
-        """Tokens the episode may still add, and the guard that bounds them."""
-        used = len(transcript.ids)
-        budget_left, context_left = budget - used, config.max_model_len - len(prompt.token_ids) - used
-        if budget_left <= context_left:
-            return budget_left, "max_episode_tokens"
-        return context_left, "max_model_len"
-
+    episode = _Episode(prompt, config, decode, on_tool_result)
+    if episode.environment is not None:
+        await call_environment("reset", episode.environment.reset, prompt, **config.environment_call())
+    version_first = version_last = policy_version()
     while True:
-        left, limit = room()
+        left, limit = episode.room()
         cap = int(min(params.max_tokens, left))
         if cap <= 0:
-            finish = limit
-            break
-        turns += 1
+            return episode.result(limit, version_first, version_last)
         turn_params = salted(replace(params, max_tokens=cap), version_last)  # the version read last
-        completion = await engine.generate(prompt.token_ids + transcript.ids, turn_params, affinity=affinity)
+        completion = await engine.generate(prompt.token_ids + episode.transcript.ids, turn_params, affinity=affinity)
         version_last = policy_version()
-        turn_ids = completion.token_ids
-        transcript.add_generated(turn_ids, completion.logprobs)
-        transcript.messages.append({"role": "assistant", "content": decode(config.template.content(turn_ids))})
-        turn_message: dict[str, Any] = {"role": "assistant", "content": decode(turn_ids, skip_special_tokens=True)}
-        transcript.reward_messages.append(turn_message)
+        turn_message = episode.record_turn(completion)
         if completion.finish_reason != "stop":
             lowered = completion.finish_reason == "length" and cap < params.max_tokens
             finish = limit if lowered else completion.finish_reason  # the budget, not max_tokens, cut the turn
-            break
-        text = decode(turn_ids)
-        calls = tools.parse(text) if tools is not None else []
-        new_messages: list[dict[str, str]]
-        if calls:
-            assert tools is not None
-            if readable := _tool_calls(calls):
-                turn_message["tool_calls"] = readable
-            if turns >= config.max_turns:
-                finish = "max_turns"  # its results could never be shown to the model
-                break
-            results = await tools.execute_all(calls)
-            for result in results:
-                tool_calls += 1
-                tool_failures += not result.ok
-                if on_tool_result is not None:
-                    on_tool_result(result)
-            new_messages = [r.message() for r in results]
-        elif environment is not None:
-            step = await call_environment("step", environment.step, text, **config.environment_call())
-            env_reward = (env_reward or 0.0) + float(step.reward)
-            if step.done or step.observation is None:
-                break
-            if turns >= config.max_turns:
-                finish = "max_turns"
-                break
-            new_messages = [{"role": "user", "content": step.observation}]
-        else:
-            break
-        bridge = config.template.bridge(turn_ids, new_messages)
-        left, limit = room()
-        if len(bridge) >= left:  # the appended messages must leave room for a generated token
-            finish = limit
-            break
-        transcript.add_template(bridge, new_messages)
-    return EpisodeResult(
-        completion_ids=transcript.ids,
-        logprobs=transcript.logprobs,
-        mask=transcript.mask,
-        finish_reason=finish,
-        text=decode(transcript.ids),
-        policy_version_first=version_first,
-        policy_version_last=version_last,
-        num_turns=turns,
-        num_tool_calls=tool_calls,
-        num_tool_failures=tool_failures,
-        messages=tuple(transcript.messages),
-        env_reward=env_reward,
-        reward_text=decode(transcript.ids, skip_special_tokens=True),
-        reward_messages=tuple(transcript.reward_messages),
-    )
+            return episode.result(finish, version_first, version_last)
+        answer = await episode.answer(completion.token_ids, turn_message)
+        if isinstance(answer, str):
+            return episode.result(answer, version_first, version_last)
+        if (ended := episode.append_answer(completion.token_ids, answer)) is not None:
+            return episode.result(ended, version_first, version_last)
