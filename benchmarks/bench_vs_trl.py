@@ -201,8 +201,10 @@ def train_alone_worker(args: argparse.Namespace) -> None:
 
     from rollout_api import rollout_pb2 as pb
     from rollout_service.generation.prompts import builtin_dataset
-    from trainer_client.losses import LossConfig, compute_loss
-    from trainer_client.trainer import AsyncGRPOConfig, GroupCollator, completion_logprobs
+    from trainer_client.batches import GroupCollator, completion_logprobs
+    from trainer_client.loss_config import LossConfig
+    from trainer_client.losses import compute_loss
+    from trainer_client.trainer import AsyncGRPOConfig
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)

@@ -22,150 +22,19 @@ reach the loss or the gradients, even if they are NaN or infinite.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
-VllmImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
-VLLM_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-# Loss types that share the PPO-style clipped surrogate (and its clip-ratio metrics).
-CLIPPED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# Loss types normalised by the number of loss tokens in the global batch (``num_items_in_batch``).
-GLOBAL_TOKEN_NORMALISED: tuple[str, ...] = ("dapo", "cispo", "vespo")
-
-
-class LossConfigWarning(UserWarning):
-    """A legal but probably unintended combination of options (TRL logs the same advice)."""
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Every knob of the policy loss. Names and defaults are those of TRL 1.16's ``GRPOConfig``."""
-
-    loss_type: LossType = "dapo"
-    """Per-token loss and its normalisation. ``grpo``: clipped surrogate, mean over each sequence's tokens, then
-    mean over sequences (length-biased). ``bnpo``: clipped surrogate, sum over tokens / tokens in the local batch.
-    ``dr_grpo``: clipped surrogate, sum / (B * ``max_completion_length``). ``dapo``: clipped surrogate, sum / tokens
-    in the global batch (``num_items_in_batch``). ``cispo``: REINFORCE on log-probs weighted by the detached IS
-    ratio clipped at ``epsilon_high``, dapo normalisation. ``sapo``: sigmoid-gated soft clipping, grpo
-    normalisation. ``luspo``: clipped surrogate summed per sequence (length-unbiased GSPO), mean over sequences.
-    ``vespo``: REINFORCE weighted by a Gamma function of the sequence IS ratio, dapo normalisation."""
-
-    importance_sampling_level: ImportanceSamplingLevel = "token"
-    """``"token"``: one ratio pi/pi_old per token. ``"sequence"`` (GSPO): one ratio per sequence, the exp of the
-    mean per-token log-ratio over its mask-1 tokens."""
-
-    epsilon: float = 0.2
-    """Lower clipping epsilon (TRL's ``epsilon_low``): the ratio is clipped from below at ``1 - epsilon``."""
-
-    epsilon_high: float | None = None
-    """Upper clipping epsilon: clip from above at ``1 + epsilon_high``; ``None`` means ``epsilon``. DAPO uses 0.28.
-    For ``cispo`` it is the absolute cap of the IS weight (ScaleRL's epsilon_max, recommended 5.0)."""
-
-    delta: float | None = None
-    """Two-sided clipping (INTELLECT-2): when set, the unclipped ratio is also clamped from above at ``delta``,
-    bounding the loss of negative-advantage tokens. Should exceed ``1 + epsilon_high``. Clipped loss types only."""
-
-    beta: float = 0.0
-    """KL coefficient towards the reference policy; 0 disables the KL term (no reference log-probs needed)."""
-
-    use_bias_correction_kl: bool = True
-    """Multiply the per-token k3 KL by the (differentiable) IS ratio pi/pi_old, which makes its gradient the
-    unbiased reverse-KL gradient (DeepSeek-V3.2). Changes the gradient even on-policy. Only matters if beta != 0."""
-
-    sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature for tokens with positive advantage."""
-
-    sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature for tokens with non-positive advantage."""
-
-    vespo_k_pos: float = 2.0
-    """VESPO power exponent k for non-negative advantages (down-weights sequences with IS ratio < 1)."""
-
-    vespo_lambda_pos: float = 3.0
-    """VESPO decay lambda for non-negative advantages (down-weights sequences with IS ratio > 1)."""
-
-    vespo_k_neg: float = 3.0
-    """VESPO power exponent k for negative advantages."""
-
-    vespo_lambda_neg: float = 2.0
-    """VESPO decay lambda for negative advantages."""
-
-    vllm_importance_sampling_correction: bool = True
-    """Correct the mismatch between the sampler (vLLM) and the trainer by weighting each token's loss with
-    ``exp(old_logps - behaviour_logps)``, truncated or masked (see the mode). Needs ``behaviour_logps``."""
-
-    vllm_importance_sampling_mode: VllmImportanceSamplingMode = "sequence_mask"
-    """``token_truncate``: per-token ratio clamped to [clip_min, clip_max]. ``token_mask``: per-token ratio set to 0
-    outside [clip_min, clip_max]. ``sequence_*``: the same on one ratio per sequence, exp of the *sum* of its
-    per-token log differences, broadcast over its tokens."""
-
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    """Upper bound C_max of the vLLM IS ratio (TRL's former ``vllm_importance_sampling_cap``); ``None``: unbounded."""
-
-    vllm_importance_sampling_clip_min: float | None = None
-    """Lower bound C_min of the vLLM IS ratio; ``None``: unbounded below."""
-
-    off_policy_mask_threshold: float | None = None
-    """OPSM (DeepSeek-V3.2 eq. 9): drop sequences with negative advantage whose mean per-token KL between the
-    behaviour policy and the current policy exceeds this (e.g. 0.5). ``None`` disables it."""
-
-    max_completion_length: int | None = 512
-    """The constant of ``dr_grpo``'s denominator ``B * max_completion_length``. Set it to the sampling ``max_tokens``
-    so the loss scale does not depend on the completions' actual lengths. Unused by other loss types."""
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"Unknown loss type {self.loss_type!r}; expected one of {LOSS_TYPES}.")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"Unknown importance sampling level {self.importance_sampling_level!r}.")
-        if self.vllm_importance_sampling_mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
-            raise ValueError(
-                f"Unknown vLLM importance sampling mode {self.vllm_importance_sampling_mode!r}; "
-                f"expected one of {VLLM_IMPORTANCE_SAMPLING_MODES}."
-            )
-        clip_min, clip_max = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if clip_min is not None and clip_max is not None and clip_min >= clip_max:
-            raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be < clip_max ({clip_max}).")
-        truncating = self.vllm_importance_sampling_mode in ("token_truncate", "sequence_truncate")
-        if self.vllm_importance_sampling_correction and truncating and clip_min is None and clip_max is None:
-            raise ValueError("A *_truncate vLLM importance sampling mode needs clip_min or clip_max.")
-        if (
-            self.loss_type == "vespo"
-            and self.vllm_importance_sampling_correction
-            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
-        ):
-            raise ValueError("VESPO needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask'.")
-        if self.loss_type == "dr_grpo" and (self.max_completion_length is None or self.max_completion_length <= 0):
-            raise ValueError("dr_grpo needs a positive max_completion_length.")
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            warnings.warn("luspo is meant for importance_sampling_level='sequence'.", LossConfigWarning, stacklevel=3)
-        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            warnings.warn("vespo computes sequence weights itself; use level 'token'.", LossConfigWarning, stacklevel=3)
-        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            warnings.warn(
-                f"With importance_sampling_level='sequence', {self.loss_type!r} sums per-token contributions, so each "
-                "sequence is weighted by its length; GSPO proper is loss_type='grpo'.",
-                LossConfigWarning,
-                stacklevel=3,
-            )
-
-    @property
-    def epsilon_low(self) -> float:
-        """Lower clipping epsilon (TRL's name for ``epsilon``)."""
-        return self.epsilon
-
-    @property
-    def resolved_epsilon_high(self) -> float:
-        """Upper clipping epsilon after TRL's fallback to ``epsilon``."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+from trainer_client.loss_config import (
+    CLIPPED_LOSS_TYPES,
+    GLOBAL_TOKEN_NORMALISED,
+    ImportanceSamplingLevel,
+    LossConfig,
+    LossType,
+    VllmImportanceSamplingMode,
+)
+from trainer_client.loss_metrics import clip_metrics, masked_mean, sampling_metrics
 
 
 @dataclass(frozen=True)
@@ -388,82 +257,6 @@ def aggregate_loss(
     else:
         raise ValueError(f"Unknown loss type {loss_type!r}.")
     return loss / gradient_accumulation_steps, loss.detach()
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Metrics (detached, local batch)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over mask-1 tokens of [B, T] values; [B, 1] (sequence-level) values are averaged over sequences.
-
-    TRL's ``global_masked_mean`` on one process.
-    """
-    if values.shape[-1] == 1:
-        return values.float().mean()
-    return (values * mask).sum().float() / mask.sum().float().clamp(min=1.0)
-
-
-def masked_sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence mean of [B, T] values over mask-1 tokens, NaN for empty rows; [B, 1] values pass through: [B]."""
-    if values.shape[-1] == 1:
-        return values.squeeze(-1)
-    return (values * mask).sum(-1) / mask.sum(-1)
-
-
-def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
-    finite = values[~torch.isnan(values)]
-    if finite.numel() == 0:
-        return torch.tensor(math.nan, dtype=values.dtype, device=values.device)
-    return finite.max() if largest else finite.min()
-
-
-def _min_mean_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if values.numel() == 0:
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
-        return zero, zero, zero
-    return values.min(), values.mean(), values.max()
-
-
-def sampling_metrics(
-    old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """TRL's ``sampling/*`` metrics of the vLLM mismatch: |old - behaviour| over mask-1 non-NaN tokens, and the
-    final (truncated/masked) IS ratio over mask-1 tokens (token modes) or sequences (sequence modes). Plus the
-    fraction of those ratios set to zero by a ``*_mask`` mode (or ``0`` for truncate modes)."""
-    keep = mask.bool()
-    delta = torch.abs(old_logps.detach() - behaviour_logps.detach())[keep]
-    delta = delta[~torch.isnan(delta)]
-    zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
-    flat_ratio = is_ratio.flatten() if is_ratio.shape[-1] == 1 else is_ratio[keep]
-    ratio_min, ratio_mean, ratio_max = _min_mean_max(flat_ratio)
-    masked = (flat_ratio == 0).float().mean() if flat_ratio.numel() else zero
-    return {
-        "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
-        "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else zero,
-        "sampling/importance_sampling_ratio/min": ratio_min,
-        "sampling/importance_sampling_ratio/mean": ratio_mean,
-        "sampling/importance_sampling_ratio/max": ratio_max,
-        "sampling/importance_sampling_masked_fraction": masked,
-    }
-
-
-def clip_metrics(
-    coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
-) -> dict[str, torch.Tensor]:
-    """TRL's ``clip_ratio/*``: fraction of tokens whose clipped branch is active (low: r < 1-eps_low with A < 0,
-    high: r > 1+eps_high with A > 0), and the min/max over sequences of the per-sequence fractions."""
-    low = ((coef_1 < 1 - epsilon_low) & (advantages < 0)).float()
-    high = ((coef_1 > 1 + epsilon_high) & (advantages > 0)).float()
-    region = torch.maximum(low, high)
-    return {
-        "clip_ratio/low_mean": masked_mean(low, mask),
-        "clip_ratio/high_mean": masked_mean(high, mask),
-        "clip_ratio/region_mean": masked_mean(region, mask),
-        "clip_ratio/low_min": _nan_extreme(masked_sequence_means(low, mask), largest=False),
-        "clip_ratio/high_max": _nan_extreme(masked_sequence_means(high, mask), largest=True),
-    }
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def shared_prompt_logprobs(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """log pi(token) of every completion position, [B, T], with each distinct prompt's forward
-    done once; the same values as ``trainer.completion_logprobs`` on the same batch."""
+    done once; the same values as ``batches.completion_logprobs`` on the same batch."""
     prompt_attention = inputs["prompt_attention"]
     index = inputs["prompt_index"]
     prompt = model(

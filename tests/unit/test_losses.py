@@ -23,18 +23,15 @@ from typing import Any
 import pytest
 import torch
 
+from trainer_client.loss_config import LOSS_TYPES, VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig, LossConfigWarning
 from trainer_client.losses import (
-    LOSS_TYPES,
-    VLLM_IMPORTANCE_SAMPLING_MODES,
-    LossConfig,
-    LossConfigWarning,
     compute_loss,
     k3_kl,
     off_policy_sequence_mask,
     vllm_importance_sampling_ratio,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::trainer_client.losses.LossConfigWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::trainer_client.loss_config.LossConfigWarning")
 
 ATOL = 1e-6
 RTOL = 1e-5

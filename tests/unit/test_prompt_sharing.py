@@ -17,9 +17,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.losses import LossConfig, compute_loss
+from trainer_client.batches import GroupCollator, completion_logprobs
+from trainer_client.loss_config import LossConfig
+from trainer_client.losses import compute_loss
 from trainer_client.prompt_sharing import prompts_are_shared
-from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer, GroupCollator, completion_logprobs
+from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 
 pytestmark = pytest.mark.timeout(120)
 VOCAB = 97

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from trainer_client.step_callback import PUSH_ATTEMPTS, SyncAndAck
 from trainer_client.step_timing import PhaseClock
-from trainer_client.trainer import PUSH_ATTEMPTS, _SyncAndAck
 
 
-def callback_with_failed_push() -> tuple[_SyncAndAck, SimpleNamespace]:
+def callback_with_failed_push() -> tuple[SyncAndAck, SimpleNamespace]:
     feed = SimpleNamespace(current_version=4, pushes_in_flight=1)
     trainer = SimpleNamespace(feed=feed, pusher=SimpleNamespace(timeout_s=1.0), clock=PhaseClock())
-    return _SyncAndAck(trainer), feed  # type: ignore[arg-type]
+    return SyncAndAck(trainer), feed  # type: ignore[arg-type]
 
 
 def failed(exc: Exception) -> Future[int]:

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.tiny_model import build_tiny_model
+from trainer_client.batches import GroupCollator
 from trainer_client.step_timing import PhaseClock
-from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer, GroupCollator
+from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 
 
 class StillFeed:

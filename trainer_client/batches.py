@@ -1,0 +1,132 @@
+"""A training batch from the stream: the dataset over the feed, the collator that pads its
+groups, and the log-probs of its completions under a model.
+
+The layout (prompts left-padded, completions right-padded, behaviour log-probs and masks
+aligned with the completions) is shared with ``prompt_sharing.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+from rollout_api import rollout_pb2 as pb
+from trainer_client.logprobs import chunked_completion_logprobs
+from trainer_client.prompt_sharing import prompts_are_shared, shared_prompt_logprobs
+from trainer_client.stream import GroupFeed
+
+
+class StreamDataset(IterableDataset):
+    """One item per sample, whole groups in order, fresh groups only."""
+
+    def __init__(self, feed: GroupFeed) -> None:
+        self.feed = feed
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            group = self.feed.next_fresh_group()
+            for sample in group.samples:
+                yield {"group": group, "sample": sample}
+
+
+class GroupCollator:
+    """Left-pads prompts so every completion starts at the same column; right-pads completions.
+
+    Each distinct prompt appears once in ``prompt_ids`` (a group's G samples share one row,
+    through ``prompt_index``), which lets the forward run it once (``prompt_sharing``). The
+    plain per-sample layout (``input_ids``, ``attention_mask``) is built from the same rows.
+    Position ids come from the attention mask, so left padding does not shift positions and
+    the trainer's log-probs equal vLLM's for the same tokens.
+    """
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad = pad_token_id
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        samples: list[pb.Sample] = [item["sample"] for item in items]
+        rows: dict[tuple[int, ...], int] = {}
+        prompt_index = torch.tensor([rows.setdefault(tuple(s.prompt_token_ids), len(rows)) for s in samples])
+        prompt_len = max(len(prompt) for prompt in rows)
+        prompt_ids = torch.full((len(rows), prompt_len), self.pad, dtype=torch.long)
+        prompt_attention = torch.zeros_like(prompt_ids)
+        for row, prompt in enumerate(rows):
+            prompt_ids[row, prompt_len - len(prompt) :] = torch.tensor(prompt)
+            prompt_attention[row, prompt_len - len(prompt) :] = 1
+        completion_len = max(len(s.completion_token_ids) for s in samples)
+        batch = len(samples)
+        completion_ids = torch.full((batch, completion_len), self.pad, dtype=torch.long)
+        completion_attention = torch.zeros_like(completion_ids)
+        completion_mask = torch.zeros((batch, completion_len), dtype=torch.float32)
+        behaviour = torch.zeros((batch, completion_len), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            n = len(s.completion_token_ids)
+            completion_ids[i, :n] = torch.tensor(list(s.completion_token_ids))
+            completion_attention[i, :n] = 1
+            completion_mask[i, :n] = torch.tensor(list(s.completion_mask), dtype=torch.float32)
+            behaviour[i, :n] = torch.tensor(list(s.completion_logprobs))
+        attention = torch.cat([prompt_attention[prompt_index], completion_attention], dim=1)
+        return {
+            "input_ids": torch.cat([prompt_ids[prompt_index], completion_ids], dim=1),
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "prompt_length": prompt_len,
+            "prompt_ids": prompt_ids,
+            "prompt_attention": prompt_attention,
+            "prompt_index": prompt_index,
+            "completion_ids": completion_ids,
+            "completion_attention": completion_attention,
+            "completion_mask": completion_mask,
+            "behaviour_logps": behaviour,
+            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+            "rewards": [s.reward for s in samples],
+            "staleness_versions": [item["group"].policy_version for item in items],
+            "group_ids": [item["group"].group_id for item in items],
+        }
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    lm_head_weight: torch.Tensor,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    share_prompts: bool = False,
+) -> torch.Tensor:
+    """log pi(token) of every completion position of a collated batch, [B, T].
+
+    Through ``model``'s own forward, which may be wrapped (DDP): calling it, rather than its
+    decoder, is what makes DDP all-reduce the gradients. ``logits_to_keep=1`` keeps the model
+    from building the full [B, L, V] logits; the last hidden state (after the final norm) is
+    projected onto ``lm_head_weight`` in chunks. With ``share_prompts`` and fewer distinct
+    prompts than samples, each prompt goes through the model once (``prompt_sharing``).
+    """
+    if share_prompts and prompts_are_shared(inputs):
+        return shared_prompt_logprobs(model, inputs, lm_head_weight, chunk_size, temperature)
+    outputs = model(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        position_ids=inputs["position_ids"],
+        output_hidden_states=True,
+        logits_to_keep=1,
+        use_cache=False,
+    )
+    hidden = outputs.hidden_states[-1]
+    start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
+    return chunked_completion_logprobs(
+        hidden[:, start : start + length],
+        lm_head_weight,
+        inputs["completion_ids"],
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )
+
+
+def output_embedding_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The lm_head weight [V, H] of an unwrapped (possibly PEFT) causal LM."""
+    head = model.get_output_embeddings()
+    if hasattr(head, "base_layer"):
+        raise ValueError("LoRA on the output embedding (lm_head) is not supported: leave it out of target_modules")
+    return head.weight

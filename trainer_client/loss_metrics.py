@@ -1,0 +1,82 @@
+"""Detached metrics of one loss computation over the local batch, with TRL's names.
+
+They never reach the gradients: ``losses.compute_loss`` returns them beside the loss, left
+on device so that reading them does not force a host sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over mask-1 tokens of [B, T] values; [B, 1] (sequence-level) values are averaged over sequences.
+
+    TRL's ``global_masked_mean`` on one process.
+    """
+    if values.shape[-1] == 1:
+        return values.float().mean()
+    return (values * mask).sum().float() / mask.sum().float().clamp(min=1.0)
+
+
+def masked_sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of [B, T] values over mask-1 tokens, NaN for empty rows; [B, 1] values pass through: [B]."""
+    if values.shape[-1] == 1:
+        return values.squeeze(-1)
+    return (values * mask).sum(-1) / mask.sum(-1)
+
+
+def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
+    finite = values[~torch.isnan(values)]
+    if finite.numel() == 0:
+        return torch.tensor(math.nan, dtype=values.dtype, device=values.device)
+    return finite.max() if largest else finite.min()
+
+
+def _min_mean_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if values.numel() == 0:
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        return zero, zero, zero
+    return values.min(), values.mean(), values.max()
+
+
+def sampling_metrics(
+    old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """TRL's ``sampling/*`` metrics of the vLLM mismatch: |old - behaviour| over mask-1 non-NaN tokens, and the
+    final (truncated/masked) IS ratio over mask-1 tokens (token modes) or sequences (sequence modes). Plus the
+    fraction of those ratios set to zero by a ``*_mask`` mode (or ``0`` for truncate modes)."""
+    keep = mask.bool()
+    delta = torch.abs(old_logps.detach() - behaviour_logps.detach())[keep]
+    delta = delta[~torch.isnan(delta)]
+    zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
+    flat_ratio = is_ratio.flatten() if is_ratio.shape[-1] == 1 else is_ratio[keep]
+    ratio_min, ratio_mean, ratio_max = _min_mean_max(flat_ratio)
+    masked = (flat_ratio == 0).float().mean() if flat_ratio.numel() else zero
+    return {
+        "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
+        "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else zero,
+        "sampling/importance_sampling_ratio/min": ratio_min,
+        "sampling/importance_sampling_ratio/mean": ratio_mean,
+        "sampling/importance_sampling_ratio/max": ratio_max,
+        "sampling/importance_sampling_masked_fraction": masked,
+    }
+
+
+def clip_metrics(
+    coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, torch.Tensor]:
+    """TRL's ``clip_ratio/*``: fraction of tokens whose clipped branch is active (low: r < 1-eps_low with A < 0,
+    high: r > 1+eps_high with A > 0), and the min/max over sequences of the per-sequence fractions."""
+    low = ((coef_1 < 1 - epsilon_low) & (advantages < 0)).float()
+    high = ((coef_1 > 1 + epsilon_high) & (advantages > 0)).float()
+    region = torch.maximum(low, high)
+    return {
+        "clip_ratio/low_mean": masked_mean(low, mask),
+        "clip_ratio/high_mean": masked_mean(high, mask),
+        "clip_ratio/region_mean": masked_mean(region, mask),
+        "clip_ratio/low_min": _nan_extreme(masked_sequence_means(low, mask), largest=False),
+        "clip_ratio/high_max": _nan_extreme(masked_sequence_means(high, mask), largest=True),
+    }

@@ -1,0 +1,205 @@
+"""What happens between optimizer steps: ack the step's groups, push weights when due, log
+the step's record. ``AsyncGRPOTrainer`` registers ``SyncAndAck``; ``StepBook`` is where the
+trainer notes, during a step, what the callback acks and logs at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from accelerate.utils import broadcast_object_list
+from transformers import TrainerCallback
+
+from trainer_client.policy_weights import policy_weights
+from trainer_client.step_timing import step_seconds
+from trainer_client.weight_push import WeightPusher
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+
+PUSH_ATTEMPTS = 3
+"""Failed pushes in a row a trainer lives through (a vLLM server that died mid-push fails
+one; a server that cannot take weights fails every one)."""
+PUSH_RETRY_DELAY_S = 2.0
+
+
+class StepBook:
+    """What the current optimizer step trained on, for acks and per-step metrics."""
+
+    def __init__(self) -> None:
+        self.group_ids: dict[str, None] = {}  # ordered set
+        self.stale_group_ids: dict[str, None] = {}
+        self.rewards: list[float] = []
+        self.staleness: list[int] = []
+        self.loss_metrics: dict[str, list[float]] = {}
+
+
+class SyncAndAck(TrainerCallback):
+    """At the end of each optimizer step: ack its groups, push weights when due, log a record.
+
+    A push in the background (``AsyncGRPOTrainer.pushes_in_background``) sends a snapshot of
+    the weights while the next step trains; the next push first waits for it, so at most one
+    is in flight and vLLM's weights are never more than one push behind the trainer's.
+    """
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+        self._push_in_flight: Future[int] | None = None
+        self._step_started = time.perf_counter()
+        self._failed_pushes = 0
+        """Background pushes failed in a row (a vLLM server died mid-push); see ``_wait_for_push``."""
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        # vLLM may serve other weights than this trainer's checkpoint (an earlier run, a
+        # restarted trainer): push first, so every trained sample comes from this policy's line.
+        self._push(state)
+        if self.trainer.pusher is not None and state.is_world_process_zero:
+            self.trainer.feed.on_weights_wanted = self._push_on_request
+        self.trainer.feed.min_version = self.trainer.feed.current_version
+        self.trainer.clock.take()  # the first step's clock starts now
+        self._step_started = time.perf_counter()
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._optimizer_started = time.perf_counter()
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.trainer.clock.add("optimizer", time.perf_counter() - self._optimizer_started)
+        return control
+
+    def _push(self, state) -> None:  # type: ignore[no-untyped-def]
+        """Rank 0 pushes; every rank then trains against the version the push produced.
+
+        A trainer without a pusher is a follower: another trainer of the run pushes, and this
+        one judges staleness against the run's version as the service reports it.
+        """
+        trainer = self.trainer
+        if trainer.pusher is None:
+            run = trainer.feed.call(trainer.feed.client.get_run(trainer.feed.run_id))
+            trainer.feed.current_version = run.policy_version
+            return
+        version = None
+        if state.is_world_process_zero:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            version = trainer.feed.call(trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s())
+        if trainer.args.world_size > 1:
+            version = broadcast_object_list([version], from_process=0)[0]
+        trainer.feed.current_version = version
+
+    def _push_timeout_s(self) -> float:
+        """How long the training thread waits for one push: the transfer bound plus the RPCs'."""
+        assert self.trainer.pusher is not None
+        return self.trainer.pusher.timeout_s + 120
+
+    def _push_in_background(self) -> None:
+        """Snapshot the weights and start their push; the trainer goes on at once."""
+        trainer = self.trainer
+        assert isinstance(trainer.pusher, WeightPusher)
+        self._wait_for_push()
+        with trainer.clock.measure("push_snapshot"):
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            snapshot = [(name, tensor.detach().clone()) for name, tensor in policy_weights(model)]
+        trainer.feed.pushes_in_flight = 1
+        self._push_in_flight = trainer.feed.submit(trainer.pusher.push(snapshot))
+
+    def _push_on_request(self, reason: str) -> None:
+        """The service asked for the weights (a restarted vLLM server waits for them, and
+        with one server no group comes until it has them): push now, between groups.
+
+        Rank 0 only, without the broadcast of ``_push``: the other ranks are elsewhere in
+        their step, and learn the version at the next regular push."""
+        logger.warning("pushing the weights now, as the service asks: %s", reason)
+        self._wait_for_push()
+        trainer = self.trainer
+        assert trainer.pusher is not None
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            try:
+                trainer.feed.current_version = trainer.feed.call(
+                    trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s()
+                )
+                return
+            except Exception as exc:
+                if attempt == PUSH_ATTEMPTS:
+                    raise
+                logger.warning("push %d of %d failed (%s); trying again", attempt, PUSH_ATTEMPTS, exc)
+                time.sleep(PUSH_RETRY_DELAY_S)  # backoff before retrying a push, not synchronisation
+
+    def _wait_for_push(self) -> None:
+        """Wait for the push in flight, if any, and train against the version it produced.
+
+        A push that failed (the service aborted it: a vLLM server died or the trainer was
+        too slow) leaves vLLM on the version before it, and the next push joins a fresh
+        group; training goes on. ``PUSH_ATTEMPTS`` failures in a row raise here."""
+        future, self._push_in_flight = self._push_in_flight, None
+        if future is None:
+            return
+        trainer = self.trainer
+        assert trainer.pusher is not None
+        try:
+            with trainer.clock.measure("push_wait"):
+                version = future.result(timeout=self._push_timeout_s())
+        except Exception as exc:
+            if not future.done():  # still running: two pushes at once must never happen
+                future.cancel()
+                raise
+            trainer.feed.pushes_in_flight = 0
+            self._failed_pushes += 1
+            if self._failed_pushes >= PUSH_ATTEMPTS:
+                raise
+            logger.warning(
+                "weight push failed (%s); vLLM keeps policy version %d and the next push re-joins",
+                exc, trainer.feed.current_version,
+            )  # fmt: skip
+            return
+        self._failed_pushes = 0
+        trainer.feed.current_version, trainer.feed.pushes_in_flight = version, 0
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        trainer = self.trainer
+        book, trainer.book = trainer.book, StepBook()
+        trained_at = trainer.feed.training_version
+        config: AsyncGRPOConfig = trainer.args
+        background = trainer.pushes_in_background
+        due = state.global_step % config.weight_sync_steps == 0
+        if due and not background:
+            # Push before acking: an ack frees admission for the next groups, which must
+            # sample from the new weights (with max_staleness 0 the old ones are too old).
+            self._push(state)
+        trainer.feed.ack_trained(list(book.group_ids), trained_at)
+        trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
+        trainer.feed.flush_acks()
+        record = trainer.step_record(state.global_step, book, trained_at)
+        if due and background:
+            self._push_in_background()
+        now = time.perf_counter()
+        record["seconds"] = step_seconds(trainer.clock.take(), now - self._step_started, not background)
+        self._step_started = now
+        if state.is_world_process_zero:
+            path = Path(args.output_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as out:
+                out.write(json.dumps(record) + "\n")
+        logger.info(
+            "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d, %.3fs (waiting for groups %.3fs)",
+            record["step"],
+            record["reward_mean"],
+            record["policy_version"],
+            record["groups"],
+            record["dropped_stale"],
+            record["seconds"]["step"],
+            record["seconds"]["wait_groups"],
+        )
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._wait_for_push()  # the last push lands before the run reports its version
+        return control
