@@ -264,6 +264,72 @@ def aggregate_loss(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def vllm_correction(
+    config: LossConfig,
+    old_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor | None,
+    mask: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+) -> torch.Tensor | None:
+    """The vLLM-vs-trainer importance-sampling ratio the per-token loss is multiplied by (None:
+    the correction is off); adds TRL's ``sampling/*`` metrics."""
+    if not config.vllm_importance_sampling_correction:
+        return None
+    if behaviour_logps is None:
+        raise ValueError(
+            "vllm_importance_sampling_correction needs behaviour_logps (the sampler's log-probs); pass them "
+            "or disable the correction."
+        )
+    is_ratio = vllm_importance_sampling_ratio(
+        old_logps,
+        behaviour_logps,
+        mask,
+        config.vllm_importance_sampling_mode,
+        config.vllm_importance_sampling_clip_min,
+        config.vllm_importance_sampling_clip_max,
+    )
+    metrics.update(sampling_metrics(old_logps, behaviour_logps, mask, is_ratio))
+    return is_ratio
+
+
+def policy_token_loss(
+    config: LossConfig,
+    logps: torch.Tensor,
+    log_ratio: torch.Tensor,
+    coef_1: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_ratio: torch.Tensor | None,
+    metrics: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The per-token policy loss of ``config.loss_type`` [B, T], before masks, the vLLM ratio
+    and the KL; adds the loss type's own metrics (clip ratios, cispo's, vespo's)."""
+    eps_low, eps_high = config.epsilon_low, config.resolved_epsilon_high
+    if config.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float(), mask)
+        return cispo_loss(coef_1, advantages, logps, eps_high)
+    if config.loss_type in CLIPPED_LOSS_TYPES:
+        per_token_loss, capped_coef_1 = clipped_surrogate_loss(coef_1, advantages, eps_low, eps_high, config.delta)
+        metrics.update(clip_metrics(capped_coef_1, advantages, mask, eps_low, eps_high))
+        return per_token_loss
+    if config.loss_type == "sapo":
+        return sapo_loss(coef_1, advantages, config.sapo_temperature_pos, config.sapo_temperature_neg)
+    if config.loss_type == "vespo":
+        phi_seq = vespo_gamma_weights(
+            advantages,
+            log_ratio,
+            mask,
+            is_ratio,
+            config.vespo_k_pos,
+            config.vespo_lambda_pos,
+            config.vespo_k_neg,
+            config.vespo_lambda_neg,
+        )
+        metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq, mask)
+        return -phi_seq * advantages * logps
+    raise ValueError(f"Unknown loss type {config.loss_type!r}.")
+
+
 def compute_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,
@@ -308,22 +374,7 @@ def compute_loss(
     advantages = advantages.to(logps.dtype)
     metrics: dict[str, torch.Tensor] = {}
 
-    is_ratio = None
-    if config.vllm_importance_sampling_correction:
-        if behaviour_logps is None:
-            raise ValueError(
-                "vllm_importance_sampling_correction needs behaviour_logps (the sampler's log-probs); pass them "
-                "or disable the correction."
-            )
-        is_ratio = vllm_importance_sampling_ratio(
-            old_logps,
-            behaviour_logps,
-            mask,
-            config.vllm_importance_sampling_mode,
-            config.vllm_importance_sampling_clip_min,
-            config.vllm_importance_sampling_clip_max,
-        )
-        metrics.update(sampling_metrics(old_logps, behaviour_logps, mask, is_ratio))
+    is_ratio = vllm_correction(config, old_logps, behaviour_logps, mask, metrics)
 
     keep = None
     if config.off_policy_mask_threshold is not None:
@@ -343,31 +394,7 @@ def compute_loss(
         if config.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    eps_low, eps_high = config.epsilon_low, config.resolved_epsilon_high
-    if config.loss_type == "cispo":
-        per_token_loss = cispo_loss(coef_1, advantages, logps, eps_high)
-        metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float(), mask)
-    elif config.loss_type in CLIPPED_LOSS_TYPES:
-        per_token_loss, capped_coef_1 = clipped_surrogate_loss(coef_1, advantages, eps_low, eps_high, config.delta)
-        metrics.update(clip_metrics(capped_coef_1, advantages, mask, eps_low, eps_high))
-    elif config.loss_type == "sapo":
-        per_token_loss = sapo_loss(coef_1, advantages, config.sapo_temperature_pos, config.sapo_temperature_neg)
-    elif config.loss_type == "vespo":
-        phi_seq = vespo_gamma_weights(
-            advantages,
-            log_ratio,
-            mask,
-            is_ratio,
-            config.vespo_k_pos,
-            config.vespo_lambda_pos,
-            config.vespo_k_neg,
-            config.vespo_lambda_neg,
-        )
-        per_token_loss = -phi_seq * advantages * logps
-        metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq, mask)
-    else:
-        raise ValueError(f"Unknown loss type {config.loss_type!r}.")
-
+    per_token_loss = policy_token_loss(config, logps, log_ratio, coef_1, advantages, mask, is_ratio, metrics)
     if keep is not None:
         per_token_loss = per_token_loss * keep
     if is_ratio is not None and config.loss_type != "vespo":
