@@ -25,6 +25,9 @@ start of training (after model loading and, for the project, after its first wei
 Before the runs it measures each side alone with the trainer's thread budget: T_train (the
 trainer's math on one step's samples) and T_generate (one step's groups through the service,
 a consumer acking at once), and reports the project's steps/s against 1 / max of the two.
+Because both sides share the machine's cores, it also reports the bound that sharing sets:
+each side's busy core-seconds per step alone (``/proc/stat``, every process counted), and
+cores / (their sum) steps/s.
 
 It prints, per contender, the median time to target (first wall second at which the
 rolling mean of 5 steps reaches ``--target``), steps to target, steps/s, generated tokens/s
@@ -191,6 +194,15 @@ async def run_trl(args: argparse.Namespace, threads: int, seed: int, work: Path)
 # -- each side alone: the ideal steps/s is 1 / max(T_generate, T_train) --------------------------
 
 
+def busy_core_seconds() -> float:
+    """Core-seconds the whole machine has been busy since boot (``/proc/stat``): a side's cost in
+    cores, all its processes included (vLLM's API server and engine core, the service)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def train_alone_worker(args: argparse.Namespace) -> None:
     """Seconds of one optimizer step of the project's trainer math (collate, log-probs and loss,
     backward, AdamW) on a step's worth of samples, with nothing else running; JSON to stdout."""
@@ -231,7 +243,9 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     config = LossConfig(loss_type="dapo", max_completion_length=args.max_tokens)
     head = model.get_output_embeddings().weight
     times = []
-    for _ in range(25):
+    for step in range(25):
+        if step == 5:  # warmed up
+            busy = busy_core_seconds()
         start = time.perf_counter()
         batch = collate(items)
         logps = completion_logprobs(model, batch, head, share_prompts=AsyncGRPOConfig.share_prompt_forward)
@@ -240,12 +254,13 @@ def train_alone_worker(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"train_step_s": statistics.median(times[5:])}))
+    core_s = (busy_core_seconds() - busy) / len(times[5:])
+    print(json.dumps({"train_step_s": statistics.median(times[5:]), "train_core_s": core_s}))
 
 
-async def generate_alone(args: argparse.Namespace, target: str, seconds: float = 15.0) -> float:
-    """Seconds to generate one step's groups through the service with nothing training:
-    a consumer acks every group at once (buffer admission, no pushes)."""
+async def generate_alone(args: argparse.Namespace, target: str, seconds: float = 15.0) -> dict[str, float]:
+    """Seconds (and busy core-seconds) to generate one step's groups through the service with
+    nothing training: a consumer acks every group at once (buffer admission, no pushes)."""
     from rollout_api import rollout_pb2 as pb
     from trainer_client.client import RolloutClient, dataset_run_spec
 
@@ -260,13 +275,14 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
             stream.ack([group.group_id])
             groups += 1
             if started is None and groups == 2 * args.prompts_per_step:  # warmed up: start the clock
-                started, groups = time.perf_counter(), 0
+                started, busy, groups = time.perf_counter(), busy_core_seconds(), 0
             elif started is not None and time.perf_counter() - started >= seconds:
                 break
-        elapsed = time.perf_counter() - started
+        elapsed, core_s = time.perf_counter() - started, busy_core_seconds() - busy
         await stream.aclose()
         await client.delete_run(run.run_id)
-    return elapsed / groups * args.prompts_per_step
+    steps = groups / args.prompts_per_step
+    return {"generate_step_s": elapsed / steps, "generate_core_s": core_s / steps}
 
 
 async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, float]:
@@ -281,7 +297,11 @@ async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, floa
         output, _ = await asyncio.wait_for(process.communicate(), args.timeout_s)
         measured.update(json.loads(output.decode().strip().splitlines()[-1]))
     slowest = max(measured["train_step_s"], measured["generate_step_s"])
-    return {**measured, "ideal_steps_per_s": 1 / slowest}
+    # Both sides share the machine's cores: a step cannot take less than their busy
+    # core-seconds spread over every core, however well they overlap.
+    cores = os.cpu_count() or 1
+    core_bound = cores / (measured["train_core_s"] + measured["generate_core_s"])
+    return {**measured, "ideal_steps_per_s": 1 / slowest, "core_bound_steps_per_s": core_bound}
 
 
 # -- the project: a rollout-trainer process per run against one service ---------------------------
@@ -436,11 +456,18 @@ def report(results: list[RunResult], target: float, alone: dict[str, float]) -> 
     project = summary.get("project", {}).get("time_to_target_s")
     if trl and project:
         console.print(f"project time to target / fastest TRL setting: {project / min(trl):.2f}")
-    ideal = alone["ideal_steps_per_s"]
+    ideal, achieved = alone["ideal_steps_per_s"], summary["project"]["steps_per_s"]
     console.print(
         f"alone, same thread split: T_train {alone['train_step_s']:.3f}s, T_generate {alone['generate_step_s']:.3f}s "
-        f"per step -> ideal {ideal:.2f} steps/s; project achieved {summary['project']['steps_per_s'] / ideal:.2f}x"
+        f"per step -> ideal {ideal:.2f} steps/s; project achieved {achieved / ideal:.2f}x"
     )
+    if "core_bound_steps_per_s" in alone:
+        bound = alone["core_bound_steps_per_s"]
+        console.print(
+            f"busy core-seconds per step alone: training {alone['train_core_s']:.3f}, generation "
+            f"{alone['generate_core_s']:.3f} -> on {os.cpu_count()} cores at most {bound:.2f} steps/s; "
+            f"project achieved {achieved / bound:.2f}x of that"
+        )
     return summary
 
 
@@ -483,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
         train_alone_worker(args)
         return
     if args.mode == "generate-alone":
-        print(json.dumps({"generate_step_s": asyncio.run(generate_alone(args, args.service))}))
+        print(json.dumps(asyncio.run(generate_alone(args, args.service))))
         return
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "WARNING"))
     from rollout_common.tiny_model import TinyModelSpec, build_tiny_model
