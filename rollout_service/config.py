@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -197,6 +197,55 @@ class WeightSyncSettings(Section):
     On: the old blocks are freed at once when nothing runs (pause_mode abort or wait)."""
 
 
+class PrincipalSettings(Section):
+    """One caller of the gRPC API, known by its bearer token."""
+
+    token: SecretStr = Field(min_length=16)
+    """Sent by the client as ``authorization: Bearer <token>``; 16 characters at least
+    (``python -c "import secrets; print(secrets.token_urlsafe(32))"``)."""
+    admin: bool = False
+    """Sees and acts on every run, and sees the engine URLs in GetServerInfo."""
+    push_base_weights: bool = False
+    """May push full weights. One such push changes the policy of every full-weight run on
+    the servers, whoever owns it: give this only to the trainer that owns the base weights."""
+
+
+class SecuritySettings(Section):
+    """Transport security and who may call what. With no principals, every caller is an
+    anonymous admin (fine on loopback, the default bind address)."""
+
+    tls_cert_file: Path | None = None
+    """PEM certificate chain of the gRPC server; with ``tls_key_file``, the port speaks TLS."""
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+    """PEM CA bundle: clients must present a certificate it signed (mutual TLS)."""
+    allow_insecure: bool = False
+    """Serve plain text on an address other than loopback (say, inside a container network
+    that nothing else reaches). Without it the service refuses to start there."""
+    tokens_file: Path | None = None
+    """YAML or JSON file: ``{name: {token: ..., admin: bool, push_base_weights: bool}}``.
+    Tokens come from this file or the environment (``ROLLOUT_SECURITY__PRINCIPALS`` as JSON),
+    never from the command line."""
+    principals: dict[str, PrincipalSettings] = Field(default_factory=dict)
+    reflection: bool = False
+    """Serve gRPC server reflection (grpcurl, Postman). Off by default: it lists the API to anyone."""
+    trainer_addresses: list[str] = Field(default_factory=list)
+    """Addresses a weight push may name as ``trainer_address`` besides the caller's own
+    (say, a trainer behind NAT). vLLM's workers connect there and load what it sends."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> SecuritySettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both security.tls_cert_file and security.tls_key_file, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("security.tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+
 class ServiceSettings(BaseSettings):
     """Everything the rollout service reads at start-up."""
 
@@ -208,10 +257,14 @@ class ServiceSettings(BaseSettings):
     """gRPC port; 0 picks a free one."""
     metrics_port: int | None = 9400
     """Prometheus /metrics port; None disables, 0 picks a free one."""
+    metrics_host: str = "127.0.0.1"
+    """Bind address of /metrics, loopback by default: metrics are not authenticated and carry
+    run ids as labels, so expose them only to a network your Prometheus alone reaches."""
     engine: EngineSettings = Field(default_factory=EngineSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     weight_sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
     reward_modules: list[str] = Field(default_factory=list)
     """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry."""
     tool_modules: list[str] = Field(default_factory=list)

@@ -29,6 +29,14 @@ class ResourceExhausted(ServiceError):
     """A limit on what sizes memory or work (runs, consumers, credits, queued prompts)."""
 
 
+class Unauthenticated(ServiceError):
+    """The call carries no valid bearer token."""
+
+
+class PermissionDenied(ServiceError):
+    """The caller is known but may not do this (push base weights, name another address)."""
+
+
 class EngineError(Exception):
     """A vLLM request failed for good (after retries); its group is dropped."""
 

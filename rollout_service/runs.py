@@ -175,6 +175,8 @@ class Run:
     episode: MultiTurnConfig | None = None
     """Multi-turn settings resolved against the registries; None: single-turn episodes."""
     adapter: str | None = None
+    owner: str = ""
+    """The principal that created the run (``security.principals``); "" when authentication is off."""
     """The LoRA adapter this run's requests name (serve_adapter runs); None: the base model."""
     slots: asyncio.Semaphore = field(init=False)
 

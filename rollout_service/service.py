@@ -166,7 +166,7 @@ class RolloutService:
         """Runs that sample the servers' base weights (not their own adapter)."""
         return [run for run in self.runs.values() if not run.spec.serve_adapter]
 
-    async def create_run(self, spec: RunSpec) -> Run:
+    async def create_run(self, spec: RunSpec, owner: str = "") -> Run:
         spec.validate()
         if len(self.runs) >= self.settings.max_runs:
             raise ResourceExhausted(
@@ -191,6 +191,7 @@ class RolloutService:
             max_inflight=spec.max_inflight or self.settings.max_inflight,
             advantages=AdvantageComputer(spec.scale_rewards),
             episode=episode,
+            owner=owner,
         )
         self.runs[run_id] = run
         self.scheduler.start_run(run)

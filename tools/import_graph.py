@@ -23,9 +23,14 @@ PACKAGES = ("rollout_api", "rollout_common", "rollout_service", "trainer_client"
 GENERATED = ("rollout_api.rollout_pb2", "rollout_api.rollout_pb2_grpc")
 """Generated from the proto: not held to the rules (the gRPC stubs import grpc, by design)."""
 
-GRPC_EDGE = ("rollout_service.edge.server", "trainer_client.client", "rollout_demo.demo")
-"""The only modules that speak gRPC: the service's server, the trainer's client, and the
-demo that starts both. Everything else works with plain Python types and errors."""
+GRPC_EDGE = (
+    "rollout_service.edge.server",
+    "rollout_service.edge.security",
+    "trainer_client.client",
+    "rollout_demo.demo",
+)
+"""The only modules that speak gRPC: the service's server and its security (TLS, tokens),
+the trainer's client, and the demo that starts both. Everything else works with plain Python types and errors."""
 
 ENGINE = "rollout_service.engine"
 SERVICE_CORE = (

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+import os
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -19,6 +22,51 @@ from rollout_api import rollout_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 DEFAULT_RPC_TIMEOUT_S = 30.0
+
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client reaches the service: TLS roots (plus a client certificate for mutual
+    TLS) and a bearer token. By default from the environment, so every tool the project ships
+    (trainer, demo, benchmarks) picks them up: ``ROLLOUT_TLS_CA``, ``ROLLOUT_TLS_CERT``,
+    ``ROLLOUT_TLS_KEY``, and ``ROLLOUT_TOKEN`` or ``ROLLOUT_TOKEN_FILE`` (never a flag: a
+    command line is visible to every user of the host)."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> ClientSecurity:
+        def path(name: str) -> Path | None:
+            return Path(env[name]) if env.get(name) else None
+
+        token = env.get("ROLLOUT_TOKEN") or None
+        token_file = path("ROLLOUT_TOKEN_FILE")
+        if token is None and token_file is not None:
+            token = token_file.read_text().strip()
+        return cls(path("ROLLOUT_TLS_CA"), path("ROLLOUT_TLS_CERT"), path("ROLLOUT_TLS_KEY"), token)
+
+    def channel(self, target: str, options: list[tuple[str, int]]) -> grpc.aio.Channel:
+        if self.ca_file is None:
+            if self.cert_file is not None:
+                raise ValueError(
+                    "a client certificate needs TLS: set ROLLOUT_TLS_CA (the CA of the service's certificate)"
+                )
+            return grpc.aio.insecure_channel(target, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca_file.read_bytes(),
+            private_key=self.key_file.read_bytes() if self.key_file is not None else None,
+            certificate_chain=self.cert_file.read_bytes() if self.cert_file is not None else None,
+        )
+        return grpc.aio.secure_channel(target, credentials, options=options)
+
+    def metadata(self) -> Metadata:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
 def _log_weights_wanted(wanted: pb.WeightsWanted) -> None:
@@ -36,14 +84,16 @@ class GroupStream:
     trainer sets; by default it is logged and ignored (a follower does not push).
     """
 
-    def __init__(self, stub: pb_grpc.RolloutServiceStub, run_id: str, consumer_id: str, credits: int) -> None:
+    def __init__(
+        self, stub: pb_grpc.RolloutServiceStub, run_id: str, consumer_id: str, credits: int, metadata: Metadata = ()
+    ) -> None:
         self._outbox: asyncio.Queue[pb.StreamSamplesRequest | None] = asyncio.Queue()
         self._outbox.put_nowait(
             pb.StreamSamplesRequest(
                 subscribe=pb.Subscribe(run_id=run_id, consumer_id=consumer_id, initial_credits=credits)
             )
         )
-        self._call = stub.StreamSamples(self._requests())
+        self._call = stub.StreamSamples(self._requests(), metadata=metadata)
         self.subscribed: pb.Subscribed | None = None
         self.on_weights_wanted: Callable[[pb.WeightsWanted], None] = _log_weights_wanted
 
@@ -102,10 +152,14 @@ class GroupStream:
 class RolloutClient:
     """One channel to the service; use as ``async with RolloutClient(target) as client``."""
 
-    def __init__(self, target: str, timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+    def __init__(
+        self, target: str, timeout_s: float = DEFAULT_RPC_TIMEOUT_S, security: ClientSecurity | None = None
+    ) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        security = security if security is not None else ClientSecurity.from_env()
+        self._channel = security.channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._metadata = security.metadata()
         self.stub = pb_grpc.RolloutServiceStub(self._channel)
 
     async def __aenter__(self) -> RolloutClient:
@@ -118,23 +172,31 @@ class RolloutClient:
         await self._channel.close()
 
     async def server_info(self) -> pb.GetServerInfoResponse:
-        return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s)
+        return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
 
     async def create_run(self, spec: pb.RunSpec) -> pb.Run:
-        return (await self.stub.CreateRun(pb.CreateRunRequest(spec=spec), timeout=self.timeout_s)).run
+        return (
+            await self.stub.CreateRun(pb.CreateRunRequest(spec=spec), timeout=self.timeout_s, metadata=self._metadata)
+        ).run
 
     async def get_run(self, run_id: str) -> pb.Run:
-        return (await self.stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=self.timeout_s)).run
+        return (
+            await self.stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=self.timeout_s, metadata=self._metadata)
+        ).run
 
     async def delete_run(self, run_id: str) -> pb.Run:
-        return (await self.stub.DeleteRun(pb.DeleteRunRequest(run_id=run_id), timeout=self.timeout_s)).run
+        return (
+            await self.stub.DeleteRun(
+                pb.DeleteRunRequest(run_id=run_id), timeout=self.timeout_s, metadata=self._metadata
+            )
+        ).run
 
     async def stats(self) -> pb.GetStatsResponse:
-        return await self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+        return await self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s, metadata=self._metadata)
 
     async def submit_prompts(self, run_id: str, prompts: list[pb.Prompt]) -> pb.SubmitPromptsResponse:
         request = pb.SubmitPromptsRequest(run_id=run_id, prompts=prompts)
-        return await self.stub.SubmitPrompts(request, timeout=self.timeout_s)
+        return await self.stub.SubmitPrompts(request, timeout=self.timeout_s, metadata=self._metadata)
 
     async def begin_weight_update(
         self,
@@ -151,7 +213,7 @@ class RolloutClient:
             tensors=tensors,
             pause_mode=pause_mode,
         )
-        return await self.stub.BeginWeightUpdate(request, timeout=self.timeout_s)
+        return await self.stub.BeginWeightUpdate(request, timeout=self.timeout_s, metadata=self._metadata)
 
     async def push_adapter(
         self, run_id: str, files: dict[str, bytes], timeout_s: float, chunk_bytes: int = 4 << 20
@@ -167,19 +229,19 @@ class RolloutClient:
                     )
                     first = False
 
-        return await self.stub.PushAdapter(chunks(), timeout=timeout_s)
+        return await self.stub.PushAdapter(chunks(), timeout=timeout_s, metadata=self._metadata)
 
     async def commit_weight_update(self, update_id: str, timeout_s: float) -> pb.CommitWeightUpdateResponse:
         """Waits for every server to receive and apply the weights: give it the transfer timeout."""
         request = pb.CommitWeightUpdateRequest(update_id=update_id)
-        return await self.stub.CommitWeightUpdate(request, timeout=timeout_s)
+        return await self.stub.CommitWeightUpdate(request, timeout=timeout_s, metadata=self._metadata)
 
     async def abort_weight_update(self, update_id: str, reason: str) -> pb.AbortWeightUpdateResponse:
         request = pb.AbortWeightUpdateRequest(update_id=update_id, reason=reason)
-        return await self.stub.AbortWeightUpdate(request, timeout=self.timeout_s)
+        return await self.stub.AbortWeightUpdate(request, timeout=self.timeout_s, metadata=self._metadata)
 
     def stream(self, run_id: str, consumer_id: str, credits: int = 4) -> GroupStream:
-        return GroupStream(self.stub, run_id, consumer_id, credits)
+        return GroupStream(self.stub, run_id, consumer_id, credits, self._metadata)
 
 
 def dataset_run_spec(

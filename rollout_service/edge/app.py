@@ -136,7 +136,7 @@ async def running_service(
 
         metrics_port = None
         if settings.metrics_port is not None:
-            runner, metrics_port = await start_metrics_server(metrics, settings.host, settings.metrics_port)
+            runner, metrics_port = await start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)
             stack.push_async_callback(runner.cleanup)
         grpc_port = await _serve_grpc(service, pool, settings, stack)
         logger.info(
@@ -219,7 +219,7 @@ async def _serve_grpc(
 ) -> int:
     """Start the gRPC server, whose health follows the pool; returns its port. At exit it says
     NOT_SERVING, drains the runs' leases, then stops."""
-    server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port)
+    server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port, settings.security)
 
     def engines_usable(usable: bool) -> None:
         _report_health(health, usable)

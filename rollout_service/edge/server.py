@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api import rollout_pb2_grpc as pb_grpc
+from rollout_service.config import SecuritySettings
 from rollout_service.delivery.consumer import ConsumerRequest, ConsumerSession
 from rollout_service.edge.convert import (
     PAUSE_MODE_FROM_PB,
@@ -33,14 +35,28 @@ from rollout_service.edge.convert import (
     stats_to_pb,
     tensors_from_pb,
 )
+from rollout_service.edge.security import (
+    AuthInterceptor,
+    Principal,
+    TokenTable,
+    check_bind,
+    is_loopback,
+    load_token_table,
+    peer_host,
+    principal_of,
+    server_credentials,
+)
 from rollout_service.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     ServiceError,
+    Unauthenticated,
 )
+from rollout_service.runs import Run
 from rollout_service.service import RolloutService
 from rollout_service.weights.adapters import MAX_ADAPTER_BYTES, check_adapter_file_name
 
@@ -59,6 +75,8 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -143,44 +161,98 @@ async def _adapter_files(requests: AsyncIterator[pb.PushAdapterRequest]) -> tupl
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    def __init__(self, service: RolloutService) -> None:
+    """Each RPC acts for its caller (``Principal``): a run belongs to the principal that
+    created it, and others get NOT_FOUND for it, as for a run that does not exist, so run ids
+    do not leak; admins see and act on every run."""
+
+    def __init__(
+        self, service: RolloutService, tokens: TokenTable | None = None, security: SecuritySettings | None = None
+    ) -> None:
         self.service = service
+        self.tokens = tokens if tokens is not None else TokenTable({})
+        self.security = security if security is not None else SecuritySettings()
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+        return principal_of(self.tokens, context)
+
+    def _visible(self, caller: Principal) -> list[Run]:
+        return [r for r in self.service.runs.values() if caller.admin or r.owner == caller.name]
+
+    def _run(self, run_id: str, caller: Principal) -> Run:
+        """The caller's run; NOT_FOUND naming only its own runs if it is another's."""
+        if not caller.admin:
+            run = self.service.runs.get(run_id) or self.service.deleted.get(run_id)
+            if run is None or run.owner != caller.name:
+                yours = ", ".join(r.run_id for r in self._visible(caller)) or "none"
+                raise NotFound(f"no run {run_id!r}; your runs: {yours}")
+        return self.service.get_run(run_id)
 
     @_edge
     async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
-        return server_info_to_pb(self.service.server_info())
+        info = self.service.server_info()
+        if not self._caller(context).admin:
+            info = dataclasses.replace(info, engine_urls=[])  # the servers' development endpoints are not for everyone
+        return server_info_to_pb(info)
 
     @_edge
     async def CreateRun(self, request: pb.CreateRunRequest, context) -> pb.CreateRunResponse:  # type: ignore[no-untyped-def]
         if not request.HasField("spec"):
             raise InvalidArgument("spec is not set")
-        run = await self.service.create_run(run_spec_from_pb(request.spec))
+        run = await self.service.create_run(run_spec_from_pb(request.spec), owner=self._caller(context).name)
         return pb.CreateRunResponse(run=run_to_pb(run))
 
     @_edge
     async def GetRun(self, request: pb.GetRunRequest, context) -> pb.GetRunResponse:  # type: ignore[no-untyped-def]
-        return pb.GetRunResponse(run=run_to_pb(self.service.get_run(request.run_id)))
+        return pb.GetRunResponse(run=run_to_pb(self._run(request.run_id, self._caller(context))))
 
     @_edge
     async def ListRuns(self, request, context) -> pb.ListRunsResponse:  # type: ignore[no-untyped-def]
-        return pb.ListRunsResponse(runs=[run_to_pb(r) for r in self.service.runs.values()])
+        return pb.ListRunsResponse(runs=[run_to_pb(r) for r in self._visible(self._caller(context))])
 
     @_edge
     async def DeleteRun(self, request: pb.DeleteRunRequest, context) -> pb.DeleteRunResponse:  # type: ignore[no-untyped-def]
+        self._run(request.run_id, self._caller(context))
         return pb.DeleteRunResponse(run=run_to_pb(await self.service.delete_run(request.run_id)))
 
     @_edge
     async def SubmitPrompts(self, request: pb.SubmitPromptsRequest, context) -> pb.SubmitPromptsResponse:  # type: ignore[no-untyped-def]
+        self._run(request.run_id, self._caller(context))
         prompts = [prompt_from_pb(p) for p in request.prompts]
         accepted, queued = await self.service.submit_prompts(request.run_id, prompts)
         return pb.SubmitPromptsResponse(accepted=accepted, queued=queued)
 
     @_edge
     async def GetStats(self, request, context) -> pb.GetStatsResponse:  # type: ignore[no-untyped-def]
-        return stats_to_pb(self.service.stats(), self.service.runs.values())
+        return stats_to_pb(self.service.stats(), self._visible(self._caller(context)))
+
+    def _check_push(self, run_id: str, trainer_address: str, context: grpc.aio.ServicerContext) -> None:
+        """Base weights change every full-weight run: only a principal allowed to push them
+        may, and vLLM's workers connect only to the caller itself or an allowed address."""
+        caller = self._caller(context)
+        run = self._run(run_id, caller)
+        if not self.tokens.enabled:
+            return
+        if not (caller.admin or caller.push_base_weights) and not run.spec.serve_adapter:
+            raise PermissionDenied(
+                f"principal {caller.name!r} may not push base weights: they change the policy of every full-weight "
+                "run; set push_base_weights for it in security.principals"
+            )
+        peer = peer_host(context)
+        same = trainer_address == peer or (is_loopback(trainer_address) and is_loopback(peer))
+        if not same and trainer_address not in self.security.trainer_addresses:
+            raise PermissionDenied(
+                f"trainer_address {trainer_address!r} is not the caller's own address ({peer}); vLLM's workers "
+                "would load weights from there. Add it to security.trainer_addresses if it is the trainer's"
+            )
+
+    def _check_update(self, update_id: str, context: grpc.aio.ServicerContext) -> None:
+        run_id = self.service.require_weight_sync().run_of(update_id)
+        if run_id is not None:
+            self._run(run_id, self._caller(context))
 
     @_edge
     async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:  # type: ignore[no-untyped-def]
+        self._check_push(request.run_id, request.trainer_address, context)
         sync = self.service.require_weight_sync(request.run_id)
         if request.pause_mode == pb.PAUSE_MODE_UNSPECIFIED:
             mode = sync.settings.pause_mode
@@ -202,11 +274,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @_edge
     async def CommitWeightUpdate(self, request: pb.CommitWeightUpdateRequest, context) -> pb.CommitWeightUpdateResponse:  # type: ignore[no-untyped-def]
+        self._check_update(request.update_id, context)
         version, seconds = await self.service.require_weight_sync().commit(request.update_id)
         return pb.CommitWeightUpdateResponse(policy_version=version, seconds=seconds)
 
     @_edge
     async def AbortWeightUpdate(self, request: pb.AbortWeightUpdateRequest, context) -> pb.AbortWeightUpdateResponse:  # type: ignore[no-untyped-def]
+        self._check_update(request.update_id, context)
         version = await self.service.require_weight_sync().abort(request.update_id, request.reason)
         return pb.AbortWeightUpdateResponse(policy_version=version)
 
@@ -215,6 +289,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request_iterator: AsyncIterator[pb.PushAdapterRequest], context: grpc.aio.ServicerContext
     ) -> pb.PushAdapterResponse:
         run_id, files = await _adapter_files(request_iterator)
+        self._run(run_id, self._caller(context))
         started = time.monotonic()
         version, name = await self.service.publish_adapter(run_id, files)
         return pb.PushAdapterResponse(policy_version=version, adapter_name=name, seconds=time.monotonic() - started)
@@ -228,6 +303,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             subscribe = await self._first_message(request_iterator)
             consumer_id, credits = subscribe.consumer_id, subscribe.initial_credits
+            self._run(subscribe.run_id, self._caller(context))
             candidate = ConsumerSession(self.service, subscribe.run_id, consumer_id, credits)
             candidate.check_limits()
             candidate.broker.subscribe(consumer_id, credits)
@@ -273,23 +349,32 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return sub
 
 
-async def start_grpc_server(service: RolloutService, host: str, port: int) -> tuple[grpc.aio.Server, int, Any]:
-    """Start the gRPC server with health and reflection; returns (server, bound port, health)."""
+async def start_grpc_server(
+    service: RolloutService, host: str, port: int, security: SecuritySettings | None = None
+) -> tuple[grpc.aio.Server, int, Any]:
+    """Start the gRPC server with health (and reflection if enabled), over TLS when
+    configured, tokens checked when principals are; returns (server, bound port, health)."""
+    security = security if security is not None else SecuritySettings()
+    check_bind(host, security)
+    tokens = load_token_table(security)
+    credentials = server_credentials(security)
     # No SO_REUSEPORT: a second service on the same port must fail, not share it silently.
     options = [
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.max_receive_message_length", 64 << 20),  # adapter chunks
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(service), server)
+    server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(tokens, security.reflection)])
+    pb_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(service, tokens, security), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if security.reflection:
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind gRPC to {host}:{port}; is the port in use?")
     await server.start()

@@ -379,6 +379,13 @@ class WeightSyncCoordinator:
             for phase, seconds in update.phases.items():
                 self._metrics.weight_update_phase_seconds.labels(phase).observe(seconds)
 
+    def run_of(self, update_id: str) -> str | None:
+        """The run that began this update (in progress, or the last aborted); None: unknown."""
+        for update in (self._current, self._last_aborted):
+            if update is not None and update.update_id == update_id:
+                return update.run_id
+        return None
+
     def _get(self, update_id: str) -> _Update:
         current = self._current
         if self._last_aborted is not None and self._last_aborted.update_id == update_id:

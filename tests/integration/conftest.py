@@ -81,7 +81,10 @@ async def service_with_client(settings) -> AsyncIterator[tuple[RunningService, R
 
 @pytest.fixture
 async def service(vllm_server: ManagedVLLMServer, tiny_model: Path) -> AsyncIterator[RunningService]:
-    settings = service_settings([vllm_server.url], tiny_model, scheduler={"max_inflight": 8})
+    # Reflection on: test_discovery lists the API through it, as grpcurl would.
+    settings = service_settings(
+        [vllm_server.url], tiny_model, scheduler={"max_inflight": 8}, security={"reflection": True}
+    )
     async with running_service(settings) as running:
         yield running
 
