@@ -39,6 +39,10 @@ def main(
     model: Annotated[Path, typer.Option(help="Checkpoint the service's vLLM serves")] = Path("models/tiny-qwen2"),
     run_id: Annotated[str | None, typer.Option(help="Consume this existing run instead of creating one")] = None,
     dataset: Annotated[str, typer.Option(help="Built-in dataset of the run")] = "repeat_a",
+    prompts_file: Annotated[
+        Path | None,
+        typer.Option(help="JSONL prompts in TRL's format ('prompt' + columns passed to rewards); replaces --dataset"),
+    ] = None,
     reward: Annotated[list[str] | None, typer.Option(help="NAME[=WEIGHT], repeatable")] = None,
     group_size: Annotated[int, typer.Option(help="Completions per prompt (G)")] = 8,
     groups_per_step: Annotated[int, typer.Option(help="Groups per optimizer step")] = 8,
@@ -134,6 +138,14 @@ def main(
     lora = LoraOptions(lora_rank, lora_alpha, targets, lora_serving) if lora_rank else None  # type: ignore[arg-type]
     if admission not in ADMISSION_MODES:
         raise typer.BadParameter(f"--admission {admission!r}: choose {' or '.join(ADMISSION_MODES)}")
+    prompts = None
+    if prompts_file is not None:
+        from trainer_client.prompts_file import PromptsFileError, load_prompts_file
+
+        try:
+            prompts = load_prompts_file(prompts_file)
+        except PromptsFileError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--prompts-file") from None
     options = RunOptions(
         dataset,
         _rewards(reward or ["char_fraction"]),
@@ -141,6 +153,7 @@ def main(
         max_buffered_groups,
         admission,  # type: ignore[arg-type]
         max_inflight=max_inflight,
+        prompts=prompts,
     )
     summary = train(
         target,

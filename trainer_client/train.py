@@ -55,6 +55,8 @@ class RunOptions:
     buffer: up to max_buffered_groups whatever their age (for comparison)."""
     max_inflight: int = 0
     """Episodes of this run generating at once; 0: as many as the service's slots allow."""
+    prompts: list[pb.Prompt] | None = None
+    """The run's own prompts (``prompts_file.load_prompts_file``) instead of ``dataset``."""
 
 
 @dataclass
@@ -127,6 +129,8 @@ async def _create_run(
             max_buffered_groups=options.max_buffered_groups,
             max_inflight=options.max_inflight,
         )
+        if options.prompts:
+            spec.prompt_source.prompts.prompts.extend(options.prompts)  # replaces the dataset (a oneof)
         spec.sampling.temperature = config.temperature
         spec.serve_adapter = serve_adapter
         spec.admission = ADMISSION_MODES[options.admission]

@@ -99,6 +99,7 @@ async def running_service(
     edges (metrics, gRPC). Everything started is stopped in reverse order by one exit stack.
     """
     engine_settings = settings.engine
+    rewards, tools, environments = _user_registries(settings)  # first: a typo fails before vLLM starts
     async with contextlib.AsyncExitStack() as stack:
         urls, tokenizer_path = list(engine_settings.urls), engine_settings.tokenizer
         if managed is None and not urls:
@@ -120,7 +121,6 @@ async def running_service(
             await control.start()
             stack.push_async_callback(control.close)
 
-        rewards, tools, environments = _user_registries(settings)
         service = RolloutService(
             engine=pool,
             renderer=PromptRenderer(tokenizer, max_model_len),
@@ -174,7 +174,13 @@ def _user_registries(settings: ServiceSettings) -> tuple[RewardRegistry, ToolReg
         (environments, settings.environment_modules),
     ):
         for module in modules:
-            registry.load_module(module)
+            try:
+                registry.load_module(module)
+            except Exception as exc:  # user code: an import may raise anything
+                raise StartupError(
+                    f"cannot load user module {module!r}: {exc}; is it importable from this directory "
+                    "(or PYTHONPATH), with the dict the setting names?"
+                ) from None
     return rewards, tools, environments
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Annotated, Any
@@ -82,6 +83,13 @@ def serve(
     ] = None,
     model: Annotated[Path | None, typer.Option(help="Checkpoint for the managed vLLM server")] = None,
     max_inflight: Annotated[int | None, typer.Option(help="Slots: episodes generating at once")] = None,
+    reward_module: Annotated[
+        list[str] | None, typer.Option(help="Python module with a REWARD_FUNCTIONS dict (repeatable)")
+    ] = None,
+    tool_module: Annotated[list[str] | None, typer.Option(help="Python module with tools (repeatable)")] = None,
+    environment_module: Annotated[
+        list[str] | None, typer.Option(help="Python module with environments (repeatable)")
+    ] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING, ...")] = None,
 ) -> None:
     """Run the rollout service until SIGINT/SIGTERM."""
@@ -103,6 +111,14 @@ def serve(
         if max_inflight < 1:
             _fail(f"--max-inflight is {max_inflight}; it must be >= 1")
         settings.scheduler.max_inflight = max_inflight
+    # Added to the modules of the settings (YAML, environment), not in place of them, and
+    # importable from the working directory as with `python -m` (a console script's path
+    # starts at its bin/ folder).
+    if reward_module or tool_module or environment_module:
+        sys.path.insert(0, os.getcwd())
+    settings.reward_modules += reward_module or []
+    settings.tool_modules += tool_module or []
+    settings.environment_modules += environment_module or []
     setup_logging(settings.log_level)
     import uvloop
 

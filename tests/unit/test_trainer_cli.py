@@ -33,3 +33,13 @@ def test_none_turns_the_correction_off(tmp_path: Path) -> None:
     config = cpu_training_config(tmp_path, 1, vllm_is_mode="token_truncate", vllm_is_cap=2.0)
     assert config.vllm_importance_sampling_correction
     assert (config.vllm_importance_sampling_mode, config.vllm_importance_sampling_cap) == ("token_truncate", 2.0)
+
+
+def test_a_bad_prompts_file_is_refused_with_its_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tasks.jsonl").write_text('{"question": "2+3?"}\n')
+    flags = ["--prompts-file", str(tmp_path / "tasks.jsonl")]
+    result = CliRunner().invoke(app, ["--model", str(tmp_path), "--output-dir", str(tmp_path / "out"), *flags])
+    assert result.exit_code == 2
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())
+    assert "tasks.jsonl:1 has no 'prompt' column" in text
