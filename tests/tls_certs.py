@@ -68,3 +68,12 @@ class CertificateAuthority:
             names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         return _write(self.directory, stem, builder.sign(self.key, hashes.SHA256()), key)
+
+
+def tls_security(directory: Path, principals: dict[str, dict[str, object]]) -> tuple[dict[str, object], Path]:
+    """``security`` settings of a TLS-only service with these principals (a fresh CA and
+    server certificate in ``directory``), and the CA file its clients trust."""
+    ca = CertificateAuthority(directory)
+    server = ca.issue("server", server=True)
+    settings = {"tls_cert_file": str(server.cert), "tls_key_file": str(server.key), "principals": principals}
+    return settings, ca.pem.cert

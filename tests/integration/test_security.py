@@ -16,7 +16,7 @@ import pytest
 from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
-from tests.tls_certs import CertificateAuthority
+from tests.tls_certs import tls_security
 from trainer_client.client import ClientSecurity, RolloutClient
 
 pytestmark = pytest.mark.integration
@@ -27,17 +27,11 @@ STEPS = 3
 async def test_a_trainer_trains_and_pushes_over_tls_with_its_token(
     vllm_server: ManagedVLLMServer, tiny_model: Path, tmp_path: Path
 ) -> None:
-    ca = CertificateAuthority(tmp_path)
-    server = ca.issue("server", server=True)
-    security = {
-        "tls_cert_file": str(server.cert),
-        "tls_key_file": str(server.key),
-        "principals": {"trainer": {"token": TRAINER_TOKEN, "push_base_weights": True}},
-    }
+    security, ca_file = tls_security(tmp_path, {"trainer": {"token": TRAINER_TOKEN, "push_base_weights": True}})
     settings = service_settings([vllm_server.url], tiny_model, security=security)
     async with running_service(settings) as service:
         target = service.grpc_target
-        async with RolloutClient(target, timeout_s=10, security=ClientSecurity(ca_file=ca.pem.cert)) as anonymous:
+        async with RolloutClient(target, timeout_s=10, security=ClientSecurity(ca_file=ca_file)) as anonymous:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await anonymous.server_info()
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -46,7 +40,7 @@ async def test_a_trainer_trains_and_pushes_over_tls_with_its_token(
         command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(tiny_model)]
         command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16"]
         command += ["--output-dir", str(out)]
-        env = {**os.environ, "ROLLOUT_TLS_CA": str(ca.pem.cert), "ROLLOUT_TOKEN": TRAINER_TOKEN}
+        env = {**os.environ, "ROLLOUT_TLS_CA": str(ca_file), "ROLLOUT_TOKEN": TRAINER_TOKEN}
         trainer = await asyncio.create_subprocess_exec(
             *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
         )
@@ -55,7 +49,7 @@ async def test_a_trainer_trains_and_pushes_over_tls_with_its_token(
         summary = json.loads((out / "summary.json").read_text())
         assert summary["groups_trained"] == STEPS * 2
 
-        credentials = ClientSecurity(ca_file=ca.pem.cert, token=TRAINER_TOKEN)
+        credentials = ClientSecurity(ca_file=ca_file, token=TRAINER_TOKEN)
         async with RolloutClient(target, timeout_s=30, security=credentials) as client:
             run = await client.get_run(summary["run_id"])
             assert run.policy_version >= STEPS  # a push after every step, through TLS and the token checks
