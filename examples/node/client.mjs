@@ -63,6 +63,8 @@ export function validateGroup(group, groupSize) {
   }
   const mean = group.samples.reduce((sum, s) => sum + s.advantage, 0) / groupSize;
   if (Math.abs(mean) > 1e-3) throw new Error(`group ${group.group_id}: advantages average ${mean}, not 0`);
+  // 1 the first time; more if an earlier holder left without acking (it may have trained it).
+  if (!(group.delivery_attempt >= 1)) throw new Error(`group ${group.group_id}: no delivery_attempt`);
 }
 
 /** Health, a run, `groups` groups streamed with credits and acked, then stats. */
@@ -113,7 +115,7 @@ function stream(client, metadata, runId, groups, groupSize, log) {
       }
       received.push(message.group.group_id);
       const rewards = message.group.samples.map((s) => s.reward.toFixed(2)).join(" ");
-      log(`group ${message.group.group_id}: rewards ${rewards}`);
+      log(`group ${message.group.group_id} (delivery ${message.group.delivery_attempt}): rewards ${rewards}`);
       // An ack frees the group; no new credit is granted once enough are on their way.
       call.write({ ack: { group_ids: [message.group.group_id], status: "ACK_STATUS_TRAINED" } });
       if (received.length === groups) call.end();

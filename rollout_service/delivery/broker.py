@@ -81,6 +81,8 @@ class RunBroker:
         """Reservations waiting for room: only then does an ack need to wake anyone."""
         self.acked: OrderedDict[str, str] = OrderedDict()
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
+        self.deliveries: dict[str, int] = {}
+        """Times each group not yet acked has been leased (1: once); a redelivery says so."""
         self.reserved = 0
         self.closed = False
         self.draining = False
@@ -175,6 +177,7 @@ class RunBroker:
             group = self.buffered[index]
             del self.buffered[index]
             self.expired_holder.pop(group.group_id, None)
+            self.deliveries[group.group_id] = self.deliveries.get(group.group_id, 0) + 1
             self.leases[consumer_id][group.group_id] = group
             if self.lease_timeout_s is not None:
                 self.lease_deadlines[group.group_id] = self.clock() + self.lease_timeout_s
@@ -238,6 +241,7 @@ class RunBroker:
                 )
             del leased[group_id]
             self.lease_deadlines.pop(group_id, None)
+            self.deliveries.pop(group_id, None)
             if self.expired_from.get(group_id) == consumer_id:
                 del self.expired_from[group_id]  # it came back to this consumer, which acked it
             self._remember(self.acked, group_id, status)
@@ -275,6 +279,7 @@ class RunBroker:
         freed = len(self.buffered) + self.num_leased
         self.buffered.clear()
         self.leases.clear()
+        self.deliveries.clear()
         self.lease_deadlines.clear()
         self.acked.clear()
         self.expired_from.clear()

@@ -46,8 +46,17 @@ class WeightsWanted:
     reason: str
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """A group handed to this consumer, and how many times it has been handed out (1: the
+    first; more after an earlier holder left without acking it or its lease expired)."""
+
+    group: ScoredGroup
+    attempt: int
+
+
 ConsumerRequest = Credit | Ack
-ConsumerMessage = ScoredGroup | WeightsWanted
+ConsumerMessage = Delivery | WeightsWanted
 
 
 class ConsumerSession:
@@ -154,7 +163,7 @@ class ConsumerSession:
                     f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"
                 )
             self.credits -= 1
-            return group
+            return Delivery(group, self.broker.deliveries[group.group_id])
 
     def _weights_wanted(self) -> WeightsWanted | None:
         """A request for weights this stream has not passed on yet (one per request)."""

@@ -315,4 +315,6 @@ def consumer_message_to_pb(message: ConsumerMessage) -> pb.StreamSamplesResponse
     if isinstance(message, WeightsWanted):
         wanted = pb.WeightsWanted(policy_version=message.policy_version, reason=message.reason)
         return pb.StreamSamplesResponse(weights_wanted=wanted)
-    return pb.StreamSamplesResponse(group=group_to_pb(message))
+    group = group_to_pb(message.group)
+    group.delivery_attempt = message.attempt
+    return pb.StreamSamplesResponse(group=group)

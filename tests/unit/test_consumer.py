@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from rollout_service.delivery.broker import ACK_TRAINED
-from rollout_service.delivery.consumer import Ack, ConsumerRequest, ConsumerSession, Credit
+from rollout_service.delivery.consumer import Ack, ConsumerRequest, ConsumerSession, Credit, Delivery
+from rollout_service.edge.convert import consumer_message_to_pb
 from rollout_service.errors import InvalidArgument
-from rollout_service.types import ScoredGroup
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec
 
@@ -40,14 +40,14 @@ async def open_session(credits: int):  # type: ignore[no-untyped-def]
 async def test_credits_bound_what_is_sent_and_acks_reach_the_broker() -> None:
     service, run, session, requests, reader = await open_session(credits=1)
     first = await asyncio.wait_for(session.next_message(), 10)
-    assert isinstance(first, ScoredGroup)
+    assert isinstance(first, Delivery) and first.attempt == 1
     waiting = asyncio.ensure_future(session.next_message())
     done, _ = await asyncio.wait({waiting}, timeout=0.2)  # bounded: no credit, nothing is sent
     assert not done
     requests.queue.put_nowait(Credit(1))
     second = await asyncio.wait_for(waiting, 10)
-    assert isinstance(second, ScoredGroup) and second.group_id != first.group_id
-    requests.queue.put_nowait(Ack([first.group_id, second.group_id], ACK_TRAINED, 0))
+    assert isinstance(second, Delivery) and second.group.group_id != first.group.group_id
+    requests.queue.put_nowait(Ack([first.group.group_id, second.group.group_id], ACK_TRAINED, 0))
     requests.queue.put_nowait(None)  # the client closes its side
     assert await asyncio.wait_for(session.next_message(), 10) is None
     await reader
@@ -61,4 +61,24 @@ async def test_an_invalid_request_ends_the_stream_with_its_error() -> None:
     with pytest.raises(InvalidArgument, match=r"credit\.groups must be > 0"):
         await asyncio.wait_for(session.next_message(), 10)
     await reader
+    await service.delete_run(run.run_id)
+
+
+async def test_a_group_handed_out_again_says_it_is_a_redelivery() -> None:
+    """A consumer that left without acking returns its groups; the next consumer is told the
+    group has been delivered before (its first holder may have trained it)."""
+    service, run, session, requests, reader = await open_session(credits=1)
+    first = await asyncio.wait_for(session.next_message(), 10)
+    assert isinstance(first, Delivery) and first.attempt == 1
+    requests.queue.put_nowait(None)
+    await reader
+    assert await run.broker.release("c") == 1  # the stream ended without an ack
+    run.broker.subscribe("d", 1)
+    again = ConsumerSession(service, run.run_id, "d", 1)
+    redelivered = await asyncio.wait_for(again.next_message(), 10)
+    assert isinstance(redelivered, Delivery)
+    assert (redelivered.group.group_id, redelivered.attempt) == (first.group.group_id, 2)
+    assert consumer_message_to_pb(redelivered).group.delivery_attempt == 2
+    run.broker.ack("d", [first.group.group_id], ACK_TRAINED)
+    assert first.group.group_id not in run.broker.deliveries  # acked: forgotten
     await service.delete_run(run.run_id)
