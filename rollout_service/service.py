@@ -262,8 +262,12 @@ class RolloutService:
             rendered.append(RenderedPrompt(ids, text, dict(prompt.metadata), messages))
         return rendered
 
+    def find_run(self, run_id: str) -> Run | None:
+        """A live run, or one of the last deleted ones; None if the service has neither."""
+        return self.runs.get(run_id) or self.deleted.get(run_id)
+
     def get_run(self, run_id: str) -> Run:
-        run = self.runs.get(run_id) or self.deleted.get(run_id)
+        run = self.find_run(run_id)
         if run is None:
             known = ", ".join(self.runs) or "none"
             raise NotFound(f"no run {run_id!r}; existing runs: {known}")

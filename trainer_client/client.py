@@ -184,6 +184,12 @@ class RolloutClient:
             await self.stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=self.timeout_s, metadata=self._metadata)
         ).run
 
+    async def list_runs(self) -> list[pb.Run]:
+        """The runs this caller may see (its own; every run for an admin)."""
+        return list(
+            (await self.stub.ListRuns(pb.ListRunsRequest(), timeout=self.timeout_s, metadata=self._metadata)).runs
+        )
+
     async def delete_run(self, run_id: str) -> pb.Run:
         return (
             await self.stub.DeleteRun(

@@ -180,12 +180,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def _run(self, run_id: str, caller: Principal) -> Run:
         """The caller's run; NOT_FOUND naming only its own runs if it is another's."""
-        if not caller.admin:
-            run = self.service.runs.get(run_id) or self.service.deleted.get(run_id)
-            if run is None or run.owner != caller.name:
-                yours = ", ".join(r.run_id for r in self._visible(caller)) or "none"
-                raise NotFound(f"no run {run_id!r}; your runs: {yours}")
-        return self.service.get_run(run_id)
+        if caller.admin:
+            return self.service.get_run(run_id)
+        run = self.service.find_run(run_id)
+        if run is None or run.owner != caller.name:
+            yours = ", ".join(r.run_id for r in self._visible(caller)) or "none"
+            raise NotFound(f"no run {run_id!r}; your runs: {yours}")
+        return run
 
     @_edge
     async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]

@@ -138,12 +138,8 @@ async def test_another_principal_gets_not_found_for_every_per_run_rpc(pki, rpc: 
         code = await status_of(PER_RUN_CALLS[rpc](bob, run.run_id))
         assert code == grpc.StatusCode.NOT_FOUND, rpc
         assert run.run_id in service.runs and service.runs[run.run_id].state == "running"  # untouched
-        assert [r.run_id for r in await list_runs(bob)] == []
+        assert [r.run_id for r in await bob.list_runs()] == []
         assert list((await bob.stats()).runs) == []
-
-
-async def list_runs(rollout: RolloutClient) -> list[pb.Run]:
-    return list((await rollout.stub.ListRuns(pb.ListRunsRequest(), timeout=5, metadata=rollout._metadata)).runs)
 
 
 async def test_an_admin_sees_every_run_and_the_engine_urls(pki) -> None:
@@ -154,7 +150,7 @@ async def test_an_admin_sees_every_run_and_the_engine_urls(pki) -> None:
     ):
         run = await alice.create_run(run_spec())
         service.info = type(service.info)(model="m", engine_urls=["http://vllm:8000"], max_inflight=4)
-        assert [r.run_id for r in await list_runs(ops)] == [run.run_id]
+        assert [r.run_id for r in await ops.list_runs()] == [run.run_id]
         assert list((await ops.server_info()).engine_urls) == ["http://vllm:8000"]
         assert list((await alice.server_info()).engine_urls) == []
         assert (await ops.get_run(run.run_id)).run_id == run.run_id
