@@ -86,8 +86,12 @@ def main(
         "outputs/train"
     ),
     trainer_address: Annotated[
-        str, typer.Option(help="Address vLLM's workers reach this trainer at, for the weight transfer")
-    ] = "127.0.0.1",
+        str,
+        typer.Option(
+            help="Address vLLM's workers reach this trainer at, for the weight transfer; auto: the local "
+            "address this host reaches the service from (the address the service sees)"
+        ),
+    ] = "auto",
     push: Annotated[
         bool, typer.Option(help="Push weights (--no-push: a follower of a run that another trainer pushes for)")
     ] = True,
@@ -146,6 +150,12 @@ def main(
             prompts = load_prompts_file(prompts_file)
         except PromptsFileError as exc:
             raise typer.BadParameter(str(exc), param_hint="--prompts-file") from None
+    from trainer_client.advertised_address import AddressError, advertised_address
+
+    try:
+        trainer_address = advertised_address(trainer_address, target)
+    except AddressError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trainer-address") from None
     options = RunOptions(
         dataset,
         _rewards(reward or ["char_fraction"]),

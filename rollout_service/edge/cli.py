@@ -141,5 +141,44 @@ def build_tiny_model_command(
     typer.echo(build_tiny_model(output_dir))
 
 
+@app.command("dev-credentials")
+def dev_credentials_command(
+    directory: Annotated[Path, typer.Argument(help="Where to write the files")],
+    host: Annotated[
+        list[str] | None,
+        typer.Option(help="Name or address clients reach the service at (repeatable) [default: localhost, 127.0.0.1]"),
+    ] = None,
+    principal: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME or NAME:ROLE[:ROLE], roles admin and push_base_weights (repeatable) "
+            "[default: trainer:push_base_weights, admin:admin]"
+        ),
+    ] = None,
+    days: Annotated[float, typer.Option(min=0.01, help="Validity of the certificates")] = 30,
+) -> None:
+    """Write a throwaway CA, a server certificate and one token (and client certificate) per
+    principal, for TLS and tokens without a PKI. A directory that already has them is kept."""
+    from rollout_service.edge.dev_credentials import PrincipalSpec, write_dev_credentials
+
+    try:
+        principals = [PrincipalSpec.parse(text) for text in principal or ["trainer:push_base_weights", "admin:admin"]]
+        made = write_dev_credentials(directory, host or ["localhost", "127.0.0.1"], principals, days)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    if not made.created:
+        typer.echo(f"{made.tokens_file} exists: kept the credentials in {directory}")
+        return
+    server = made.server()
+    names = ", ".join(p.name for p in principals)
+    typer.echo(
+        f"wrote {directory}: CA ca.crt, server certificate server.crt/.key, tokens.yaml, and for {names} a "
+        "NAME.token and a client certificate NAME.crt/.key\n"
+        f"service: ROLLOUT_SECURITY__TLS_CERT_FILE={server.cert} ROLLOUT_SECURITY__TLS_KEY_FILE={server.key} "
+        f"ROLLOUT_SECURITY__TOKENS_FILE={made.tokens_file}\n"
+        f"client:  ROLLOUT_TLS_CA={made.ca} ROLLOUT_TOKEN_FILE={made.token_file(principals[0].name)}"
+    )
+
+
 if __name__ == "__main__":
     app()

@@ -15,10 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SecuritySettings
+from rollout_service.edge.dev_credentials import CertificateAuthority
 from rollout_service.edge.security import TokenTable, check_bind, load_token_table
 from rollout_service.edge.server import start_grpc_server
 from rollout_service.errors import StartupError
-from tests.tls_certs import CertificateAuthority
+from tests.tls_certs import LOCAL_HOSTS
 from tests.unit.scripted import ScriptedEngine, make_service
 from trainer_client.client import ClientSecurity, RolloutClient
 
@@ -40,11 +41,11 @@ def run_spec() -> pb.RunSpec:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("pki")
-    ca, other = CertificateAuthority(directory), CertificateAuthority(directory, "other-ca")
+    ca, other = CertificateAuthority(directory, "test-ca", days=1), CertificateAuthority(directory, "other-ca", days=1)
     return {
         "ca": ca.pem,
-        "server": ca.issue("server", server=True),
-        "client": ca.issue("client", server=False),
+        "server": ca.issue_server("server", LOCAL_HOSTS),
+        "client": ca.issue_client("client"),
         "other_ca": other.pem,
     }
 

@@ -1,0 +1,44 @@
+"""The address a trainer advertises for the weight transfer's rendezvous.
+
+vLLM's workers connect to it, and the service accepts a push only when it is the caller's
+own address as the service sees it (or allow-listed, ``security.trainer_addresses``).
+``auto`` picks the local address this host uses to reach the service: the kernel's route
+choice for a connected UDP socket (no packet is sent). Without NAT that is the peer address
+the service sees, and on one host or one container network it is an address vLLM reaches.
+"""
+
+from __future__ import annotations
+
+import socket
+
+AUTO = "auto"
+
+
+class AddressError(ValueError):
+    """The address cannot be worked out; the message says which flag to set."""
+
+
+def service_host_port(target: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or ``dns:///host:port`` -> (host, port)."""
+    address = target.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    host, separator, port = address.rpartition(":")
+    if not separator or not port.isdigit():
+        raise AddressError(f"cannot tell the service's host and port from --target {target!r}; use HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def advertised_address(trainer_address: str, target: str) -> str:
+    """``trainer_address`` as given, or for ``auto`` the local address that reaches ``target``."""
+    if trainer_address != AUTO:
+        return trainer_address
+    host, port = service_host_port(target)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise AddressError(
+            f"cannot find the local address that reaches the service at {target!r} ({exc}); "
+            "pass --trainer-address with an address vLLM's workers can reach"
+        ) from None
