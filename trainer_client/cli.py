@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from types import SimpleNamespace
+from typing import Annotated, Any
 
 import typer
 from rich.logging import RichHandler
@@ -35,6 +36,14 @@ def _rewards(specs: list[str]) -> dict[str, float]:
 
 @app.command()
 def main(
+    ctx: typer.Context,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="YAML of these options, also in TRL GRPOConfig's names (num_generations, max_completion_length, "
+            "per_device_train_batch_size, reward_funcs, ...); flags given here win"
+        ),
+    ] = None,
     target: Annotated[str, typer.Option(help="The rollout service, host:port")] = "127.0.0.1:50051",
     model: Annotated[Path, typer.Option(help="Checkpoint the service's vLLM serves")] = Path("models/tiny-qwen2"),
     run_id: Annotated[str | None, typer.Option(help="Consume this existing run instead of creating one")] = None,
@@ -44,9 +53,22 @@ def main(
         typer.Option(help="JSONL prompts in TRL's format ('prompt' + columns passed to rewards); replaces --dataset"),
     ] = None,
     reward: Annotated[list[str] | None, typer.Option(help="NAME[=WEIGHT], repeatable")] = None,
-    group_size: Annotated[int, typer.Option(help="Completions per prompt (G)")] = 8,
+    group_size: Annotated[
+        int, typer.Option("--group-size", "--num-generations", help="Completions per prompt (G)")
+    ] = 8,
     groups_per_step: Annotated[int, typer.Option(help="Groups per optimizer step")] = 8,
-    max_tokens: Annotated[int, typer.Option(help="Tokens per completion")] = 32,
+    per_device_train_batch_size: Annotated[
+        int | None,
+        typer.Option(help="Completions per optimizer step, as TRL counts them; sets --groups-per-step to this / G"),
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "--max-completion-length", help="Tokens per completion")
+    ] = 32,
+    top_p: Annotated[float, typer.Option(min=0, max=1, help="Nucleus sampling mass (1: off)")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Top-k sampling (0: off)")] = 0,
+    scale_rewards: Annotated[
+        str, typer.Option(help="Advantage denominator, as TRL's: group (std), batch, or none (Dr. GRPO)")
+    ] = "group",
     max_steps: Annotated[int, typer.Option(help="Optimizer steps")] = 60,
     learning_rate: Annotated[float, typer.Option()] = 5e-3,
     max_staleness: Annotated[
@@ -103,79 +125,136 @@ def main(
             "(half of them), else all",
         ),
     ] = 0,
+    save_steps: Annotated[
+        int, typer.Option(min=0, help="Save a checkpoint (model, optimizer, run id) every this many steps (0: none)")
+    ] = 0,
+    resume_from_checkpoint: Annotated[
+        str | None,
+        typer.Option(help="A checkpoint-N folder, or latest (the newest in --output-dir): restore it, re-join its run"),
+    ] = None,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Train on the service's stream and print the summary as JSON."""
     logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
-    from trainer_client.step_timing import format_split
-    from trainer_client.train import ADMISSION_MODES, LoraOptions, RunOptions, cpu_training_config, train
+    training_arguments: dict[str, Any] = {}
+    if config is not None:
+        training_arguments = _apply_config_file(ctx, config)
+    _train(SimpleNamespace(**ctx.params), training_arguments)
 
-    if not (model / "config.json").exists():
-        if model != Path("models/tiny-qwen2"):
-            raise typer.BadParameter(f"--model {model} has no config.json; give the checkpoint vLLM serves")
+
+def _apply_config_file(ctx: typer.Context, path: Path) -> dict[str, Any]:
+    """Fill ``ctx.params`` from the file where the command line did not set them; returns
+    the file's pass-through training arguments."""
+    from trainer_client.config_file import ConfigFileError, read_config_file
+
+    parameters = {param.name: param for param in ctx.command.params if param.name}
+    try:
+        settings = read_config_file(path, set(parameters) - {"config"})
+    except ConfigFileError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from None
+    for name, value in settings.options.items():
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name == "COMMANDLINE":  # typer's own click: compare by name
+            continue
+        try:
+            ctx.params[name] = parameters[name].process_value(ctx, value)
+        except typer.BadParameter as exc:
+            raise typer.BadParameter(f"{path}: {name}: {exc.message}", param_hint="--config") from None
+    return settings.training_arguments
+
+
+def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
+    """The command's work, on its options after the config file (``o``)."""
+    from trainer_client.advertised_address import AddressError, advertised_address
+    from trainer_client.checkpoints import CheckpointError
+    from trainer_client.step_timing import format_split
+    from trainer_client.train import ADMISSION_MODES, SCALE_REWARDS, LoraOptions, RunOptions, cpu_training_config, train
+
+    if not (o.model / "config.json").exists():
+        if o.model != Path("models/tiny-qwen2"):
+            raise typer.BadParameter(f"--model {o.model} has no config.json; give the checkpoint vLLM serves")
         from rollout_common.tiny_model import build_tiny_model
 
-        build_tiny_model(model)
+        build_tiny_model(o.model)
+    groups_per_step = o.groups_per_step
+    if o.per_device_train_batch_size is not None:
+        if o.per_device_train_batch_size <= 0 or o.per_device_train_batch_size % o.group_size:
+            raise typer.BadParameter(
+                f"--per-device-train-batch-size {o.per_device_train_batch_size} must be a positive multiple of "
+                f"the group size {o.group_size} (whole groups per step)"
+            )
+        groups_per_step = o.per_device_train_batch_size // o.group_size
+    if o.save_steps:
+        training_arguments.update(save_steps=o.save_steps)
+    if o.resume_from_checkpoint:
+        training_arguments.update(resume_from_checkpoint=o.resume_from_checkpoint)
     try:
         config = cpu_training_config(
-            output_dir,
-            max_steps,
-            group_size=group_size,
+            o.output_dir,
+            o.max_steps,
+            group_size=o.group_size,
             groups_per_step=groups_per_step,
-            learning_rate=learning_rate,
-            max_staleness=max_staleness,
-            weight_sync_steps=weight_sync_steps,
-            loss_type=loss_type,
-            max_tokens=max_tokens,
-            beta=beta,
-            background_push=background_push,
-            vllm_is_mode=vllm_is_mode,
-            vllm_is_cap=vllm_is_cap,
+            learning_rate=o.learning_rate,
+            max_staleness=o.max_staleness,
+            weight_sync_steps=o.weight_sync_steps,
+            loss_type=o.loss_type,
+            max_tokens=o.max_tokens,
+            beta=o.beta,
+            background_push=o.background_push,
+            vllm_is_mode=o.vllm_is_mode,
+            vllm_is_cap=o.vllm_is_cap,
+            **training_arguments,
         )
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    if lora_rank < 0:
-        raise typer.BadParameter(f"--lora-rank is {lora_rank}; give 0 (full model) or a positive rank")
-    targets = [name.strip() for name in lora_target_modules.split(",") if name.strip()]
-    if lora_serving not in ("merged", "adapter"):
-        raise typer.BadParameter(f"--lora-serving {lora_serving!r}: choose merged or adapter")
-    lora = LoraOptions(lora_rank, lora_alpha, targets, lora_serving) if lora_rank else None  # type: ignore[arg-type]
-    if admission not in ADMISSION_MODES:
-        raise typer.BadParameter(f"--admission {admission!r}: choose {' or '.join(ADMISSION_MODES)}")
+    if o.lora_rank < 0:
+        raise typer.BadParameter(f"--lora-rank is {o.lora_rank}; give 0 (full model) or a positive rank")
+    targets = [name.strip() for name in o.lora_target_modules.split(",") if name.strip()]
+    if o.lora_serving not in ("merged", "adapter"):
+        raise typer.BadParameter(f"--lora-serving {o.lora_serving!r}: choose merged or adapter")
+    lora = LoraOptions(o.lora_rank, o.lora_alpha, targets, o.lora_serving) if o.lora_rank else None
+    if o.admission not in ADMISSION_MODES:
+        raise typer.BadParameter(f"--admission {o.admission!r}: choose {' or '.join(ADMISSION_MODES)}")
+    if o.scale_rewards not in SCALE_REWARDS:
+        raise typer.BadParameter(f"--scale-rewards {o.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}")
     prompts = None
-    if prompts_file is not None:
+    if o.prompts_file is not None:
         from trainer_client.prompts_file import PromptsFileError, load_prompts_file
 
         try:
-            prompts = load_prompts_file(prompts_file)
+            prompts = load_prompts_file(o.prompts_file)
         except PromptsFileError as exc:
             raise typer.BadParameter(str(exc), param_hint="--prompts-file") from None
-    from trainer_client.advertised_address import AddressError, advertised_address
-
     try:
-        trainer_address = advertised_address(trainer_address, target)
+        trainer_address = advertised_address(o.trainer_address, o.target)
     except AddressError as exc:
         raise typer.BadParameter(str(exc), param_hint="--trainer-address") from None
     options = RunOptions(
-        dataset,
-        _rewards(reward or ["char_fraction"]),
-        max_tokens,
-        max_buffered_groups,
-        admission,  # type: ignore[arg-type]
-        max_inflight=max_inflight,
+        o.dataset,
+        _rewards(o.reward or ["char_fraction"]),
+        o.max_tokens,
+        o.max_buffered_groups,
+        o.admission,
+        max_inflight=o.max_inflight,
         prompts=prompts,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        scale_rewards=o.scale_rewards,
     )
-    summary = train(
-        target,
-        str(model),
-        config,
-        options,
-        run_id=run_id,
-        trainer_address=trainer_address,
-        lora=lora,
-        push=push,
-        torch_threads=torch_threads,
-    )
+    try:
+        summary = train(
+            o.target,
+            str(o.model),
+            config,
+            options,
+            run_id=o.run_id,
+            trainer_address=trainer_address,
+            lora=lora,
+            push=o.push,
+            torch_threads=o.torch_threads,
+        )
+    except CheckpointError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--resume-from-checkpoint") from None
     if config.process_index == 0:
         typer.echo(json.dumps(summary, indent=2))
         typer.echo(f"time split: {format_split(summary['time_split'])}", err=True)

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
+from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.step_timing import summarize_seconds
 from trainer_client.stream import GroupFeed
@@ -40,6 +41,12 @@ from trainer_client.weight_push import AdapterPusher, WeightPusher
 logger = logging.getLogger(__name__)
 ADMISSION_MODES = {"staleness": pb.ADMISSION_MODE_STALENESS, "buffer": pb.ADMISSION_MODE_BUFFER}
 """``RunOptions.admission`` -> the proto's AdmissionMode (the one list of the trainer's names)."""
+SCALE_REWARDS = {
+    "group": pb.ADVANTAGE_SCALING_GROUP,
+    "batch": pb.ADVANTAGE_SCALING_BATCH,
+    "none": pb.ADVANTAGE_SCALING_NONE,
+}
+"""``RunOptions.scale_rewards`` (TRL's spellings) -> the proto's AdvantageScaling."""
 
 
 @dataclass
@@ -57,6 +64,12 @@ class RunOptions:
     """Episodes of this run generating at once; 0: as many as the service's slots allow."""
     prompts: list[pb.Prompt] | None = None
     """The run's own prompts (``prompts_file.load_prompts_file``) instead of ``dataset``."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1: off), as TRL's ``top_p``."""
+    top_k: int = 0
+    """Top-k sampling (0: off; TRL's ``top_k`` 0 or None)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage denominator, as TRL's ``scale_rewards``."""
 
 
 @dataclass
@@ -90,11 +103,14 @@ def cpu_training_config(
     background_push: bool = True,
     vllm_is_mode: str = "token_truncate",
     vllm_is_cap: float = 3.0,
+    **training_arguments: Any,
 ) -> AsyncGRPOConfig:
     """The settings the CLI and the demo train the embedded default with (constant LR, a log
-    line and a metrics record every step, no checkpoints). Raises ValueError on bad values."""
+    line and a metrics record every step, no checkpoints), then ``training_arguments``
+    (other ``AsyncGRPOConfig`` fields, from a config file) over them. Raises ValueError on
+    bad values."""
     correction = vllm_is_mode != "none"
-    return AsyncGRPOConfig(
+    defaults: dict[str, Any] = dict(
         output_dir=str(output_dir),
         max_steps=max_steps,
         per_device_train_batch_size=groups_per_step * group_size,
@@ -114,6 +130,9 @@ def cpu_training_config(
         save_strategy="no",
         use_cpu=True,
     )
+    if "save_steps" in training_arguments:
+        defaults["save_strategy"] = "steps"
+    return AsyncGRPOConfig(**{**defaults, **training_arguments})
 
 
 async def _create_run(
@@ -132,6 +151,9 @@ async def _create_run(
         if options.prompts:
             spec.prompt_source.prompts.prompts.extend(options.prompts)  # replaces the dataset (a oneof)
         spec.sampling.temperature = config.temperature
+        spec.sampling.top_p = options.top_p
+        spec.sampling.top_k = options.top_k
+        spec.scale_rewards = SCALE_REWARDS[options.scale_rewards]
         spec.serve_adapter = serve_adapter
         spec.admission = ADMISSION_MODES[options.admission]
         # This trainer pushes before it trains and refuses groups of older weights: generating
@@ -158,6 +180,12 @@ def train(
     trainer of the run pushes weights (its staleness follows the run's version).
     ``torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
     """
+    checkpoint = None
+    if config.resume_from_checkpoint:
+        checkpoint = find_checkpoint(config.resume_from_checkpoint, Path(config.output_dir))
+        if run_id is None and checkpoint.run_id is not None:
+            run_id = checkpoint.run_id
+            logger.info("resuming %s at step %d on its run %s", checkpoint.path, checkpoint.step, run_id)
     threads = use_torch_threads(trainer_threads(target, torch_threads))
     if torch_threads == 0 and (cores := pin_local_trainer(target)):
         logger.info("trainer pinned to cores %s, the CPU budget's share beside a local vLLM", list(cores))
@@ -170,7 +198,9 @@ def train(
     assert run_id is not None
     model = load_policy(model_path, lora)
     output_dir = Path(config.output_dir)
-    if main:
+    if main and checkpoint is not None:
+        drop_records_after(output_dir / "metrics.jsonl", checkpoint.step)
+    elif main:
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     # Each process is its own consumer (the service hands consumers disjoint groups).
     consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
@@ -178,7 +208,8 @@ def train(
         pusher = make_pusher(feed, run_id, trainer_address, lora) if push else None
         try:
             trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
-            trainer.train()
+            trainer.add_callback(RunInCheckpoint(run_id))
+            trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
         finally:
             if pusher is not None:
                 pusher.close()
@@ -199,6 +230,8 @@ def train(
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records, run_id, *(int(total) for total in totals))
     summary["torch_threads"] = threads
+    if checkpoint is not None:
+        summary["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": checkpoint.step}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_reward_curve(records, output_dir / "reward_curve.svg")
     return summary
