@@ -10,7 +10,7 @@ import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
@@ -39,6 +39,18 @@ class StepBook:
         self.rewards: list[float] = []
         self.staleness: list[int] = []
         self.loss_metrics: dict[str, list[float]] = {}
+
+
+def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """A step record's numbers for Trainer's log: ``reward`` as TRL names it, the rest under
+    their record names, seconds per phase as ``seconds/<phase>``."""
+    metrics: dict[str, float] = {}
+    for name, value in record.items():
+        if name == "seconds":
+            metrics.update({f"seconds/{phase}": float(s) for phase, s in value.items()})
+        elif name not in ("step", "group_ids") and isinstance(value, int | float):
+            metrics["reward" if name == "reward_mean" else name] = float(value)
+    return metrics
 
 
 class SyncAndAck(TrainerCallback):
@@ -183,6 +195,7 @@ class SyncAndAck(TrainerCallback):
         now = time.perf_counter()
         record["seconds"] = step_seconds(trainer.clock.take(), now - self._step_started, not background)
         self._step_started = now
+        trainer.step_metrics = scalar_metrics(record)
         if state.is_world_process_zero:
             path = Path(args.output_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,9 @@ class AsyncGRPOConfig(TrainingArguments):
     max_completion_length: int = 512
     remove_unused_columns: bool = False
     report_to: str | list[str] = field(default="none")
+    ignore_data_skip: bool = True
+    """The stream has no position to fast-forward to: a resumed trainer trains on what the
+    service sends next (``checkpoints``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -171,9 +174,20 @@ class AsyncGRPOTrainer(Trainer):
         if args.beta > 0 and not is_peft_model(model):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(self.args.device)
         self.book = StepBook()
+        self.step_metrics: dict[str, float] = {}
+        """The last step's rollout metrics, for ``log`` (set by ``SyncAndAck``)."""
         self.clock = feed.clock
         self._forward_s = 0.0
         self.add_callback(SyncAndAck(self))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's log record plus the last step's rollout metrics (reward, policy version,
+        staleness, drops, loss metrics, seconds per phase), so ``report_to`` integrations
+        (tensorboard, wandb, ...) chart them beside the loss, as TRL's do."""
+        if self.step_metrics and "loss" in logs:
+            logs = {**logs, **self.step_metrics}
+            self.step_metrics = {}
+        super().log(logs, start_time)
 
     @property
     def pushes_in_background(self) -> bool:
