@@ -180,5 +180,22 @@ def dev_credentials_command(
     )
 
 
+@app.command()
+def top(
+    target: Annotated[str, typer.Option(help="The service, host:port")] = "127.0.0.1:50051",
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes")] = 2.0,
+    once: Annotated[bool, typer.Option(help="Print one snapshot and exit")] = False,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the service")] = 10.0,
+) -> None:
+    """A live view: slots busy, tokens/s, and per run its version and where its groups are.
+    TLS and token from ROLLOUT_TLS_CA / ROLLOUT_TOKEN_FILE, as every client here."""
+    from trainer_client.top import ServiceUnreachable, show  # a client of the service: see CLIENT_COMMANDS
+
+    try:
+        show(target, interval, once, timeout)
+    except ServiceUnreachable as exc:
+        _fail(str(exc))
+
+
 if __name__ == "__main__":
     app()
