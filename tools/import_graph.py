@@ -26,13 +26,14 @@ GENERATED = ("rollout_api.rollout_pb2", "rollout_api.rollout_pb2_grpc")
 GRPC_EDGE = (
     "rollout_service.edge.server",
     "rollout_service.edge.security",
+    "rollout_service.edge.reflection",
     "trainer_client.client",
     "trainer_client.top",
     "rollout_demo.demo",
 )
-"""The only modules that speak gRPC: the service's server and its security (TLS, tokens),
-the trainer's client and the live view built on it, and the demo that starts both.
-Everything else works with plain Python types and errors."""
+"""The only modules that speak gRPC: the service's server, its security (TLS, tokens) and
+reflection, the trainer's client and the live view built on it, and the demo that starts
+both. Everything else works with plain Python types and errors."""
 
 CLIENT_COMMANDS = {"rollout_service.edge.cli": ("trainer_client.top",)}
 """Service CLI modules that may import a client-side module for a command that is a client

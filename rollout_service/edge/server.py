@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api import rollout_pb2_grpc as pb_grpc
@@ -35,6 +34,7 @@ from rollout_service.edge.convert import (
     stats_to_pb,
     tensors_from_pb,
 )
+from rollout_service.edge.reflection import enable_reflection
 from rollout_service.edge.security import (
     AuthInterceptor,
     Principal,
@@ -370,10 +370,7 @@ async def start_grpc_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if security.reflection:
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            server,
-        )
+        enable_reflection(server, [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
