@@ -50,8 +50,16 @@ def main(
     dataset: Annotated[str, typer.Option(help="Built-in dataset of the run")] = "repeat_a",
     prompts_file: Annotated[
         Path | None,
-        typer.Option(help="JSONL prompts in TRL's format ('prompt' + columns passed to rewards); replaces --dataset"),
+        typer.Option(
+            "--prompts",
+            "--prompts-file",
+            help="Your prompts in TRL's format: JSONL, Parquet, CSV, a folder of them, or a saved HF dataset "
+            "(the prompt column + columns passed to rewards as keyword arguments); replaces --dataset",
+        ),
     ] = None,
+    prompt_column: Annotated[str, typer.Option(help="Column of --prompts holding the prompt (text or chat)")] = (
+        "prompt"
+    ),
     reward: Annotated[list[str] | None, typer.Option(help="NAME[=WEIGHT], repeatable")] = None,
     group_size: Annotated[
         int, typer.Option("--group-size", "--num-generations", help="Completions per prompt (G)")
@@ -219,12 +227,12 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
         raise typer.BadParameter(f"--scale-rewards {o.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}")
     prompts = None
     if o.prompts_file is not None:
-        from trainer_client.prompts_file import PromptsFileError, load_prompts_file
+        from trainer_client.prompts_file import PromptRows, PromptsFileError
 
         try:
-            prompts = load_prompts_file(o.prompts_file)
+            prompts = PromptRows.from_path(o.prompts_file, o.prompt_column)
         except PromptsFileError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--prompts-file") from None
+            raise typer.BadParameter(str(exc), param_hint="--prompts") from None
     try:
         trainer_address = advertised_address(o.trainer_address, o.target)
     except AddressError as exc:
@@ -237,6 +245,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
         o.admission,
         max_inflight=o.max_inflight,
         prompts=prompts,
+        prompt_column=o.prompt_column,
         top_p=o.top_p,
         top_k=o.top_k,
         scale_rewards=o.scale_rewards,

@@ -39,6 +39,7 @@ TRL_OPTION_NAMES = {
     "vllm_importance_sampling_mode": "vllm_is_mode",
     "vllm_importance_sampling_cap": "vllm_is_cap",
     "lora_r": "lora_rank",
+    "prompts": "prompts_file",
 }
 """TRL's (and TRL scripts') names of options this trainer has under its own name."""
 

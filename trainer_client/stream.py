@@ -135,6 +135,22 @@ class GroupFeed:
         """Start a coroutine on the feed's loop (e.g. a background weight push); its future."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    def run_alongside(self, coro: Coroutine[Any, Any, None], what: str) -> Future[None]:
+        """Run ``coro`` on the feed's loop for as long as it trains (cancel its future to stop
+        it). If it fails, the training thread's next wait for a group raises with the cause,
+        instead of waiting for groups that will never come."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.error("%s failed: %s", what, exc)
+                await asyncio.to_thread(self._groups.put, RuntimeError(f"{what} failed: {exc}"))
+
+        return self.submit(guarded())
+
     @property
     def training_version(self) -> int:
         """The version of the trainer's weights once the pushes in flight commit."""

@@ -20,6 +20,8 @@ import logging
 import os
 import socket
 import statistics
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +34,8 @@ from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.prompt_feeder import feed_prompts, fits_inline
+from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
 from trainer_client.step_timing import summarize_seconds
 from trainer_client.stream import GroupFeed
 from trainer_client.svg_plot import line_plot
@@ -62,14 +66,29 @@ class RunOptions:
     buffer: up to max_buffered_groups whatever their age (for comparison)."""
     max_inflight: int = 0
     """Episodes of this run generating at once; 0: as many as the service's slots allow."""
-    prompts: list[pb.Prompt] | None = None
-    """The run's own prompts (``prompts_file.load_prompts_file``) instead of ``dataset``."""
+    prompts: list[pb.Prompt] | PromptRows | Iterable[Mapping[str, Any]] | None = None
+    """The run's own prompts instead of ``dataset``: ``pb.Prompt``s, ``PromptRows`` (a file),
+    or rows with a ``prompt_column`` (a ``datasets.Dataset``, a list of dicts; the other
+    columns reach the rewards as keyword arguments). Large sets stream (``prompt_feeder``)."""
+    prompt_column: str = PROMPT_COLUMN
     top_p: float = 1.0
     """Nucleus sampling mass (1: off), as TRL's ``top_p``."""
     top_k: int = 0
     """Top-k sampling (0: off; TRL's ``top_k`` 0 or None)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage denominator, as TRL's ``scale_rewards``."""
+
+    def __post_init__(self) -> None:
+        prompts = self.prompts
+        if prompts is None or isinstance(prompts, PromptRows):
+            return
+        if not (isinstance(prompts, list) and all(isinstance(p, pb.Prompt) for p in prompts)):
+            self.prompts = PromptRows.from_rows(prompts, self.prompt_column)  # type: ignore[arg-type]
+
+    @property
+    def streams_prompts(self) -> bool:
+        """Too many prompts for the run's spec: they go through SubmitPrompts instead."""
+        return isinstance(self.prompts, PromptRows) and not fits_inline(self.prompts.count, self.prompts.bytes)
 
 
 @dataclass
@@ -148,8 +167,10 @@ async def _create_run(
             max_buffered_groups=options.max_buffered_groups,
             max_inflight=options.max_inflight,
         )
-        if options.prompts:
-            spec.prompt_source.prompts.prompts.extend(options.prompts)  # replaces the dataset (a oneof)
+        if options.streams_prompts:
+            spec.prompt_source.submitted.SetInParent()  # replaces the dataset (a oneof); fed by prompt_feeder
+        elif options.prompts is not None:
+            spec.prompt_source.prompts.prompts.extend(options.prompts)  # type: ignore[arg-type]
         spec.sampling.temperature = config.temperature
         spec.sampling.top_p = options.top_p
         spec.sampling.top_k = options.top_k
@@ -206,11 +227,14 @@ def train(
     consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
         pusher = make_pusher(feed, run_id, trainer_address, lora) if push else None
+        feeder = start_prompt_feeder(feed, run_id, options) if main else None
         try:
             trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
             trainer.add_callback(RunInCheckpoint(run_id))
             trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
         finally:
+            if feeder is not None:
+                feeder.cancel()
             if pusher is not None:
                 pusher.close()
         counters = feed.counters
@@ -235,6 +259,18 @@ def train(
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_reward_curve(records, output_dir / "reward_curve.svg")
     return summary
+
+
+def start_prompt_feeder(feed: GroupFeed, run_id: str, options: RunOptions) -> Future[None] | None:
+    """Stream the prompts into the run when it takes them through SubmitPrompts (created so
+    here, or an existing run joined with ``--run-id`` or from a checkpoint)."""
+    if not isinstance(options.prompts, PromptRows):
+        return None
+    run = feed.call(feed.client.get_run(run_id))
+    if run.spec.prompt_source.WhichOneof("source") != "submitted":
+        return None
+    logger.info("streaming %d prompts of %s into run %s", options.prompts.count, options.prompts.name, run_id)
+    return feed.run_alongside(feed_prompts(feed.client, run_id, options.prompts), "the prompt feeder")
 
 
 def make_pusher(

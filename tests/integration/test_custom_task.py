@@ -96,3 +96,32 @@ async def test_a_user_jsonl_and_reward_module_train_and_the_reward_gets_each_pro
     assert {json.dumps(call["prompt"]) for call in calls} == set(expected)  # every prompt, chat ones too
     async with RolloutClient(target) as client:
         await restore_base_weights(client, summary["run_id"], tiny_model)
+
+
+async def test_a_large_parquet_file_streams_into_its_run_through_submit_prompts(
+    service_process: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    import datasets
+
+    from trainer_client.prompt_feeder import INLINE_MAX_PROMPTS
+
+    rows = [{"prompt": f"Say {chr(97 + i % 26)}", "answer": chr(97 + i % 26)} for i in range(INLINE_MAX_PROMPTS + 1)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "big.parquet"))
+    await wait_until(lambda: serving(service_process), 60, "the service process to serve")
+    out = tmp_path / "train"
+    command = [sys.executable, "-m", "trainer_client.cli", "--target", service_process, "--model", str(tiny_model)]
+    command += ["--prompts", str(tmp_path / "big.parquet"), "--max-steps", str(STEPS), "--group-size", "4"]
+    command += ["--groups-per-step", "2", "--max-tokens", "8", "--output-dir", str(out)]
+    trainer = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    output, _ = await asyncio.wait_for(trainer.communicate(), 240)
+    assert trainer.returncode == 0, output.decode()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["groups_trained"] == STEPS * 2
+    async with RolloutClient(service_process) as client:
+        run = await client.get_run(summary["run_id"])
+        # Too many prompts for the run's spec: the trainer streamed them, a window at a time.
+        assert run.spec.prompt_source.WhichOneof("source") == "submitted"
+        assert STEPS * 2 <= run.stats.groups_started <= 2 * 1024
+        await restore_base_weights(client, summary["run_id"], tiny_model)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_client.prompts_file import PromptsFileError, load_prompts_file
+from trainer_client.prompts_file import PromptRows, PromptsFileError, load_prompts_file
 
 
 def write(path: Path, *lines: str) -> Path:
@@ -46,3 +46,48 @@ def test_an_empty_or_missing_file_says_so(tmp_path: Path) -> None:
         load_prompts_file(write(tmp_path / "p.jsonl", ""))
     with pytest.raises(PromptsFileError, match="cannot read"):
         load_prompts_file(tmp_path / "missing.jsonl")
+
+
+ROWS = [
+    {"question": "2+3=", "answer": "5"},
+    {"question": "4+4=", "answer": "8"},
+    {"question": "1+6=", "answer": "7"},
+]
+
+
+def expect_rows(prompts: list) -> None:
+    assert [p.text for p in prompts] == [r["question"] for r in ROWS]
+    assert [dict(p.metadata) for p in prompts] == [{"answer": r["answer"]} for r in ROWS]
+
+
+def test_parquet_csv_a_saved_dataset_and_a_folder_read_alike(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_list(ROWS)
+    table.to_parquet(str(tmp_path / "p.parquet"))
+    table.to_csv(str(tmp_path / "p.csv"), index=False)
+    table.save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "folder").mkdir()
+    write(tmp_path / "folder" / "a.jsonl", *(json.dumps(r) for r in ROWS[:2]))
+    write(tmp_path / "folder" / "b.jsonl", json.dumps(ROWS[2]))
+    for source in ("p.parquet", "p.csv", "saved", "folder"):
+        rows = PromptRows.from_path(tmp_path / source, prompt_column="question")
+        assert (rows.count, len(rows)) == (3, 3), source
+        expect_rows(list(rows))
+        expect_rows(list(rows))  # read again, not kept
+
+
+def test_rows_in_memory_a_datasets_dataset_or_dicts(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    expect_rows(list(PromptRows.from_rows(datasets.Dataset.from_list(ROWS), "question")))
+    once = PromptRows.from_rows(iter(ROWS), "question")  # a one-shot iterator is kept
+    expect_rows(list(once))
+    expect_rows(list(once))
+
+
+def test_a_bad_row_of_any_format_is_named_before_anything_starts(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "p.parquet"))
+    with pytest.raises(PromptsFileError, match=r"p.parquet row 1 has no 'prompt' column.*--prompt-column"):
+        PromptRows.from_path(tmp_path / "p.parquet")
+    with pytest.raises(PromptsFileError, match=r"give a .jsonl, .parquet or .csv file"):
+        PromptRows.from_path(write(tmp_path / "p.txt", "2+3="))
