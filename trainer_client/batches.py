@@ -32,6 +32,12 @@ class StreamDataset(IterableDataset):
                 yield {"group": group, "sample": sample}
 
 
+def prompt_token_ids(group: pb.Group, sample: pb.Sample) -> tuple[int, ...]:
+    """The sample's prompt: the group's, once per group (a server before
+    ``Group.prompt_token_ids`` sent it in every sample)."""
+    return tuple(group.prompt_token_ids or sample.prompt_token_ids)
+
+
 class GroupCollator:
     """Left-pads prompts so every completion starts at the same column; right-pads completions.
 
@@ -48,7 +54,8 @@ class GroupCollator:
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         samples: list[pb.Sample] = [item["sample"] for item in items]
         rows: dict[tuple[int, ...], int] = {}
-        prompt_index = torch.tensor([rows.setdefault(tuple(s.prompt_token_ids), len(rows)) for s in samples])
+        prompts = [prompt_token_ids(item["group"], item["sample"]) for item in items]
+        prompt_index = torch.tensor([rows.setdefault(prompt, len(rows)) for prompt in prompts])
         prompt_len = max(len(prompt) for prompt in rows)
         prompt_ids = torch.full((len(rows), prompt_len), self.pad, dtype=torch.long)
         prompt_attention = torch.zeros_like(prompt_ids)

@@ -59,8 +59,9 @@ export function validateGroup(group, groupSize) {
     if (n === 0 || sample.completion_logprobs.length !== n || sample.completion_mask.length !== n) {
       throw new Error(`group ${group.group_id}: completion ids, logprobs and mask differ in length`);
     }
-    if (sample.prompt_token_ids.length === 0) throw new Error(`group ${group.group_id}: no prompt ids`);
   }
+  // The prompt's ids come once per group (older servers sent them in every sample instead).
+  if (group.prompt_token_ids.length === 0) throw new Error(`group ${group.group_id}: no prompt ids`);
   const mean = group.samples.reduce((sum, s) => sum + s.advantage, 0) / groupSize;
   if (Math.abs(mean) > 1e-3) throw new Error(`group ${group.group_id}: advantages average ${mean}, not 0`);
   // 1 the first time; more if an earlier holder left without acking (it may have trained it).

@@ -15,6 +15,7 @@ test("the example streams, validates and acks groups, and the service counts the
 });
 
 test("a malformed group is refused", () => {
-  const sample = { prompt_token_ids: [1], completion_token_ids: [2, 3], completion_logprobs: [-1], completion_mask: [1, 1], advantage: 0 };
-  assert.throws(() => validateGroup({ group_id: "g", samples: [sample, sample] }, 2), /differ in length/);
+  const sample = { completion_token_ids: [2, 3], completion_logprobs: [-1], completion_mask: [1, 1], advantage: 0 };
+  const group = { group_id: "g", prompt_token_ids: [1], samples: [sample, sample], delivery_attempt: 1 };
+  assert.throws(() => validateGroup(group, 2), /differ in length/);
 });

@@ -260,7 +260,6 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
     for i, episode in enumerate(group.episodes):
         samples.append(
             pb.Sample(
-                prompt_token_ids=group.prompt.token_ids,
                 completion_token_ids=episode.completion_ids,
                 completion_logprobs=episode.logprobs,
                 completion_mask=episode.mask,
@@ -284,6 +283,7 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
         run_id=group.run_id,
         prompt_index=group.prompt.index,
         prompt_text=group.prompt.text,
+        prompt_token_ids=group.prompt.token_ids,
         samples=samples,
         policy_version=group.policy_version,
         generation_seconds=group.generation_seconds,

@@ -37,26 +37,32 @@ def trained_adapter(tiny_model: Path, seed: int):
 
 
 @torch.no_grad()
-def max_logprob_gap(model: torch.nn.Module, samples: list[pb.Sample]) -> float:
-    """Largest |vLLM's behaviour logprob - the model's own| over the samples' tokens."""
+def max_logprob_gap(model: torch.nn.Module, samples: list[tuple[list[int], pb.Sample]]) -> float:
+    """Largest |vLLM's behaviour logprob - the model's own| over the (prompt, sample) tokens."""
     gap = 0.0
-    for sample in samples:
-        prompt, completion = list(sample.prompt_token_ids), list(sample.completion_token_ids)
+    for prompt, sample in samples:
+        completion = list(sample.completion_token_ids)
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
         own = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
         gap = max(gap, (own - torch.tensor(list(sample.completion_logprobs))).abs().max().item())
     return gap
 
 
-async def samples_at_version(client: RolloutClient, run_id: str, version: int, count: int) -> list[pb.Sample]:
+async def samples_at_version(
+    client: RolloutClient, run_id: str, version: int, count: int
+) -> list[tuple[list[int], pb.Sample]]:
     """Samples whose first token came from this policy version (older ones are acked away)."""
     stream = client.stream(run_id, f"probe-{version}", credits=4)
-    found: list[pb.Sample] = []
+    found: list[tuple[list[int], pb.Sample]] = []
     try:
         async with asyncio.timeout(90):
             async for group in stream:
                 stream.ack([group.group_id])
-                found += [s for s in group.samples if s.policy_version_first == s.policy_version_last == version]
+                found += [
+                    (list(group.prompt_token_ids), s)
+                    for s in group.samples
+                    if s.policy_version_first == s.policy_version_last == version
+                ]
                 if len(found) >= count:
                     return found
     finally:

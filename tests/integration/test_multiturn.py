@@ -284,7 +284,8 @@ async def test_service_group_with_a_tool_call_then_free_generation(forced_servic
     service = await forced_service({1: ADD_CALL}.get)  # turn 2 onwards: the model's own sampling
     group = await first_group(service, tool_run(("add",), max_turns=2))
     run_id = group.run_id
-    for pb_sample, episode in zip(group_to_pb(group).samples, group.episodes, strict=True):
+    pb_group = group_to_pb(group)
+    for pb_sample, episode in zip(pb_group.samples, group.episodes, strict=True):
         ids, mask = list(pb_sample.completion_token_ids), list(pb_sample.completion_mask)
         logprobs = list(pb_sample.completion_logprobs)
         assert ids == episode.completion_ids and mask == episode.mask
@@ -302,7 +303,7 @@ async def test_service_group_with_a_tool_call_then_free_generation(forced_servic
             tokenize=False,
             continue_final_message=True,
         )
-        decoded = tokenizer.decode(list(pb_sample.prompt_token_ids) + ids)
+        decoded = tokenizer.decode(list(pb_group.prompt_token_ids) + ids)
         assert decoded in (rendered, rendered + "<|im_end|>")
         assert episode.messages[1] == {"role": "tool", "name": "add", "content": "5"}
     assert metric(service, "rollout_tool_calls_total", run=run_id, tool="add") >= 2
@@ -351,7 +352,8 @@ async def test_bad_tool_call_comes_back_as_a_message_and_the_episode_goes_on(
 async def test_max_turns_ends_an_episode_that_keeps_calling_tools(forced_service) -> None:
     service = await forced_service(lambda turn: ADD_CALL)  # every turn calls the tool
     group = await first_group(service, tool_run(("add",), max_turns=3))
-    for pb_sample, episode in zip(group_to_pb(group).samples, group.episodes, strict=True):
+    pb_group = group_to_pb(group)
+    for pb_sample, episode in zip(pb_group.samples, group.episodes, strict=True):
         assert episode.finish_reason == "max_turns"
         assert pb_sample.finish_reason == pb.FINISH_REASON_MAX_TURNS
         # Three turns; the third turn's call is not run (its result could never be shown).

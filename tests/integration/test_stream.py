@@ -52,6 +52,7 @@ async def test_groups_carry_consistent_samples(client: RolloutClient, tiny_model
             tokenize=True,
             return_dict=False,
         )
+        assert list(group.prompt_token_ids) == expected_prompt
         rewards = []
         for sample in group.samples:
             n = len(sample.completion_token_ids)
@@ -59,7 +60,7 @@ async def test_groups_carry_consistent_samples(client: RolloutClient, tiny_model
             assert len(sample.completion_logprobs) == n
             assert list(sample.completion_mask) == [1] * n
             assert all(lp <= 0.0 for lp in sample.completion_logprobs)
-            assert list(sample.prompt_token_ids) == expected_prompt
+            assert not sample.prompt_token_ids  # sent once, in the group
             assert sample.completion_text == tokenizer.decode(sample.completion_token_ids)
             # Rewards see TRL's completion: the ids decoded without special tokens (no <|im_end|>).
             reward_text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)

@@ -54,10 +54,11 @@ def grouped_samples(seed: int = 0) -> list[dict]:
             if group == 2 and n == 3:
                 mask = [1, 0, 1]
             sample = pb.Sample(
-                prompt_token_ids=prompt, completion_token_ids=ids(n), completion_mask=mask,
+                completion_token_ids=ids(n), completion_mask=mask,
                 completion_logprobs=[-2.0 if m else 0.0 for m in mask], advantage=float(n % 3) - 1.0,
             )  # fmt: skip
-            items.append({"sample": sample, "group": SimpleNamespace(policy_version=0, group_id=f"g{group}")})
+            group_message = pb.Group(group_id=f"g{group}", policy_version=0, prompt_token_ids=prompt)  # once per group
+            items.append({"sample": sample, "group": group_message})
     return items
 
 
@@ -81,7 +82,7 @@ def test_collator_keeps_each_distinct_prompt_once() -> None:
     assert inputs["prompt_index"].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2]
     assert prompts_are_shared(inputs)
     for i, item in enumerate(items):  # the per-sample layout: left-padded prompt, then completion
-        prompt, completion = list(item["sample"].prompt_token_ids), list(item["sample"].completion_token_ids)
+        prompt, completion = list(item["group"].prompt_token_ids), list(item["sample"].completion_token_ids)
         row = inputs["input_ids"][i][inputs["attention_mask"][i].bool()].tolist()
         assert row == prompt + completion
         assert inputs["position_ids"][i, 7 - len(prompt)] == 0  # positions start at the first real token

@@ -10,7 +10,6 @@ changing a model token's behaviour logprob, or a tool result the next turn reads
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,7 +86,7 @@ def make_samples(model: Qwen2ForCausalLM, spans: dict[str, list[int]]) -> list[p
 
 
 def collate(samples: list[pb.Sample]) -> dict:
-    group = SimpleNamespace(policy_version=0, group_id="g")
+    group = pb.Group(policy_version=0, group_id="g")  # no prompt ids: the samples' (older servers) are used
     return GroupCollator(PAD_ID)([{"sample": s, "group": group} for s in samples])
 
 
