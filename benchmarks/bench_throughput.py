@@ -538,7 +538,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(message)s", datefmt="[%X]", handlers=[RichHandler(show_path=False)]
+        level=args.log_level.upper(),
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(show_path=False, console=Console(stderr=True))],
     )
     logging.getLogger("rollout_service").setLevel(max(logging.WARNING, logging.getLogger().level))
 

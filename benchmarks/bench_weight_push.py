@@ -688,7 +688,10 @@ def main(argv: list[str] | None = None) -> None:
         receiver_main(args.raw_receiver)
         return
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(message)s", datefmt="[%X]", handlers=[RichHandler(show_path=False)]
+        level=args.log_level.upper(),
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(show_path=False, console=Console(stderr=True))],
     )
     quiet = max(logging.WARNING, logging.getLogger().level)
     for name in ("rollout_service", "trainer_client"):

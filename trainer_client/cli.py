@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.logging import RichHandler
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -143,7 +144,9 @@ def main(
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Train on the service's stream and print the summary as JSON."""
-    logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
+    # Logs on stderr: stdout is the summary JSON (rollout-trainer > summary.json).
+    handler = RichHandler(show_path=False, console=Console(stderr=True))
+    logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[handler])
     training_arguments: dict[str, Any] = {}
     if config is not None:
         training_arguments = _apply_config_file(ctx, config)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, ProgressCallback, Trainer, TrainingArguments
 
 from trainer_client.batches import GroupCollator, StreamDataset, completion_logprobs, output_embedding_weight
 from trainer_client.loss_config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
@@ -148,6 +148,15 @@ class AsyncGRPOConfig(TrainingArguments):
         )
 
 
+class StepProgress(ProgressCallback):
+    """transformers' progress bar (on stderr) without the log dict it prints to stdout at
+    every step: each step's record goes to the log line and ``metrics.jsonl`` already, and
+    stdout carries the CLI's summary JSON."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        return control
+
+
 class AsyncGRPOTrainer(Trainer):
     loss_is_scaled_for_ga = True
     """``compute_loss`` scales for gradient accumulation itself (``losses.aggregate_loss``), as
@@ -179,6 +188,9 @@ class AsyncGRPOTrainer(Trainer):
         self.clock = feed.clock
         self._forward_s = 0.0
         self.add_callback(SyncAndAck(self))
+        if not args.disable_tqdm:
+            self.remove_callback(ProgressCallback)
+            self.add_callback(StepProgress())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's log record plus the last step's rollout metrics (reward, policy version,

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
+from rich.console import Console
 from rich.logging import RichHandler
 
 from rollout_service.config import ServiceSettings, load_settings
@@ -23,7 +24,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(
-        level=level.upper(), format="%(message)s", datefmt="[%X]", handlers=[RichHandler(show_path=False)]
+        level=level.upper(),
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(show_path=False, console=Console(stderr=True))],  # stdout stays for output
     )
 
 

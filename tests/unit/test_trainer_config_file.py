@@ -3,6 +3,7 @@ the command line wins over the file, and a bad key or value is one line that say
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -69,6 +70,7 @@ def test_a_trl_yaml_configures_the_run_and_the_loss(tmp_path, model_dir, capture
     with caplog.at_level(logging.WARNING):
         result = CliRunner().invoke(app, ["--config", str(tmp_path / "trl.yaml"), "--output-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"time_split": {"fraction": {}, "steps": 0}}  # stdout: the summary alone
     config, options = captured["config"], captured["options"]
     assert captured["model"] == str(model_dir)
     assert (config.group_size, config.per_device_train_batch_size, config.max_steps) == (4, 16, 3)
