@@ -1,4 +1,5 @@
-"""Stale drops and training throughput with staleness-aware admission on and off.
+"""Stale drops and training throughput: staleness-aware admission on and off, or (``--compare
+abort``) stale in-flight groups aborted or kept.
 
 Why: with plain buffer admission the service generates up to ``max_buffered_groups`` ahead
 whatever the trainer can absorb, so with a small ``max_staleness`` much of it ages past the
@@ -11,10 +12,17 @@ Per phase it reports groups generated (scored), trained and dropped as stale, th
 fraction, trained groups per second of wall time, generated tokens per second, and the
 fraction of generated tokens that were trained.
 
+``--compare abort``: buffer admission (generation runs ahead of a slower trainer), with the
+service's ``abort_stale_inflight`` on and off. A group the trainer moved past while it was
+generating is then aborted in vLLM instead of finished and dropped; the table adds the
+groups aborted and vLLM's own count of generated tokens (aborted requests included) per
+trained group: the generation that went to waste.
+
 Usage::
 
     python benchmarks/bench_admission.py --vllm-url http://127.0.0.1:8011 --model-dir /tmp/tiny
     python benchmarks/bench_admission.py --steps 20 --rounds 2 --max-staleness 1 --output outputs/admission.json
+    python benchmarks/bench_admission.py --compare abort --max-staleness 0 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +48,8 @@ from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
 from rollout_service.edge.app import running_service
 from trainer_client.client import RolloutClient
 
-MODES = ("staleness", "buffer")
+COMPARISONS = {"admission": ("staleness", "buffer"), "abort": ("abort", "keep")}
+"""What each ``--compare`` runs side by side: admission modes, or abort_stale_inflight on / off."""
 
 
 @dataclass
@@ -50,6 +61,10 @@ class Phase:
     trained: int
     dropped_stale: int
     tokens: int
+    aborted: int = 0
+    """Groups aborted in flight (``stale_inflight``)."""
+    vllm_tokens: int = 0
+    """Tokens vLLM generated in the phase, aborted requests included."""
 
     @property
     def drop_fraction(self) -> float:
@@ -60,12 +75,23 @@ class Phase:
         return self.trained / self.seconds
 
 
-async def run_phase(target: str, args: argparse.Namespace, mode: str, round_: int, out: Path) -> Phase:
+def vllm_generated_tokens(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return int(sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)))
+
+
+async def run_phase(service, args: argparse.Namespace, mode: str, round_: int, out: Path) -> Phase:
+    """One trainer process on a fresh run, in ``mode``."""
+    target, url = service.grpc_target, service.service.info.engine_urls[0]
+    admission = mode if args.compare == "admission" else "buffer"
+    service.service.scheduler.abort_stale_inflight = mode != "keep"
+    tokens_before = vllm_generated_tokens(url)
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
     command += ["--max-steps", str(args.steps), "--group-size", str(args.group_size)]
     command += ["--groups-per-step", str(args.groups_per_step), "--max-tokens", str(args.max_tokens)]
     command += ["--max-staleness", str(args.max_staleness), "--max-buffered-groups", str(args.max_buffered_groups)]
-    command += ["--admission", mode, "--output-dir", str(out), "--log-level", "WARNING"]
+    command += ["--admission", admission, "--output-dir", str(out), "--log-level", "WARNING"]
     started = time.monotonic()
     trainer = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -75,13 +101,16 @@ async def run_phase(target: str, args: argparse.Namespace, mode: str, round_: in
     if trainer.returncode != 0:
         raise RuntimeError(f"trainer ({mode}) failed:\n{output.decode()[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
+    aborted = service.service.metrics.registry.get_sample_value(
+        "rollout_groups_dropped_total", {"run": summary["run_id"], "reason": "stale_inflight"}
+    )  # read before the run is deleted, with its metrics
     async with RolloutClient(target) as client:
         run = await client.get_run(summary["run_id"])
         await client.delete_run(summary["run_id"])
     stats = run.stats
     return Phase(
         mode, round_, seconds, stats.groups_scored, stats.groups_trained, stats.groups_dropped_stale,
-        stats.tokens_generated,
+        stats.tokens_generated, int(aborted or 0), vllm_generated_tokens(url) - tokens_before,
     )  # fmt: skip
 
 
@@ -93,46 +122,63 @@ async def benchmark(args: argparse.Namespace) -> list[Phase]:
     phases: list[Phase] = []
     with tempfile.TemporaryDirectory(prefix="bench-admission-") as tmp:
         async with running_service(settings) as service:
-            target = service.grpc_target
+            modes = COMPARISONS[args.compare]
             for round_ in range(args.rounds):
-                for mode in MODES if round_ % 2 == 0 else reversed(MODES):
-                    phase = await run_phase(target, args, mode, round_, Path(tmp) / f"{mode}-{round_}")
+                for mode in modes if round_ % 2 == 0 else reversed(modes):
+                    phase = await run_phase(service, args, mode, round_, Path(tmp) / f"{mode}-{round_}")
                     phases.append(phase)
                     logging.info("%s", phase)
     return phases
 
 
-def report(phases: list[Phase], console: Console) -> dict[str, dict[str, float]]:
-    table = Table(title="staleness-aware admission vs buffer-only admission")
-    for column in ("mode", "round", "s", "generated", "trained", "dropped stale", "drop %", "trained/s", "tok/s"):
+def report(phases: list[Phase], console: Console, compare: str) -> dict[str, dict[str, float]]:
+    modes = COMPARISONS[compare]
+    title = {
+        "admission": "staleness-aware admission vs buffer-only admission",
+        "abort": "buffer admission, stale in-flight groups aborted vs kept",
+    }[compare]
+    table = Table(title=title)
+    columns = ["mode", "round", "s", "generated", "trained", "dropped stale", "drop %", "trained/s", "tok/s"]
+    columns += ["aborted", "vLLM tok", "vLLM tok / trained"] if compare == "abort" else []
+    for column in columns:
         table.add_column(column, justify="right")
     for p in phases:
-        table.add_row(
+        row = [
             p.mode, str(p.round), f"{p.seconds:.1f}", str(p.scored), str(p.trained), str(p.dropped_stale),
             f"{100 * p.drop_fraction:.1f}", f"{p.trained_per_s:.2f}", f"{p.tokens / p.seconds:.0f}",
-        )  # fmt: skip
+        ]  # fmt: skip
+        if compare == "abort":
+            row += [str(p.aborted), str(p.vllm_tokens), f"{p.vllm_tokens / max(1, p.trained):.0f}"]
+        table.add_row(*row)
     console.print(table)
     summary = {}
-    for mode in MODES:
+    for mode in modes:
         mine = [p for p in phases if p.mode == mode]
         seconds = sum(p.seconds for p in mine)
         summary[mode] = {
             "drop_fraction": sum(p.dropped_stale for p in mine) / max(1, sum(p.scored for p in mine)),
             "trained_per_s": sum(p.trained for p in mine) / seconds,
             "generated_tokens_per_s": sum(p.tokens for p in mine) / seconds,
+            "vllm_tokens_per_trained_group": sum(p.vllm_tokens for p in mine) / max(1, sum(p.trained for p in mine)),
+            "aborted": sum(p.aborted for p in mine),
         }
         console.print(
             f"{mode:>9}: drops {100 * summary[mode]['drop_fraction']:.1f}% of generated groups, "
             f"{summary[mode]['trained_per_s']:.2f} groups trained/s, "
             f"{summary[mode]['generated_tokens_per_s']:.0f} generated tok/s"
         )
-    ratio = summary["staleness"]["trained_per_s"] / summary["buffer"]["trained_per_s"]
-    console.print(f"trained/s with admission / without: {ratio:.3f}")
+    first, second = modes
+    ratio = summary[first]["trained_per_s"] / summary[second]["trained_per_s"]
+    console.print(f"trained/s, {first} / {second}: {ratio:.3f}")
+    if compare == "abort":
+        waste = summary[first]["vllm_tokens_per_trained_group"] / summary[second]["vllm_tokens_per_trained_group"]
+        console.print(f"vLLM tokens per trained group, {first} / {second}: {waste:.3f}")
     return summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="admission")
     parser.add_argument("--vllm-url", help="a running vLLM server (weight transfer on); default: a managed one")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="the checkpoint vLLM serves")
     parser.add_argument("--steps", type=int, default=15)
@@ -153,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.model_dir / "config.json").exists():
         build_tiny_model(args.model_dir)
     phases = asyncio.run(benchmark(args))
-    summary = report(phases, Console())
+    summary = report(phases, Console(width=160), args.compare)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         payload = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": [asdict(p) for p in phases]}

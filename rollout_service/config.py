@@ -152,6 +152,10 @@ class SchedulerSettings(Section):
     default is gRPC's default receive limit, so a client in any language can take every
     group; a larger group is dropped (reason ``too_large``) instead of failing every
     consumer for ever. Raise it, up to the server's 64 MiB, with your clients' limit."""
+    abort_stale_inflight: bool = True
+    """Cancel a group's requests once the run's trainer version is more than ``max_staleness``
+    past the version it started at: its samples could only be dropped as stale. It is dropped
+    with reason ``stale_inflight`` and its slots go to fresh work."""
     group_requests: bool = True
     """Sample a single-turn group as one request (vLLM's ``n``): the prompt is parsed and
     prefilled once. Its G slots stay held until its longest completion ends, so completions

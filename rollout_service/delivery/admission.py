@@ -23,7 +23,8 @@ it (a trainer asks for one step's worth), once some trainer has pushed: a run wh
 never changes has nothing to go stale, so before the first version bump no staleness bound
 applies. ``await_version`` holds a run's generation until the servers hold at least that
 version (the trainer's first push), so no group is generated from weights its trainer will
-refuse.
+refuse, and ``doomed`` (with either admission) holds it while the servers' version is more
+than max_staleness behind the trainer's, for the same reason.
 
 Admission wait: the seconds a reservation waited are measured on ``free_clock``, which the
 service makes a clock that runs only while a slot is free: a run held back while every slot
@@ -49,8 +50,12 @@ class RunAdmission:
         policy_version: int = 0,
         await_version: int = 0,
         free_clock: Callable[[], float] = time.monotonic,
+        doomed_after: int | None = None,
     ) -> None:
         self.run_id = run_id
+        self.doomed_after = doomed_after
+        """The trainer's max_staleness, when groups that could only go stale must not start
+        (``abort_stale_inflight``); None: no such check (buffer admission as it was)."""
         self.metrics = metrics
         self.max_staleness = max_staleness
         self.policy_version = policy_version
@@ -82,7 +87,14 @@ class RunAdmission:
     # -- the answer ----------------------------------------------------------------------
     def allows(self, pending: int) -> bool:
         """May a group start, with ``pending`` groups started and not yet consumed?"""
-        return self.policy_version >= self.await_version and self._within_staleness(pending)
+        return self.policy_version >= self.await_version and not self.doomed and self._within_staleness(pending)
+
+    @property
+    def doomed(self) -> bool:
+        """A group started now, on the servers' version, would be more than max_staleness
+        behind the trainer's: the trainer would drop it (a push is in flight with
+        max_staleness 0, say). Wait for the commit instead of generating it."""
+        return self.doomed_after is not None and self.policy_version < self.trainer_version - self.doomed_after
 
     def _within_staleness(self, pending: int) -> bool:
         per_version = self.groups_per_version

@@ -10,7 +10,11 @@ Invariants:
   with a missing member would bias its advantages);
 - each group is scored the moment its last member finishes, while generation goes on;
 - a single-turn group without per-member seeds is one request for all G samples when the
-  engine can (``GroupEngine``), holding G slots like G members would.
+  engine can (``GroupEngine``), holding G slots like G members would;
+- no generation that can only go stale: when the run's trainer version moves more than
+  ``max_staleness`` past the version a group started at, its requests are cancelled (vLLM
+  aborts a request whose connection closes), its slots freed, and it is dropped with reason
+  ``stale_inflight`` (``abort_stale_inflight``).
 
 Every task is owned: the scheduler keeps it until it ends, and a feeder that dies marks
 its run failed with the error instead of vanishing.
@@ -24,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from rollout_service.engine.protocol import Engine, GroupEngine, samples_groups_at_once
@@ -42,6 +46,19 @@ from rollout_service.weights.adapters import AdapterRouting
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class InflightGroup:
+    """A group whose members are generating, and the version it counts as started at."""
+
+    start_version: int
+    """The run's policy version once every member was sent: its samples' first tokens come
+    from this version or a later one (a later start counts as fresher, so a group is never
+    judged older than it is)."""
+    members: list[asyncio.Task[Any]] = field(default_factory=list)
+    stale: bool = False
+    """Set when the trainer moved past it: its members are being cancelled."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -54,8 +71,11 @@ class Scheduler:
         group_requests: bool = True,
         max_group_bytes: int = 4 << 20,
         reward_threads: int = 16,
+        abort_stale_inflight: bool = True,
     ) -> None:
         self.engine = engine
+        self.abort_stale_inflight = abort_stale_inflight
+        """Cancel in-flight groups the trainer can no longer train (``SchedulerSettings``)."""
         self.max_group_bytes = max_group_bytes
         self.group_requests = group_requests
         """Single-turn groups as one request when the engine can (``SchedulerSettings``)."""
@@ -73,6 +93,8 @@ class Scheduler:
         self.tokens = RecentRate()
         """Tokens generated over all runs, and their recent rate (counted as episodes finish)."""
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
+        self._inflight: dict[str, dict[str, InflightGroup]] = {}
+        """Per run, its groups whose members are generating."""
         metrics.slots_total.set(max_inflight)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -83,6 +105,8 @@ class Scheduler:
 
     def start_run(self, run: Run) -> None:
         self._tasks[run.run_id] = set()
+        self._inflight[run.run_id] = {}
+        run.admission.on_change(lambda: self._abort_stale(run))
         feeder = self._spawn(run, self._feed(run), f"feed-{run.run_id}")
         feeder.add_done_callback(lambda task: self._feeder_ended(run, task))
 
@@ -97,6 +121,7 @@ class Scheduler:
                 logger.warning("run %s: %d tasks did not stop within %.0fs", run.run_id, len(pending), timeout_s)
         await run.broker.close()
         self._slots.forget(run.run_id)
+        self._inflight.pop(run.run_id, None)
 
     def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -165,7 +190,22 @@ class Scheduler:
             members, expected = await self._start_group_request(run, prompt, group_id), 1
         else:
             members, expected = await self._start_members(run, prompt, group_id), run.spec.group_size
-        self._spawn(run, self._finish_group(run, prompt, group_id, members, expected, started), f"score-{group_id}")
+        inflight = InflightGroup(run.policy_version, members)
+        self._inflight.setdefault(run.run_id, {})[group_id] = inflight
+        finish = self._finish_group(run, prompt, group_id, inflight, expected, started)
+        self._spawn(run, finish, f"score-{group_id}")
+
+    def _abort_stale(self, run: Run) -> None:
+        """On a version change: cancel the in-flight groups the trainer would drop as stale
+        (started more than ``max_staleness`` versions before the trainer's version)."""
+        if not self.abort_stale_inflight:
+            return
+        oldest_trainable = run.admission.trainer_version - run.spec.max_staleness
+        for inflight in self._inflight.get(run.run_id, {}).values():
+            if not inflight.stale and inflight.start_version < oldest_trainable:
+                inflight.stale = True
+                for member in inflight.members:
+                    member.cancel()
 
     def _samples_group_at_once(self, run: Run) -> bool:
         """One request per group: single-turn, and no per-member seeds to honour."""
@@ -275,14 +315,25 @@ class Scheduler:
         run: Run,
         prompt: PromptItem,
         group_id: str,
-        members: list[asyncio.Task[Any]],
+        inflight: InflightGroup,
         expected: int,
         started: float,
     ) -> None:
-        """``members``: ``expected`` tasks, each an ``EpisodeResult`` or a list of them (a
-        group request); fewer when a member failed before the others could start."""
+        """``inflight.members``: ``expected`` tasks, each an ``EpisodeResult`` or a list of
+        them (a group request); fewer when a member failed before the others could start."""
+        members = inflight.members
         try:
             done, pending = await asyncio.wait(members, return_when=asyncio.FIRST_EXCEPTION)
+            if inflight.stale:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*members, return_exceptions=True)
+                why = (
+                    f"started at policy version {inflight.start_version}, and the trainer is at version "
+                    f"{run.admission.trainer_version}, more than max_staleness {run.spec.max_staleness} later"
+                )
+                await self._drop(run, group_id, "stale_inflight", why)
+                return
             failed = [t for t in done if t.exception() is not None]
             if failed or len(members) < expected:
                 for task in pending:
@@ -323,6 +374,7 @@ class Scheduler:
             self.metrics.groups_scored.labels(run.run_id).inc()
             await run.broker.put(scored)
         finally:
+            self._inflight.get(run.run_id, {}).pop(group_id, None)
             forget = getattr(self.engine, "forget", None)
             if forget is not None:
                 forget(group_id)

@@ -279,3 +279,44 @@ async def test_hung_sync_rewards_hold_only_their_own_threads() -> None:
         release.set()
         await service.close()
     assert run.counters.groups_scored == 0
+
+
+@pytest.mark.parametrize("engine_class", [ScriptedEngine, ScriptedGroupEngine])
+async def test_a_group_the_trainer_moved_past_is_aborted_in_flight_and_counted(engine_class) -> None:
+    """max_staleness 1: groups started at version 0 can still train at trainer version 1, not
+    at 2. When the trainer reaches 2, their requests are cancelled and their slots refilled."""
+    engine = engine_class(hold=True)
+    service = make_service(engine, max_inflight=4)
+    run = await service.create_run(spec([[1, 2]], group_size=2, max_staleness=1))
+    try:
+        await engine.wait_for(lambda: engine.active == engine.calls == (2 if engine.group_calls else 4))
+        generating = 2  # 4 slots, G = 2 (a third group waits for slots, and starts at a later version)
+        service.set_trainer_version(1)  # a push begins: version-0 groups are still trainable
+        service.set_policy_version(1)
+        assert run.counters.groups_dropped == 0 and engine.active == engine.calls
+        service.set_trainer_version(2)  # the next push begins: the version-0 groups can only go stale
+        await wait_until(lambda: run.counters.groups_dropped == generating, 5, "the stale groups to be dropped")
+        dropped = service.metrics.registry.get_sample_value(
+            "rollout_groups_dropped_total", {"run": run.run_id, "reason": "stale_inflight"}
+        )
+        assert dropped == generating
+        # Their slots went to new groups, started at version 1, which still generate.
+        await engine.wait_for(lambda: engine.active == (2 if engine.group_calls else 4))
+        assert run.counters.groups_started >= 2 * generating and run.counters.groups_scored == 0
+        assert run.counters.groups_dropped == generating
+    finally:
+        await service.delete_run(run.run_id)
+
+
+async def test_aborting_stale_groups_can_be_turned_off() -> None:
+    engine = ScriptedEngine(hold=True)
+    service = make_service(engine, max_inflight=4, abort_stale_inflight=False)
+    run = await service.create_run(spec([[1, 2]], group_size=2, max_staleness=0))
+    try:
+        await engine.wait_for(lambda: engine.active == 4)
+        service.set_trainer_version(3)
+        engine.release()
+        await wait_until(lambda: run.counters.groups_scored >= 2, 5, "the old groups to be scored")
+        assert run.counters.groups_dropped == 0
+    finally:
+        await service.delete_run(run.run_id)
