@@ -166,7 +166,9 @@ async def test_a_push_without_pause_lets_running_requests_go_on(sync_service, vl
     # below takes milliseconds against the long request's seconds
     assert await asyncio.wait_for(restore.push(list(base_model.named_parameters())), 60) == 1
     generated = vllm_gauge(vllm_server.url, "vllm:generation_tokens_total")
-    long = asyncio.create_task(asyncio.to_thread(vllm_completion, vllm_server.url, 5, LONG, ignore_eos=True))
+    # 16 sequences of LONG tokens: seconds of generation on 2 cores, whatever else vLLM runs,
+    # against a push of a tenth of a second (one sequence alone once finished within a slow push)
+    long = asyncio.create_task(asyncio.to_thread(vllm_completion, vllm_server.url, 5, LONG, ignore_eos=True, n=16))
     # vLLM counts a preemption with a later step's stats: once 50 more tokens are counted,
     # the keep push's preemptions are in, and the counter moves only with new ones
     await wait_until(
