@@ -85,7 +85,7 @@ async def run_phase(service, args: argparse.Namespace, mode: str, round_: int, o
     """One trainer process on a fresh run, in ``mode``."""
     target, url = service.grpc_target, service.service.info.engine_urls[0]
     admission = mode if args.compare == "admission" else "buffer"
-    service.service.scheduler.abort_stale_inflight = mode != "keep"
+    service.service.settings.abort_stale_inflight = mode != "keep"  # read as each run is created
     tokens_before = vllm_generated_tokens(url)
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
     command += ["--max-steps", str(args.steps), "--group-size", str(args.group_size)]

@@ -122,7 +122,6 @@ class RolloutService:
             group_requests=settings.group_requests,
             max_group_bytes=settings.max_group_bytes,
             reward_threads=settings.reward_threads,
-            abort_stale_inflight=settings.abort_stale_inflight,
         )
         self.environment_executor = ThreadPoolExecutor(settings.environment_threads, thread_name_prefix="environment")
         """Sync environment methods' own threads (``SchedulerSettings.environment_threads``)."""
@@ -208,7 +207,7 @@ class RolloutService:
             policy_version=version,
             await_version=version + 1 if spec.await_first_update else 0,
             free_clock=self.scheduler.slots.free_seconds,
-            doomed_after=spec.max_staleness if self.scheduler.abort_stale_inflight else None,
+            doomed_after=spec.max_staleness if self.settings.abort_stale_inflight else None,
         )
         lease_timeout_s = spec.lease_timeout_s or self.settings.lease_timeout_s
         return RunBroker(run_id, max_buffered, self.metrics, lease_timeout_s=lease_timeout_s, admission=admission)

@@ -166,8 +166,3 @@ class PromptRows:
 
     def __len__(self) -> int:
         return self.count
-
-
-def load_prompts_file(path: Path, prompt_column: str = PROMPT_COLUMN) -> list[pb.Prompt]:
-    """Every prompt of ``path`` in memory (small sets)."""
-    return list(PromptRows.from_path(path, prompt_column))

@@ -72,8 +72,13 @@ def render(stats: pb.GetStatsResponse, runs: Mapping[str, pb.Run]) -> Group:
 
 async def snapshot(target: str, timeout_s: float) -> Group:
     async with RolloutClient(target, timeout_s=timeout_s) as client:
-        stats = await client.stats()
-        runs = {run.run_id: run for run in await client.list_runs()}
+        return await screen(client)
+
+
+async def screen(client: RolloutClient) -> Group:
+    """The current screen: GetStats and the runs this caller may see."""
+    stats = await client.stats()
+    runs = {run.run_id: run for run in await client.list_runs()}
     return render(stats, runs)
 
 
@@ -82,9 +87,7 @@ async def watch(target: str, interval_s: float, timeout_s: float) -> None:
     async with RolloutClient(target, timeout_s=timeout_s) as client:
         with Live(auto_refresh=False) as live:
             while True:
-                stats = await client.stats()
-                runs = {run.run_id: run for run in await client.list_runs()}
-                live.update(render(stats, runs), refresh=True)
+                live.update(await screen(client), refresh=True)
                 await asyncio.sleep(interval_s)  # the refresh period, not synchronisation
 
 

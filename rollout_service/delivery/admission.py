@@ -94,7 +94,13 @@ class RunAdmission:
         """A group started now, on the servers' version, would be more than max_staleness
         behind the trainer's: the trainer would drop it (a push is in flight with
         max_staleness 0, say). Wait for the commit instead of generating it."""
-        return self.doomed_after is not None and self.policy_version < self.trainer_version - self.doomed_after
+        return self.outdated(self.policy_version)
+
+    def outdated(self, version: int) -> bool:
+        """Samples started at ``version`` are more than max_staleness behind the trainer's
+        version, so it can only drop them (always False without ``doomed_after``). The
+        scheduler aborts in-flight groups on the same rule."""
+        return self.doomed_after is not None and version < self.trainer_version - self.doomed_after
 
     def _within_staleness(self, pending: int) -> bool:
         per_version = self.groups_per_version

@@ -146,9 +146,6 @@ class DevCredentials:
     def server(self) -> Pem:
         return Pem(self.directory / "server.crt", self.directory / "server.key")
 
-    def client(self, principal: str) -> Pem:
-        return Pem(self.directory / f"{principal}.crt", self.directory / f"{principal}.key")
-
     def token_file(self, principal: str) -> Path:
         return self.directory / f"{principal}.token"
 

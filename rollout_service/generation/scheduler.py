@@ -71,11 +71,8 @@ class Scheduler:
         group_requests: bool = True,
         max_group_bytes: int = 4 << 20,
         reward_threads: int = 16,
-        abort_stale_inflight: bool = True,
     ) -> None:
         self.engine = engine
-        self.abort_stale_inflight = abort_stale_inflight
-        """Cancel in-flight groups the trainer can no longer train (``SchedulerSettings``)."""
         self.max_group_bytes = max_group_bytes
         self.group_requests = group_requests
         """Single-turn groups as one request when the engine can (``SchedulerSettings``)."""
@@ -197,12 +194,10 @@ class Scheduler:
 
     def _abort_stale(self, run: Run) -> None:
         """On a version change: cancel the in-flight groups the trainer would drop as stale
-        (started more than ``max_staleness`` versions before the trainer's version)."""
-        if not self.abort_stale_inflight:
-            return
-        oldest_trainable = run.admission.trainer_version - run.spec.max_staleness
+        (``RunAdmission.outdated``: started more than ``max_staleness`` versions before the
+        trainer's version, when the service's ``abort_stale_inflight`` is on)."""
         for inflight in self._inflight.get(run.run_id, {}).values():
-            if not inflight.stale and inflight.start_version < oldest_trainable:
+            if not inflight.stale and run.admission.outdated(inflight.start_version):
                 inflight.stale = True
                 for member in inflight.members:
                     member.cancel()

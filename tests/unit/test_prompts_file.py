@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_client.prompts_file import PromptRows, PromptsFileError, load_prompts_file
+from trainer_client.prompts_file import PromptRows, PromptsFileError
 
 
 def write(path: Path, *lines: str) -> Path:
@@ -21,7 +21,7 @@ def test_text_and_chat_prompts_keep_their_columns_as_metadata(tmp_path: Path) ->
         {"prompt": "2+3=", "answer": "5"},
         {"prompt": [{"role": "user", "content": "4+4?"}], "answer": 8, "tags": ["easy"]},
     ]
-    prompts = load_prompts_file(write(tmp_path / "p.jsonl", *(json.dumps(r) for r in rows), ""))
+    prompts = list(PromptRows.from_path(write(tmp_path / "p.jsonl", *(json.dumps(r) for r in rows), "")))
     assert prompts[0].text == "2+3=" and dict(prompts[0].metadata) == {"answer": "5"}
     assert [(m.role, m.content) for m in prompts[1].messages.messages] == [("user", "4+4?")]
     assert dict(prompts[1].metadata) == {"answer": "8", "tags": '["easy"]'}  # non-strings as JSON
@@ -38,14 +38,14 @@ def test_text_and_chat_prompts_keep_their_columns_as_metadata(tmp_path: Path) ->
 )
 def test_a_bad_line_is_named_with_what_to_change(tmp_path: Path, line: str, message: str) -> None:
     with pytest.raises(PromptsFileError, match=message):
-        load_prompts_file(write(tmp_path / "p.jsonl", '{"prompt": "ok"}', line))
+        PromptRows.from_path(write(tmp_path / "p.jsonl", '{"prompt": "ok"}', line))
 
 
 def test_an_empty_or_missing_file_says_so(tmp_path: Path) -> None:
     with pytest.raises(PromptsFileError, match="has no prompts"):
-        load_prompts_file(write(tmp_path / "p.jsonl", ""))
+        PromptRows.from_path(write(tmp_path / "p.jsonl", ""))
     with pytest.raises(PromptsFileError, match="cannot read"):
-        load_prompts_file(tmp_path / "missing.jsonl")
+        PromptRows.from_path(tmp_path / "missing.jsonl")
 
 
 ROWS = [
