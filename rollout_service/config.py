@@ -109,6 +109,42 @@ class EngineSettings(Section):
     """A server with requests in flight that does not answer /health within this is treated
     as hung: its requests are abandoned (their groups dropped, their slots freed) and it gets
     no new ones until it answers again."""
+    routing: Literal["sticky", "least_loaded"] = "sticky"
+    """sticky: a group's requests, and each multi-turn episode's turns, stay on the server
+    they started on (its prefix cache holds their prompt and transcript) while its load is
+    within ``sticky_slack`` of the least loaded server's; then they move. least_loaded:
+    every request goes to the least loaded server."""
+    sticky_slack: int = Field(default=2, ge=0)
+    """How many more sequences than the least loaded server a sticky server may hold and
+    still keep its groups and episodes."""
+    metrics_interval_s: float = Field(default=2.0, ge=0)
+    """How often each server's /metrics is read (KV-cache usage, queue, preemptions,
+    prefix-cache hits; exported per server as rollout_engine_*); 0: never. The adaptive
+    in-flight limit reads at its own ``poll_interval_s``."""
+
+
+class AdaptiveInflightSettings(Section):
+    """A limit of in-flight sequences per server that follows its KV-cache usage
+    (``engine.inflight_limit``). The service's slots are the sum of the servers' limits."""
+
+    enabled: bool = False
+    """Off: the fixed ``scheduler.max_inflight`` slots, spread least-loaded over the servers."""
+    target_kv_usage: float = Field(default=0.8, gt=0, lt=1)
+    """KV-cache usage to settle at: the limit grows below ``target - band`` and shrinks above
+    ``target + band`` and after any preemption."""
+    band: float = Field(default=0.1, ge=0, lt=0.5)
+    initial_per_server: int | None = Field(default=None, ge=1)
+    """Each server's first limit; None: ``max_inflight`` shared over the servers."""
+    min_per_server: int = Field(default=4, ge=1)
+    max_per_server: int = Field(default=256, ge=1)
+    poll_interval_s: float = Field(default=1.0, gt=0)
+    """How often each server's /metrics is read to adapt its limit."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> AdaptiveInflightSettings:
+        if self.min_per_server > self.max_per_server:
+            raise ValueError(f"min_per_server ({self.min_per_server}) is above max_per_server ({self.max_per_server})")
+        return self
 
 
 class SchedulerSettings(Section):
@@ -119,6 +155,8 @@ class SchedulerSettings(Section):
     per decode step hardly grows with the batch on small models, so more slots mean more
     tokens/s: 64 gave 1.16x the training steps/s of 32 (1.57 vs 1.35, 3 seeds each, tiny
     model) in benchmarks/bench_vs_trl.py."""
+    adaptive_inflight: AdaptiveInflightSettings = Field(default_factory=AdaptiveInflightSettings)
+    """Per-server limits from vLLM's KV-cache usage instead of the fixed ``max_inflight``."""
     default_max_buffered_groups: int = Field(default=64, ge=1)
     """Scored groups a run may hold for its consumers before it stops starting new groups."""
     reward_timeout_s: float = Field(default=60.0, gt=0)

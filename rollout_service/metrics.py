@@ -26,6 +26,12 @@ class ServiceMetrics:
         )
         self.groups_started = Counter("rollout_groups_started", "Groups started", ["run"], registry=r)
         self.groups_scored = Counter("rollout_groups_scored", "Groups scored", ["run"], registry=r)
+        self.groups_partial = Counter(
+            "rollout_groups_partial",
+            "Groups scored from fewer members than group_size at their deadline",
+            ["run"],
+            registry=r,
+        )
         self.groups_dropped = Counter(
             "rollout_groups_dropped", "Groups dropped by the service", ["run", "reason"], registry=r
         )
@@ -55,6 +61,27 @@ class ServiceMetrics:
         )
         self.server_inflight = Gauge(
             "rollout_engine_inflight_requests", "Requests in flight per server", ["server"], registry=r
+        )
+        self.server_inflight_limit = Gauge(
+            "rollout_engine_inflight_limit", "Adaptive in-flight limit per server (sequences)", ["server"], registry=r
+        )
+        self.server_kv_cache_usage = Gauge(
+            "rollout_engine_kv_cache_usage", "KV-cache usage vLLM reports (0..1)", ["server"], registry=r
+        )
+        self.server_waiting = Gauge(
+            "rollout_engine_waiting_requests", "Requests queued inside vLLM", ["server"], registry=r
+        )
+        self.server_preemptions = Counter(
+            "rollout_engine_preemptions", "Sequences vLLM preempted for KV room", ["server"], registry=r
+        )
+        self.server_prefix_cache_queries = Counter(
+            "rollout_engine_prefix_cache_queries",
+            "Prompt tokens looked up in vLLM's prefix cache",
+            ["server"],
+            registry=r,
+        )
+        self.server_prefix_cache_hits = Counter(
+            "rollout_engine_prefix_cache_hits", "Prompt tokens found in vLLM's prefix cache", ["server"], registry=r
         )
         self.groups_returned = Counter(
             "rollout_groups_returned",

@@ -166,6 +166,15 @@ class RolloutService:
         """Runs that sample the servers' base weights (not their own adapter)."""
         return [run for run in self.runs.values() if not run.spec.serve_adapter]
 
+    @property
+    def slot_ceiling(self) -> int:
+        """The most slots the service can have: ``max_inflight``, or with adaptive limits
+        their largest sum. A run's own ``max_inflight`` may not exceed it; 0 means it."""
+        adaptive = self.settings.adaptive_inflight
+        if not adaptive.enabled:
+            return self.settings.max_inflight
+        return max(self.settings.max_inflight, adaptive.max_per_server * len(self.info.engine_urls))
+
     async def create_run(self, spec: RunSpec, owner: str = "") -> Run:
         spec.validate()
         if len(self.runs) >= self.settings.max_runs:
@@ -174,10 +183,10 @@ class RolloutService:
             )
         for name, _ in spec.rewards:
             self.rewards.get(name)  # raises InvalidArgument naming the registered functions
-        if spec.max_inflight > self.settings.max_inflight:
+        if spec.max_inflight > self.slot_ceiling:
             raise InvalidArgument(
                 f"max_inflight {spec.max_inflight} exceeds the service's slot limit "
-                f"{self.settings.max_inflight}; use 0 for the service's limit"
+                f"{self.slot_ceiling}; use 0 for the service's limit"
             )
         episode = self._episode_config(spec)
         tool_schemas = episode.tools.schemas() if episode is not None and episode.tools is not None else None
@@ -188,7 +197,7 @@ class RolloutService:
             spec=spec,
             source=await self._prompt_source(spec, tool_schemas),
             broker=self._broker(run_id, spec, max_buffered),
-            max_inflight=spec.max_inflight or self.settings.max_inflight,
+            max_inflight=spec.max_inflight or self.slot_ceiling,
             advantages=AdvantageComputer(spec.scale_rewards),
             episode=episode,
             owner=owner,

@@ -20,6 +20,7 @@ import aiohttp
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
 from rollout_service.edge.server import set_serving, start_grpc_server
 from rollout_service.engine.control import VLLMControlClient
+from rollout_service.engine.load_monitor import LoadMonitor
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.supervisor import ServerSupervisor
@@ -112,8 +113,18 @@ async def running_service(
 
         metrics = ServiceMetrics()
         max_inflight = settings.scheduler.max_inflight
-        clients = [VLLMServerClient(url, model, engine_settings, metrics, max_inflight) for url in urls]
-        pool = EnginePool(clients, engine_settings.probe_interval_s, engine_settings.health_timeout_s)
+        adaptive = settings.scheduler.adaptive_inflight
+        connections = max(max_inflight, adaptive.max_per_server if adaptive.enabled else 0)
+        clients = [VLLMServerClient(url, model, engine_settings, metrics, connections) for url in urls]
+        monitor = _load_monitor(clients, metrics, settings)
+        pool = EnginePool(
+            clients,
+            engine_settings.probe_interval_s,
+            engine_settings.health_timeout_s,
+            routing=engine_settings.routing,
+            sticky_slack=engine_settings.sticky_slack,
+            monitor=monitor,
+        )
         await pool.start()
         stack.push_async_callback(pool.close)
         controls = [VLLMControlClient(url, engine_settings.connect_timeout_s) for url in urls]
@@ -132,6 +143,9 @@ async def running_service(
             environments=environments,
         )
         stack.push_async_callback(service.close)
+        if monitor is not None and monitor.capacity is not None:  # adaptive: slots follow the limits
+            monitor.on_capacity = service.scheduler.resize
+            service.scheduler.resize(monitor.capacity)
         await _attach_weights(service, pool, controls, settings, managed, stack)
 
         metrics_port = None
@@ -144,6 +158,19 @@ async def running_service(
             settings.host, grpc_port, model, max_inflight, urls, metrics_port,
         )  # fmt: skip
         yield RunningService(service, grpc_port, metrics_port, urls)
+
+
+def _load_monitor(
+    clients: list[VLLMServerClient], metrics: ServiceMetrics, settings: ServiceSettings
+) -> LoadMonitor | None:
+    """Reads the servers' /metrics: at the adaptive limit's period when it is on, else at
+    ``engine.metrics_interval_s`` (None when that is 0)."""
+    adaptive = settings.scheduler.adaptive_inflight
+    if adaptive.enabled:
+        return LoadMonitor(clients, metrics, adaptive.poll_interval_s, adaptive, settings.scheduler.max_inflight)
+    if settings.engine.metrics_interval_s > 0:
+        return LoadMonitor(clients, metrics, settings.engine.metrics_interval_s)
+    return None
 
 
 async def _start_managed_server(settings: ServiceSettings, stack: contextlib.AsyncExitStack) -> ManagedVLLMServer:

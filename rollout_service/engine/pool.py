@@ -1,7 +1,13 @@
-"""Routes requests over several vLLM servers: least-loaded, with group affinity.
+"""Routes requests over several vLLM servers: sticky least-loaded.
 
-Members of a group prefer the server their first member went to (its prefix cache holds
-the prompt) unless that server is clearly busier than the least-loaded one. Servers whose
+Requests carry an affinity key: a group's id, or an episode's (``protocol.episode_affinity``: the
+group's id and the member's index). A key sticks to the server it was first sent to (its
+prefix cache holds the prompt, and an episode's transcript so far) while that server holds
+at most ``sticky_slack`` more sequences than the least loaded one; otherwise it moves to the
+least loaded and sticks there. An episode's first turn follows its group's server. Keys are
+forgotten when their episode or group ends. With per-server in-flight limits (adaptive), a
+server at its limit is passed over while another has room, and load compares as the
+fraction of the limit in use. ``routing="least_loaded"`` ignores the keys. Servers whose
 last request failed are tried only when no healthy one is left, and are probed (/health)
 every ``probe_interval_s``: one that answers again takes traffic again. Servers with requests
 in flight are probed too: one that does not answer within ``health_timeout_s`` is hung (a
@@ -22,24 +28,35 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from rollout_service.engine.load_monitor import LoadMonitor
+from rollout_service.engine.protocol import EPISODE_SEPARATOR
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-AFFINITY_SLACK = 2
-"""How many more in-flight requests than the least-loaded server affinity may accept."""
-
 
 class EnginePool:
     def __init__(
-        self, clients: list[VLLMServerClient], probe_interval_s: float = 2.0, health_timeout_s: float = 10.0
+        self,
+        clients: list[VLLMServerClient],
+        probe_interval_s: float = 2.0,
+        health_timeout_s: float = 10.0,
+        *,
+        routing: str = "sticky",
+        sticky_slack: int = 2,
+        monitor: LoadMonitor | None = None,
     ) -> None:
         if not clients:
             raise ValueError("an engine pool needs at least one server")
         self.clients = clients
         self.probe_interval_s = probe_interval_s
         self.health_timeout_s = health_timeout_s
+        self.sticky = routing == "sticky"
+        self.sticky_slack = sticky_slack
+        self.monitor = monitor
+        """Reads the servers' /metrics (and adapts their limits); None: never."""
+        self._monitor_task: asyncio.Task[None] | None = None
         self.on_usable: Callable[[bool], None] = lambda usable: None
         self.usable = True
         self._affinity: dict[str, VLLMServerClient] = {}
@@ -53,12 +70,15 @@ class EnginePool:
         for client in self.clients:
             await client.start()
         self._prober = asyncio.create_task(self._probe_forever(), name="engine-probe")
+        if self.monitor is not None:
+            self._monitor_task = asyncio.create_task(self.monitor.run(), name="engine-load")
 
     async def close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._prober
+        for task in (self._prober, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for client in self.clients:
             await client.close()
 
@@ -109,20 +129,30 @@ class EnginePool:
             await self._released.wait()
         return free
 
-    def pick(self, affinity: str | None = None, servers: list[VLLMServerClient] | None = None) -> VLLMServerClient:
-        """``servers``: the candidates (default: every server)."""
+    def pick(
+        self, affinity: str | None = None, servers: list[VLLMServerClient] | None = None, sequences: int = 1
+    ) -> VLLMServerClient:
+        """The server for a request of ``sequences`` sequences; ``servers``: the candidates
+        (default: every server)."""
         servers = servers if servers is not None else self.clients
         healthy = [c for c in servers if c.consecutive_failures == 0] or servers
-        least = min(healthy, key=lambda c: c.inflight)
-        preferred = self._affinity.get(affinity) if affinity else None
-        if preferred in healthy and preferred.inflight <= least.inflight + AFFINITY_SLACK:
-            return preferred
-        if affinity:
-            self._affinity[affinity] = least
-        return least
+        roomy = [c for c in healthy if c.has_room(sequences)] or healthy
+        least = min(roomy, key=_load)
+        if not (self.sticky and affinity):
+            return least
+        preferred = self._affinity.get(affinity)
+        group, is_episode, _ = affinity.rpartition(EPISODE_SEPARATOR)
+        if preferred is None and is_episode:
+            preferred = self._affinity.get(group)
+        keeps = preferred in roomy and preferred.inflight <= least.inflight + self.sticky_slack
+        chosen = preferred if keeps and preferred is not None else least
+        self._affinity[affinity] = chosen
+        if is_episode:
+            self._affinity.setdefault(group, chosen)
+        return chosen
 
     def forget(self, affinity: str) -> None:
-        """Drop a finished group's affinity entry."""
+        """Drop a finished group's or episode's affinity entry."""
         self._affinity.pop(affinity, None)
 
     async def generate(
@@ -133,4 +163,9 @@ class EnginePool:
     async def generate_many(
         self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
     ) -> list[Completion]:
-        return await self.pick(affinity, await self.routable()).generate_many(prompt_ids, params, n)
+        return await self.pick(affinity, await self.routable(), n).generate_many(prompt_ids, params, n)
+
+
+def _load(client: VLLMServerClient) -> float:
+    """What least-loaded compares: sequences in flight, or the fraction of its limit in use."""
+    return client.inflight if client.limit is None else client.inflight / client.limit

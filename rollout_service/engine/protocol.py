@@ -7,9 +7,20 @@ from typing import Protocol
 
 from rollout_service.types import Completion, SamplingParams
 
+EPISODE_SEPARATOR = "#"
+
+
+def episode_affinity(group_key: str, member: int) -> str:
+    """The affinity key of one episode of a group: a router starts it where its group is, and
+    keeps its turns where its transcript is cached."""
+    return f"{group_key}{EPISODE_SEPARATOR}{member}"
+
 
 class Engine(Protocol):
-    """Generates one completion; raises ``EngineError`` when a request fails for good."""
+    """Generates one completion; raises ``EngineError`` when a request fails for good.
+
+    ``affinity``: a key (a group's id, or ``episode_affinity``) whose requests a router keeps
+    on one server, for its prefix cache."""
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, affinity: str | None = None

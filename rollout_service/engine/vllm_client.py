@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from rollout_service.config import EngineSettings
+from rollout_service.engine.server_load import ServerLoad, parse_server_load
 from rollout_service.errors import EngineError
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import Completion, FinishReason, SamplingParams
@@ -88,6 +89,11 @@ class VLLMServerClient:
         self.settings = settings
         self.metrics = metrics
         self.inflight = 0
+        """Sequences this service has running on the server."""
+        self.peak_inflight = 0
+        """The most sequences in flight since the load monitor last read (and reset) it."""
+        self.limit: int | None = None
+        """Its adaptive in-flight limit (``load_monitor``); None: only the service's slots bound it."""
         self.consecutive_failures = 0
         # aiohttp's default cap of 100 connections would silently throttle large runs.
         self._connector_limit = max(max_connections, 1) + 8
@@ -124,6 +130,21 @@ class VLLMServerClient:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
+    async def server_load(self, timeout_s: float = 2.0) -> ServerLoad | None:
+        """The server's own account of its load (``/metrics``), None when it does not answer."""
+        if self._session is None:
+            return None
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self._session.get(self.base_url + "/metrics", timeout=timeout) as resp:
+                return parse_server_load(await resp.text()) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    def has_room(self, sequences: int) -> bool:
+        """Whether ``sequences`` more fit under its limit (always, without one)."""
+        return self.limit is None or self.inflight + sequences <= self.limit
+
     async def generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
         """``n`` samples of one prompt in one request (vLLM's ``n``); ``inflight`` counts
         sequences, which is what loads a server."""
@@ -131,6 +152,7 @@ class VLLMServerClient:
         if n > 1:
             body["n"] = n
         self.inflight += n
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         start = time.perf_counter()
         try:

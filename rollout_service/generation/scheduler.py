@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from rollout_service.engine.protocol import Engine, GroupEngine, samples_groups_at_once
+from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinity, samples_groups_at_once
 from rollout_service.errors import EngineError, EnvironmentFailure, RewardError
 from rollout_service.generation.episode import run_episode, run_single_turn, run_single_turn_group
 from rollout_service.generation.slots import WeightedSlots
@@ -141,6 +141,12 @@ class Scheduler:
         """The shared slots, read for their time accounting (busy and free slot-seconds)."""
         return self._slots
 
+    def resize(self, total: int) -> None:
+        """Follow the servers' summed in-flight limits (``engine.load_monitor``)."""
+        self.max_inflight = total
+        self._slots.resize(total)
+        self.metrics.slots_total.set(total)
+
     async def _acquire_slot(self, run: Run) -> None:
         await run.slots.acquire()
         try:
@@ -219,7 +225,7 @@ class Scheduler:
                 break  # the group is already lost; do not spend more slots on it
             await self._acquire_slot(run)
             params = _member_params(run.spec.sampling, prompt.index, index, run.spec.group_size)
-            member = self._spawn(run, self._run_member(run, prompt, params, group_id), group_id)
+            member = self._spawn(run, self._run_member(run, prompt, params, group_id, index), group_id)
             member.add_done_callback(lambda task, run=run: self._member_done(run, task, 1))
             members.append(member)
         return members
@@ -255,25 +261,37 @@ class Scheduler:
             return self.engine
         return AdapterRouting(self.engine, lambda: run.adapter)
 
-    async def _run_member(self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str) -> EpisodeResult:
+    async def _run_member(
+        self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str, index: int
+    ) -> EpisodeResult:
         engine = self._engine_for(run)
         if run.episode is None:
             result = await run_single_turn(
                 engine, prompt, params, lambda: run.policy_version, self.decode, affinity=group_id
             )
         else:
-            result = await run_episode(
-                engine,
-                prompt,
-                params,
-                run.episode,
-                lambda: run.policy_version,
-                self.decode,
-                affinity=group_id,
-                on_tool_result=lambda r: self._tool_called(run, r),
-            )
+            # Its own key: each turn goes back to the server holding its transcript so far.
+            affinity = episode_affinity(group_id, index)
+            try:
+                result = await run_episode(
+                    engine,
+                    prompt,
+                    params,
+                    run.episode,
+                    lambda: run.policy_version,
+                    self.decode,
+                    affinity=affinity,
+                    on_tool_result=lambda r: self._tool_called(run, r),
+                )
+            finally:
+                self._forget_affinity(affinity)
         self._count_episode(run, result)
         return result
+
+    def _forget_affinity(self, key: str) -> None:
+        forget = getattr(self.engine, "forget", None)
+        if forget is not None:
+            forget(key)
 
     async def _run_group_request(self, run: Run, prompt: PromptItem, group_id: str) -> list[EpisodeResult]:
         engine = cast(GroupEngine, self._engine_for(run))
@@ -370,9 +388,7 @@ class Scheduler:
             await run.broker.put(scored)
         finally:
             self._inflight.get(run.run_id, {}).pop(group_id, None)
-            forget = getattr(self.engine, "forget", None)
-            if forget is not None:
-                forget(group_id)
+            self._forget_affinity(group_id)
 
     async def _drop(self, run: Run, group_id: str, reason: str, error: BaseException | str | None) -> None:
         await run.broker.unreserve()

@@ -18,8 +18,11 @@ from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import SamplingParams
+from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.test_stream import take_groups
 from tests.integration.test_weight_sync import vllm_gauge
 from tests.support import wait_until
+from trainer_client.client import dataset_run_spec
 
 pytestmark = pytest.mark.integration
 PROMPT = [1, 89, 87, 266, 203, 59, 965, 73, 293, 908, 88, 2, 203, 1, 69, 391, 522, 340, 88, 203] * 2
@@ -57,3 +60,33 @@ async def test_a_groups_requests_prefill_their_shared_prompt_once(vllm_server: M
         "the group's samples to hit their prompt's cached block",
     )
     assert cache_counters(vllm_server.url)[0] - queries >= G * 32
+
+
+async def test_the_service_exports_each_servers_prefix_cache_and_adapts_its_limit(
+    vllm_server: ManagedVLLMServer, tiny_model
+) -> None:
+    """The load monitor reads the real server's /metrics: its prefix-cache counters are
+    exported per server, and with adaptive limits the slots are the server's limit."""
+    settings = service_settings(
+        [vllm_server.url],
+        tiny_model,
+        scheduler={"max_inflight": 8, "adaptive_inflight": {"enabled": True, "poll_interval_s": 0.2}},
+    )
+    async with service_with_client(settings) as (service, client):
+        registry, server = service.service.metrics.registry, {"server": vllm_server.url}
+        assert registry.get_sample_value("rollout_engine_inflight_limit", server) == 8
+        run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=8))
+        groups = await take_groups(client, run.run_id, 4)
+        assert len(groups) == 4
+        await wait_until(
+            lambda: (registry.get_sample_value("rollout_engine_prefix_cache_hits_total", server) or 0) > 0,
+            10,
+            "the service to export the server's prefix-cache hits",
+        )
+        queries = registry.get_sample_value("rollout_engine_prefix_cache_queries_total", server)
+        assert queries >= registry.get_sample_value("rollout_engine_prefix_cache_hits_total", server)
+        assert registry.get_sample_value("rollout_engine_kv_cache_usage", server) is not None
+        # The tiny model's 1 GiB of KV is nowhere near full: the limit only grows, and the
+        # service's slots follow it.
+        limit = registry.get_sample_value("rollout_engine_inflight_limit", server)
+        assert limit >= 8 and service.service.scheduler.max_inflight == limit

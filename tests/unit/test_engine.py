@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 
 from rollout_service.config import EngineSettings
-from rollout_service.engine.pool import AFFINITY_SLACK, EnginePool
+from rollout_service.engine.pool import EnginePool
+from rollout_service.engine.protocol import episode_affinity
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.errors import EngineError
 from rollout_service.metrics import ServiceMetrics
@@ -165,10 +166,49 @@ def test_least_loaded_server_is_picked() -> None:
 def test_group_members_stick_to_their_server_within_the_slack() -> None:
     pool = pool_of([0, 0])
     first = pool.pick("g")
-    first.inflight += AFFINITY_SLACK
+    first.inflight += pool.sticky_slack
     assert pool.pick("g") is first  # prefix cache beats a small imbalance
     first.inflight += 1
     assert pool.pick("g") is not first  # ... but not a large one
+
+
+def test_episodes_start_on_their_groups_server_stay_on_their_own_and_let_go_when_they_end() -> None:
+    pool = pool_of([0, 0, 0])
+    group = pool.pick("g")
+    episodes = [pool.pick(episode_affinity("g", i)) for i in range(2)]
+    assert episodes == [group, group]  # the prompt's blocks are cached there
+    group.inflight += 2
+    third = pool.pick(episode_affinity("g", 2))
+    assert third is group  # within the slack
+    group.inflight += 1
+    moved = pool.pick(episode_affinity("g", 3))
+    assert moved is not group  # too busy for a new episode: it starts elsewhere ...
+    assert pool.pick(episode_affinity("g", 3)) is moved  # ... and its later turns follow it
+    assert pool.pick(episode_affinity("g", 0)) is not group  # an episode moves once its server is too busy
+    group.inflight = 0
+    pool.forget(episode_affinity("g", 3))
+    pool.forget("g")
+    assert pool._affinity.keys() == {episode_affinity("g", 0), episode_affinity("g", 1), episode_affinity("g", 2)}
+
+
+def test_least_loaded_routing_ignores_affinity() -> None:
+    pool = pool_of([0, 0])
+    pool.sticky = False
+    first = pool.pick("g")
+    first.inflight += 1
+    assert pool.pick("g") is not first and not pool._affinity
+
+
+def test_servers_at_their_limit_are_passed_over_and_load_compares_as_a_fraction_of_it() -> None:
+    pool = pool_of([6, 2])
+    big, small = pool.clients
+    big.limit, small.limit = 16, 4
+    assert pool.pick() is big  # 6/16 of its limit in use, against 2/4
+    assert pool.pick(sequences=3) is big
+    big.inflight = 15
+    assert pool.pick(sequences=2) is small  # 17 would be over the big one's limit
+    small.inflight = 4
+    assert pool.pick(sequences=2) is big  # none has room: the least loaded, over its limit
 
 
 def test_failing_servers_are_used_only_when_nothing_else_is_left() -> None:

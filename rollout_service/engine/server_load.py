@@ -1,0 +1,65 @@
+"""What a vLLM server reports about its own load on ``/metrics``, read cheaply.
+
+The routing and the adaptive in-flight limit need five of vLLM's series, not the few
+hundred lines of histograms around them, so the text is scanned line by line for those
+names only (summed over label sets: one series per engine and model). A full Prometheus
+parse of a busy server's page is the slower way to get the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+"""The KV-cache fill (0..1); the second name is what vLLM before 0.10 called it."""
+SERIES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    **dict.fromkeys(KV_CACHE_USAGE, "kv_cache_usage"),
+}
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """One reading of a server's ``/metrics``. Counters are totals since the server started."""
+
+    kv_cache_usage: float = 0.0
+    """Fraction of the KV-cache blocks in use (0..1)."""
+    running: int = 0
+    """Sequences vLLM is decoding."""
+    waiting: int = 0
+    """Sequences queued in vLLM (no KV room or batch room yet)."""
+    preemptions: float = 0.0
+    """Sequences vLLM evicted to make KV room (they recompute their cache later)."""
+    prefix_cache_queries: float = 0.0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits: float = 0.0
+    """Of those, tokens found cached (not prefilled again)."""
+
+
+def parse_server_load(text: str) -> ServerLoad:
+    """The load in a ``/metrics`` page (Prometheus text format); absent series read 0."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        field = SERIES.get(line[:name_end]) if name_end > 0 else None
+        if field is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue  # a malformed line is not worth failing a reading
+        values[field] = values.get(field, 0.0) + value
+    return ServerLoad(
+        kv_cache_usage=values.get("kv_cache_usage", 0.0),
+        running=int(values.get("running", 0)),
+        waiting=int(values.get("waiting", 0)),
+        preemptions=values.get("preemptions", 0.0),
+        prefix_cache_queries=values.get("prefix_cache_queries", 0.0),
+        prefix_cache_hits=values.get("prefix_cache_hits", 0.0),
+    )
