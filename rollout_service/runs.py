@@ -55,6 +55,20 @@ class RunSpec:
     """0: the service's default."""
     await_first_update: bool = False
     serve_adapter: bool = False
+    group_deadline_s: float = 0.0
+    """Seconds a group waits for its slowest members; 0: for all of them."""
+    min_group_size: int = 0
+    """Fewest finished members a group past its deadline is scored from; 0: group_size (drop it)."""
+
+    @property
+    def scores_partial_groups(self) -> bool:
+        """A group past its deadline may be scored from the members that finished."""
+        return self.group_deadline_s > 0 and 0 < self.min_group_size < self.group_size
+
+    @property
+    def fewest_members(self) -> int:
+        """The fewest finished members a group is scored from."""
+        return self.min_group_size if self.scores_partial_groups else self.group_size
 
     def validate(self) -> None:
         if self.group_size < 2:
@@ -99,6 +113,20 @@ class RunSpec:
         if not math.isfinite(self.lease_timeout_s) or self.lease_timeout_s < 0:
             raise InvalidArgument(
                 f"lease_timeout_seconds is {self.lease_timeout_s}; it must be a finite number >= 0 (0: the default)"
+            )
+        if not math.isfinite(self.group_deadline_s) or self.group_deadline_s < 0:
+            raise InvalidArgument(
+                f"group_deadline_seconds is {self.group_deadline_s}; it must be a finite number >= 0 (0: no deadline)"
+            )
+        if self.min_group_size and not 2 <= self.min_group_size <= self.group_size:
+            raise InvalidArgument(
+                f"min_group_size is {self.min_group_size}; it must be between 2 and group_size "
+                f"({self.group_size}), or 0 to drop groups that miss their deadline"
+            )
+        if self.min_group_size and not self.group_deadline_s:
+            raise InvalidArgument(
+                f"min_group_size is {self.min_group_size} but group_deadline_seconds is 0; "
+                "set a deadline for partial groups, or leave min_group_size at 0"
             )
         if self.source_kind == "prompts" and not self.prompts:
             raise InvalidArgument("prompt_source.prompts is empty; give at least one prompt")
@@ -152,6 +180,7 @@ class RunCounters:
     groups_dropped: int = 0
     tokens_generated: int = 0
     slots_busy: int = 0
+    groups_partial: int = 0
     turns: int = 0
     tool_calls: int = 0
     tool_failures: int = 0

@@ -127,6 +127,8 @@ class ScoredGroup:
     reward_weights: dict[str, float]
     advantages: list[float]
     generation_seconds: float
+    requested_size: int = 0
+    """The run's group_size; more than ``len(episodes)`` for a partial group (0: as many as there are)."""
 
     @property
     def policy_version(self) -> int:

@@ -106,6 +106,13 @@ def main(
     max_inflight: Annotated[
         int, typer.Option(min=0, help="Episodes of the run generating at once (0: the service's slots)")
     ] = 0,
+    group_deadline_s: Annotated[
+        float,
+        typer.Option(min=0, help="Stragglers: seconds a group waits for its slowest members (0: all of them)"),
+    ] = 0.0,
+    min_group_size: Annotated[
+        int, typer.Option(min=0, help="With a deadline: score a group from this many finished members (0: drop it)")
+    ] = 0,
     background_push: Annotated[
         bool,
         typer.Option(help="Push while the next step trains (needs --max-staleness >= 1); --no-background-push waits"),
@@ -247,6 +254,8 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
         o.max_buffered_groups,
         o.admission,
         max_inflight=o.max_inflight,
+        group_deadline_s=o.group_deadline_s,
+        min_group_size=o.min_group_size,
         prompts=prompts,
         prompt_column=o.prompt_column,
         top_p=o.top_p,

@@ -66,6 +66,10 @@ class RunOptions:
     buffer: up to max_buffered_groups whatever their age (for comparison)."""
     max_inflight: int = 0
     """Episodes of this run generating at once; 0: as many as the service's slots allow."""
+    group_deadline_s: float = 0.0
+    """Seconds a group waits for its slowest members (0: all); then it is scored from those
+    that finished if at least ``min_group_size`` did, else dropped (``RunSpec``)."""
+    min_group_size: int = 0
     prompts: list[pb.Prompt] | PromptRows | Iterable[Mapping[str, Any]] | None = None
     """The run's own prompts instead of ``dataset``: ``pb.Prompt``s, ``PromptRows`` (a file),
     or rows with a ``prompt_column`` (a ``datasets.Dataset``, a list of dicts; the other
@@ -166,6 +170,8 @@ async def _create_run(
             max_staleness=config.max_staleness,
             max_buffered_groups=options.max_buffered_groups,
             max_inflight=options.max_inflight,
+            group_deadline_seconds=options.group_deadline_s,
+            min_group_size=options.min_group_size,
         )
         if options.streams_prompts:
             spec.prompt_source.submitted.SetInParent()  # replaces the dataset (a oneof); fed by prompt_feeder

@@ -142,6 +142,8 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         lease_timeout_s=spec.lease_timeout_seconds,
         await_first_update=spec.await_first_update,
         serve_adapter=spec.serve_adapter,
+        group_deadline_s=spec.group_deadline_seconds,
+        min_group_size=spec.min_group_size,
     )
 
 
@@ -167,6 +169,8 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         lease_timeout_seconds=spec.lease_timeout_s,
         await_first_update=spec.await_first_update,
         serve_adapter=spec.serve_adapter,
+        group_deadline_seconds=spec.group_deadline_s,
+        min_group_size=spec.min_group_size,
     )
     if spec.episode.multi_turn:
         out.episode.CopyFrom(episode_to_pb(spec.episode))
@@ -202,6 +206,7 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         groups_per_version=a.groups_per_version or 0.0,
         slot_seconds=c.slot_seconds,
         admission_wait_seconds=a.admission_wait_seconds,
+        groups_partial=c.groups_partial,
     )
 
 
@@ -284,6 +289,7 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
         prompt_index=group.prompt.index,
         prompt_text=group.prompt.text,
         prompt_token_ids=group.prompt.token_ids,
+        requested_size=group.requested_size or len(group.episodes),
         samples=samples,
         policy_version=group.policy_version,
         generation_seconds=group.generation_seconds,

@@ -11,6 +11,9 @@ Invariants:
 - each group is scored the moment its last member finishes, while generation goes on;
 - a single-turn group without per-member seeds is one request for all G samples when the
   engine can (``GroupEngine``), holding G slots like G members would;
+- stragglers: a run with ``group_deadline_s`` stops waiting for a group's members at that
+  deadline, cancels the rest, and scores the group from those that finished if at least
+  ``min_group_size`` did (advantages over those present), else drops it (``deadline``);
 - no generation that can only go stale: when the run's trainer version moves more than
   ``max_staleness`` past the version a group started at, its requests are cancelled (vLLM
   aborts a request whose connection closes), its slots freed, and it is dropped with reason
@@ -213,6 +216,7 @@ class Scheduler:
         return (
             self.group_requests
             and run.episode is None
+            and not run.spec.group_deadline_s  # a deadline keeps the members that finished
             and run.spec.sampling.seed is None
             and samples_groups_at_once(self.engine)
         )
@@ -335,8 +339,10 @@ class Scheduler:
         """``inflight.members``: ``expected`` tasks, each an ``EpisodeResult`` or a list of
         them (a group request); fewer when a member failed before the others could start."""
         members = inflight.members
+        deadline = run.spec.group_deadline_s
+        wait_s = max(0.0, started + deadline - time.monotonic()) if deadline else None
         try:
-            done, pending = await asyncio.wait(members, return_when=asyncio.FIRST_EXCEPTION)
+            done, pending = await asyncio.wait(members, timeout=wait_s, return_when=asyncio.FIRST_EXCEPTION)
             if inflight.stale:
                 for task in pending:
                     task.cancel()
@@ -360,6 +366,20 @@ class Scheduler:
                 elif error is not None and not isinstance(error, EnvironmentFailure):
                     logger.error("group %s failed unexpectedly", group_id, exc_info=error)
                 return
+            if pending:  # past the deadline: the stragglers are cancelled
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                members = [task for task in members if task in done]  # member order
+                if len(members) < run.spec.fewest_members:
+                    why = (
+                        f"{len(members)} of {expected} members finished within group_deadline_seconds {deadline:g}; "
+                        f"it is scored from at least {run.spec.fewest_members} (min_group_size)"
+                    )
+                    await self._drop(run, group_id, "deadline", why)
+                    return
+                run.counters.groups_partial += 1
+                self.metrics.groups_partial.labels(run.run_id).inc()
             episodes = [episode for task in members for episode in _episodes(task.result())]
             if any(episode.finish_reason == "abort" for episode in episodes):
                 # A weight update with pause_mode abort cut a member off: the proto promises

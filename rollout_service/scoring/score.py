@@ -55,4 +55,5 @@ class GroupScorer:
             reward_weights=weights,
             advantages=run.advantages(totals),
             generation_seconds=seconds,
+            requested_size=run.spec.group_size,
         )

@@ -1,11 +1,14 @@
 import asyncio
 import dataclasses
 import logging
+import re
 import threading
 
 import pytest
 
-from rollout_service.edge.convert import stats_to_pb
+from rollout_api import rollout_pb2 as pb
+from rollout_service.edge.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, stats_to_pb
+from rollout_service.errors import InvalidArgument
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.metrics import RecentRate
 from rollout_service.runs import RunSpec
@@ -320,3 +323,78 @@ async def test_aborting_stale_groups_can_be_turned_off() -> None:
         assert run.counters.groups_dropped == 0
     finally:
         await service.delete_run(run.run_id)
+
+
+async def test_a_group_past_its_deadline_is_scored_from_the_members_that_finished() -> None:
+    """G = 4, min_group_size 2: three members finish, the fourth straggles. At the deadline
+    it is cancelled and the group is scored from three, advantages over those three."""
+    engine = ScriptedGroupEngine(hold=True)  # can sample a group at once, but a deadline needs members
+    service = make_service(engine, max_inflight=4)
+    run = await service.create_run(spec([[1, 2]], group_size=4, group_deadline_s=0.5, min_group_size=2))
+    run.broker.subscribe("t")
+    try:
+        await engine.wait_for(lambda: engine.active == 4)
+        assert engine.group_calls == 0
+        group_id = engine.pending[0][0]
+        engine.pending[0], engine.pending[3] = engine.pending[3], engine.pending[0]  # member 0 straggles
+        assert engine.release(affinity=group_id, count=3) == 3
+        group = await asyncio.wait_for(run.broker.take("t"), 5)
+        assert group.group_id == group_id and len(group.episodes) == 3 and group.requested_size == 4
+        assert len(group.advantages) == 3 and sum(group.advantages) == pytest.approx(0.0, abs=1e-9)
+        assert run.counters.groups_partial == 1  # (later groups straggle entirely: dropped)
+        assert service.metrics.registry.get_sample_value("rollout_groups_partial_total", {"run": run.run_id}) == 1
+        assert group_to_pb(group).requested_size == 4 and len(group_to_pb(group).samples) == 3
+        assert stats_to_pb(service.stats(), [run]).runs[run.run_id].groups_partial == 1
+        await engine.wait_for(lambda: engine.active == 4)  # the straggler's slot went to the next group
+    finally:
+        await service.delete_run(run.run_id)
+
+
+@pytest.mark.parametrize("min_group_size", [0, 3], ids=["no-partial-groups", "too-few-finished"])
+async def test_a_group_past_its_deadline_with_too_few_members_is_dropped(min_group_size, caplog) -> None:
+    engine = ScriptedEngine(hold=True)
+    service = make_service(engine, max_inflight=4)
+    run = await service.create_run(spec([[1, 2]], group_size=4, group_deadline_s=0.3, min_group_size=min_group_size))
+    try:
+        await engine.wait_for(lambda: engine.active == 4)
+        engine.release(affinity=engine.pending[0][0], count=2)
+        # The later groups straggle entirely (nothing releases them) and are dropped too.
+        await wait_until(lambda: run.counters.groups_dropped >= 1, 5, "the group to be dropped at its deadline")
+        dropped = service.metrics.registry.get_sample_value(
+            "rollout_groups_dropped_total", {"run": run.run_id, "reason": "deadline"}
+        )
+        assert dropped >= 1 and run.counters.groups_scored == 0 and run.counters.groups_partial == 0
+        assert "2 of 4 members finished within group_deadline_seconds 0.3" in caplog.text
+    finally:
+        await service.delete_run(run.run_id)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"group_deadline_s": -1.0}, "group_deadline_seconds is -1.0"),
+        ({"group_deadline_s": float("inf")}, "group_deadline_seconds is inf"),
+        ({"group_deadline_s": 5.0, "min_group_size": 1}, "min_group_size is 1; it must be between 2 and group_size"),
+        ({"group_deadline_s": 5.0, "min_group_size": 9}, "min_group_size is 9"),
+        ({"min_group_size": 2}, "set a deadline for partial groups"),
+    ],
+)
+def test_bad_deadline_settings_say_what_to_change(fields, message) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        spec([[1]], group_size=4, **fields).validate()
+
+
+def test_the_deadline_fields_go_over_the_wire_both_ways() -> None:
+    message = pb.RunSpec(group_size=8, group_deadline_seconds=12.5, min_group_size=6)
+    message.prompt_source.dataset = "letters"
+    message.sampling.max_tokens = 4
+    message.reward_functions.add(name="char_fraction")
+    spec_ = run_spec_from_pb(message)
+    assert (spec_.group_deadline_s, spec_.min_group_size, spec_.fewest_members) == (12.5, 6, 6)
+    back = run_spec_to_pb(spec_)
+    assert (back.group_deadline_seconds, back.min_group_size) == (12.5, 6)
+    assert run_spec_from_pb(pb.RunSpec(**{**_fields(message), "min_group_size": 0})).fewest_members == 8
+
+
+def _fields(message: pb.RunSpec) -> dict:
+    return {field.name: value for field, value in message.ListFields()}
