@@ -194,6 +194,9 @@ class SchedulerSettings(Section):
     """Cancel a group's requests once the run's trainer version is more than ``max_staleness``
     past the version it started at: its samples could only be dropped as stale. It is dropped
     with reason ``stale_inflight`` and its slots go to fresh work."""
+    stall_timeout_s: float = Field(default=300.0, ge=0)
+    """A run that makes no progress this long is reported as stalled (``delivery.watchdog``):
+    no group scored while its consumers wait, or groups waiting and none acked. 0: never."""
     group_requests: bool = True
     """Sample a single-turn group as one request (vLLM's ``n``): the prompt is parsed and
     prefilled once. Its G slots stay held until its longest completion ends, so completions

@@ -26,6 +26,12 @@ class ServiceMetrics:
         )
         self.groups_started = Counter("rollout_groups_started", "Groups started", ["run"], registry=r)
         self.groups_scored = Counter("rollout_groups_scored", "Groups scored", ["run"], registry=r)
+        self.run_stalled = Gauge(
+            "rollout_run_stalled",
+            "1 while a run makes no progress (kind: generation or consumers), for scheduler.stall_timeout_s",
+            ["run", "kind"],
+            registry=r,
+        )
         self.groups_partial = Counter(
             "rollout_groups_partial",
             "Groups scored from fewer members than group_size at their deadline",

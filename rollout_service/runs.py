@@ -14,7 +14,7 @@ from rollout_service.errors import InvalidArgument
 from rollout_service.generation.episode import MultiTurnConfig
 from rollout_service.generation.prompts import PromptSource, PromptSpec
 from rollout_service.scoring.advantages import AdvantageComputer
-from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams
+from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams
 
 # Upper bounds on what sizes the service's memory and work: each protects one machine from a
 # typo (group_size 100000) or a hostile client; raise them here if a real workload needs it.
@@ -204,9 +204,13 @@ class Run:
     episode: MultiTurnConfig | None = None
     """Multi-turn settings resolved against the registries; None: single-turn episodes."""
     adapter: str | None = None
+    """The LoRA adapter this run's requests name (serve_adapter runs); None: the base model."""
     owner: str = ""
     """The principal that created the run (``security.principals``); "" when authentication is off."""
-    """The LoRA adapter this run's requests name (serve_adapter runs); None: the base model."""
+    stall: RunStall | None = None
+    """Set by the watchdog while the run makes no progress."""
+    stalls: int = 0
+    """Stalls so far: each consumer stream sends each one once."""
     slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
+from rollout_service.delivery.watchdog import RunWatchdog
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from rollout_service.generation.environments import EnvironmentRegistry
@@ -126,6 +127,8 @@ class RolloutService:
         self.environment_executor = ThreadPoolExecutor(settings.environment_threads, thread_name_prefix="environment")
         """Sync environment methods' own threads (``SchedulerSettings.environment_threads``)."""
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
+        self.watchdog = RunWatchdog(settings.stall_timeout_s, metrics, clock)
+        self.pool_usable = True
         self.runs: dict[str, Run] = {}
         """Live runs (running or failed): what ListRuns shows and GetStats reports."""
         self.base_weights_run: str | None = None
@@ -151,9 +154,18 @@ class RolloutService:
         for run in self._runs_on_base_weights():
             run.admission.set_trainer_version(version)
 
+    async def watch_runs(self) -> None:
+        """Report runs that stop making progress (``delivery.watchdog``), until cancelled."""
+        if not self.watchdog.stall_timeout_s:
+            return
+        while True:
+            await asyncio.sleep(self.watchdog.interval_s)  # a checking period, not synchronisation
+            self.watchdog.check(self.runs.values(), self.pool_usable)
+
     def engines_usable(self, usable: bool) -> None:
         """The engine pool lost (or regained) every server: say so on the running runs, whose
         groups are dropped meanwhile, so GetRun explains a run that stopped producing."""
+        self.pool_usable = usable
         for run in self.runs.values():
             if run.state != "running":
                 continue

@@ -157,3 +157,12 @@ class ScoredGroup:
             for e in self.episodes
         )
         return prompt + metadata + samples + 256
+
+
+@dataclass(frozen=True)
+class RunStall:
+    """Why a run stopped making progress (``delivery.watchdog``)."""
+
+    kind: Literal["generation", "consumers"]
+    reason: str
+    seconds: float

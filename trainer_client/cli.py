@@ -186,6 +186,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
     from trainer_client.advertised_address import AddressError, advertised_address
     from trainer_client.checkpoints import CheckpointError
     from trainer_client.step_timing import format_split
+    from trainer_client.stream import RunStalled
     from trainer_client.train import ADMISSION_MODES, SCALE_REWARDS, LoraOptions, RunOptions, cpu_training_config, train
 
     if not (o.model / "config.json").exists():
@@ -276,6 +277,9 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
         )
     except CheckpointError as exc:
         raise typer.BadParameter(str(exc), param_hint="--resume-from-checkpoint") from None
+    except RunStalled as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     if config.process_index == 0:
         typer.echo(json.dumps(summary, indent=2))
         typer.echo(f"time split: {format_split(summary['time_split'])}", err=True)

@@ -69,6 +69,10 @@ class ClientSecurity:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
+def _log_stall(stall: pb.RunStall) -> None:
+    logger.warning("the service reports the run stalled (%s): %s", pb.StallKind.Name(stall.kind), stall.reason)
+
+
 def _log_weights_wanted(wanted: pb.WeightsWanted) -> None:
     logger.info("the service wants this run's weights (not pushed by this consumer): %s", wanted.reason)
 
@@ -96,6 +100,8 @@ class GroupStream:
         self._call = stub.StreamSamples(self._requests(), metadata=metadata)
         self.subscribed: pb.Subscribed | None = None
         self.on_weights_wanted: Callable[[pb.WeightsWanted], None] = _log_weights_wanted
+        self.on_stall: Callable[[pb.RunStall], None] = _log_stall
+        """Called when the service reports the run stalled (``RunStall``); default: a warning."""
 
     async def _requests(self) -> AsyncIterator[pb.StreamSamplesRequest]:
         while (message := await self._outbox.get()) is not None:
@@ -111,6 +117,8 @@ class GroupStream:
                 yield response.group
             elif kind == "weights_wanted":
                 self.on_weights_wanted(response.weights_wanted)
+            elif kind == "stall":
+                self.on_stall(response.stall)
             else:  # a kind this client does not know (a newer service): nothing to train
                 logger.debug("skipping a stream message of kind %s", kind)
 

@@ -76,6 +76,10 @@ class FeedCounters:
     across ranks (disjoint, none twice)."""
 
 
+class RunStalled(RuntimeError):
+    """The service reports that the run stopped generating (``RunStall``): training cannot go on."""
+
+
 class GroupFeed:
     """One consumer of one run; use ``with GroupFeed(...) as feed``."""
 
@@ -102,6 +106,8 @@ class GroupFeed:
         """Set by a trainer that pushes: called on the training thread, between groups, when
         the service asks for the run's weights (a restarted vLLM server waits for them)."""
         self._weights_wanted = ""
+        self._stall_error: RunStalled | None = None
+        """Set when the service reports that the run stopped generating."""
         self._groups: queue.Queue[pb.Group | BaseException | object] = queue.Queue(maxsize=credits)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"feed-{consumer_id}", daemon=True)
@@ -165,6 +171,7 @@ class GroupFeed:
         self._client = await RolloutClient(self.target, self.timeout_s).__aenter__()
         self._stream = self._client.stream(self.run_id, self.consumer_id, credits=self.credits)
         self._stream.on_weights_wanted = self._weights_requested
+        self._stream.on_stall = self._stalled
         self._reader = asyncio.ensure_future(self._read(self._stream))
 
     async def _read(self, stream: GroupStream) -> None:
@@ -184,6 +191,22 @@ class GroupFeed:
         if self._client is not None:
             await self._client.__aexit__(None, None, None)
 
+    def _stalled(self, stall: pb.RunStall) -> None:
+        """On the feed's loop. A generation stall ends training: the next wait for a group
+        raises with the service's reason instead of waiting for groups that do not come. A
+        consumer stall (another consumer holds groups without acking) is only logged."""
+        kind = pb.StallKind.Name(stall.kind)
+        if stall.kind != pb.STALL_KIND_GENERATION:
+            logger.warning("the service reports run %s stalled (%s): %s", self.run_id, kind, stall.reason)
+            return
+        error = RunStalled(
+            f"run {self.run_id} stopped generating; the service reports: {stall.reason} "
+            "(it waits scheduler.stall_timeout_s before it says so)"
+        )
+        self._stall_error = error
+        with contextlib.suppress(queue.Full):
+            self._groups.put_nowait(_WAKE)
+
     def _weights_requested(self, wanted: pb.WeightsWanted) -> None:
         """On the feed's loop: note the request and wake a training thread waiting for groups
         (with the queue full it is about to take one and sees the request then)."""
@@ -202,6 +225,8 @@ class GroupFeed:
             if self._weights_wanted and self.on_weights_wanted is not None:
                 reason, self._weights_wanted = self._weights_wanted, ""
                 self.on_weights_wanted(reason)
+            if self._stall_error is not None and self._groups.empty():
+                raise self._stall_error
             with self.clock.measure("wait_groups"):
                 item = self._groups.get(timeout=timeout_s)
             if item is _WAKE:

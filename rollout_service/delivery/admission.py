@@ -191,6 +191,10 @@ class RunAdmission:
         before the next push commits."""
         self.weights_requests += 1
         self.weights_wanted = reason
+        self.wake_watchers()
+
+    def wake_watchers(self) -> None:
+        """Wake the run's consumer streams: they have a message to send (weights wanted, a stall)."""
         for wake in list(self._watchers):
             wake()
 

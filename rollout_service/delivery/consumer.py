@@ -3,8 +3,8 @@ requests for weights out. ``server.py`` converts the wire messages to and from t
 
 Invariant: a group is taken from the broker only while credits are positive, and a taken
 group is either sent or (if the stream ends first) released back by ``broker.release``.
-Requests for the run's weights (``WeightsWanted``) use no credit; each stream passes each
-request on once.
+Requests for the run's weights (``WeightsWanted``) and the run's stalls (``RunStall``) use
+no credit; each stream passes each one on once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rollout_service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
-from rollout_service.types import ScoredGroup
+from rollout_service.types import RunStall, ScoredGroup
 
 if TYPE_CHECKING:
     from rollout_service.service import RolloutService
@@ -56,7 +56,7 @@ class Delivery:
 
 
 ConsumerRequest = Credit | Ack
-ConsumerMessage = Delivery | WeightsWanted
+ConsumerMessage = Delivery | WeightsWanted | RunStall
 
 
 class ConsumerSession:
@@ -73,6 +73,7 @@ class ConsumerSession:
         self.client_done = False
         self._changed = asyncio.Event()
         self.weights_requests_sent = 0
+        self.stalls_sent = 0
 
     def check_limits(self) -> None:
         """Before subscribing: the run's consumer count and this stream's credits are bounded."""
@@ -126,6 +127,8 @@ class ConsumerSession:
                 return None
             if (wanted := self._weights_wanted()) is not None:
                 return wanted
+            if (stall := self._stall()) is not None:
+                return stall
             if self.broker.closed:
                 run = self.run
                 why = f": {run.error}" if run.error else ""
@@ -164,6 +167,14 @@ class ConsumerSession:
                 )
             self.credits -= 1
             return Delivery(group, self.broker.deliveries[group.group_id])
+
+    def _stall(self) -> RunStall | None:
+        """The run's stall, once per stall (also to a stream that subscribes during one)."""
+        run = self.run
+        if run.stall is None or self.stalls_sent == run.stalls:
+            return None
+        self.stalls_sent = run.stalls
+        return run.stall
 
     def _weights_wanted(self) -> WeightsWanted | None:
         """A request for weights this stream has not passed on yet (one per request)."""

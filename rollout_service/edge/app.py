@@ -146,6 +146,8 @@ async def running_service(
         if monitor is not None and monitor.capacity is not None:  # adaptive: slots follow the limits
             monitor.on_capacity = service.scheduler.resize
             service.scheduler.resize(monitor.capacity)
+        watchdog = asyncio.create_task(service.watch_runs(), name="run-watchdog")
+        stack.push_async_callback(_cancelled, watchdog)
         await _attach_weights(service, pool, controls, settings, managed, stack)
 
         metrics_port = None
@@ -158,6 +160,12 @@ async def running_service(
             settings.host, grpc_port, model, max_inflight, urls, metrics_port,
         )  # fmt: skip
         yield RunningService(service, grpc_port, metrics_port, urls)
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _load_monitor(

@@ -13,7 +13,7 @@ from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequ
 from rollout_service.errors import InvalidArgument
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
-from rollout_service.types import AdvantageScaling, EpisodeSpec, SamplingParams, ScoredGroup
+from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams, ScoredGroup
 from rollout_service.weights.update_messages import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
@@ -257,7 +257,15 @@ def run_to_pb(run: Run) -> pb.Run:
         error=run.error,
         max_inflight=run.max_inflight,
         max_buffered_groups=run.broker.max_buffered,
+        stall=stall_to_pb(run.stall) if run.stall is not None else None,
     )
+
+
+_STALL_KIND_TO_PB = {"generation": pb.STALL_KIND_GENERATION, "consumers": pb.STALL_KIND_CONSUMERS}
+
+
+def stall_to_pb(stall: RunStall) -> pb.RunStall:
+    return pb.RunStall(kind=_STALL_KIND_TO_PB[stall.kind], reason=stall.reason, seconds=stall.seconds)
 
 
 def group_to_pb(group: ScoredGroup) -> pb.Group:
@@ -321,6 +329,8 @@ def consumer_message_to_pb(message: ConsumerMessage) -> pb.StreamSamplesResponse
     if isinstance(message, WeightsWanted):
         wanted = pb.WeightsWanted(policy_version=message.policy_version, reason=message.reason)
         return pb.StreamSamplesResponse(weights_wanted=wanted)
+    if isinstance(message, RunStall):
+        return pb.StreamSamplesResponse(stall=stall_to_pb(message))
     group = group_to_pb(message.group)
     group.delivery_attempt = message.attempt
     return pb.StreamSamplesResponse(group=group)

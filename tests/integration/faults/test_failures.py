@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -14,12 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rollout_api import rollout_pb2 as pb
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import service_settings, service_with_client, serving
 from tests.integration.tcp_proxy import KillableProxy
 from tests.integration.test_shared_capacity import consume
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.stream import GroupFeed
 
 pytestmark = pytest.mark.integration
 
@@ -311,3 +314,51 @@ async def test_sigterm_lets_consumers_ack_what_they_hold_and_ends_early_once_the
 
 async def _trained(client: RolloutClient, run_id: str, count: int) -> bool:
     return (await client.get_run(run_id)).stats.groups_trained >= count
+
+
+async def test_the_watchdog_reports_a_run_whose_only_server_died_and_its_trainer_stops(
+    vllm_server, tiny_model: Path
+) -> None:
+    """Within stall_timeout_s of the server's death, GetRun and the metrics say the run
+    stopped generating and why, and the trainer's feed raises with that reason instead of
+    waiting for groups that do not come."""
+    upstream = urlparse(vllm_server.url)
+    proxy = KillableProxy(upstream.hostname, upstream.port)
+    await proxy.start()
+    stall_timeout_s = 8.0  # above the first groups' latency on 2 busy cores
+    settings = service_settings(
+        [proxy.url],
+        tiny_model,
+        scheduler={"max_inflight": 4, "stall_timeout_s": stall_timeout_s},
+        engine={"probe_interval_s": 0.5},
+    )
+    async with service_with_client(settings) as (service, client):
+        spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8)
+        spec.max_buffered_groups = 2
+        run = await client.create_run(spec)
+
+        def train_until_it_stops() -> tuple[int, float, str]:
+            """Take groups as a trainer would; kill the server after two; return when the feed raises."""
+            with GroupFeed(service.grpc_target, run.run_id, "trainer", max_staleness=1, credits=2) as feed:
+                for _ in range(2):
+                    feed.ack_trained([feed.next_fresh_group(timeout_s=60).group_id])
+                asyncio.run_coroutine_threadsafe(proxy.kill(), loop).result(10)
+                killed = time.monotonic()
+                taken = 0
+                try:
+                    while True:  # what was buffered before the kill still comes
+                        feed.ack_trained([feed.next_fresh_group(timeout_s=60).group_id])
+                        taken += 1
+                except RuntimeError as exc:
+                    return taken, time.monotonic() - killed, str(exc)
+
+        loop = asyncio.get_running_loop()
+        taken, seconds, error = await asyncio.wait_for(asyncio.to_thread(train_until_it_stops), 90)
+        assert taken <= 2  # at most the buffered groups came after the kill
+        assert "stopped generating" in error and "no vLLM server is answering" in error
+        assert seconds < stall_timeout_s + 10  # the timeout, plus a check interval, plus a probe and slack
+        stall = (await client.get_run(run.run_id)).stall
+        assert stall.kind == pb.STALL_KIND_GENERATION and stall.seconds >= stall_timeout_s
+        registry = service.service.metrics.registry
+        assert registry.get_sample_value("rollout_run_stalled", {"run": run.run_id, "kind": "generation"}) == 1
+        await client.delete_run(run.run_id)
