@@ -10,8 +10,9 @@ wait for hours. Every ``interval`` the watchdog looks at each running run's coun
   ``stall_timeout_s``.
 
 A stall is set on the run (``GetRun``'s ``stall``), exported (``rollout_run_stalled{run,kind}``),
-logged once as a warning, and sent once to every consumer stream of the run, where a trainer
-stops with the reason. It clears, with a log line, as soon as the run progresses again.
+logged once as a warning, reflected in gRPC health under ``rollout.v1.RolloutService/runs``
+(NOT_SERVING while any run is stalled), and sent once to every consumer stream of the run,
+where a trainer stops with the reason. It clears, with a log line, as soon as the run progresses again.
 
 Progress is read from counters the run keeps anyway (groups scored, groups acked), so no
 hot path carries a hook for this; the resolution is one ``interval``.
@@ -52,6 +53,10 @@ class RunWatchdog:
         self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics
         self.clock = clock
+        self.on_stalled: Callable[[bool], None] = lambda any_stalled: None
+        """Told when the service goes from no stalled run to some, and back (gRPC health's
+        ``RUNS_HEALTH_NAME`` follows it)."""
+        self.any_stalled = False
         self._progress: dict[str, _Progress] = {}
 
     @property
@@ -62,13 +67,16 @@ class RunWatchdog:
     def check(self, runs: Iterable[Run], engines_usable: bool) -> None:
         now = self.clock()
         live = set()
-        for run in runs:
-            if run.state != "running":
-                continue
+        runs_seen = [run for run in runs if run.state == "running"]
+        for run in runs_seen:
             live.add(run.run_id)
             self._report(run, self._find_stall(run, self._seen(run, now), now, engines_usable))
         for run_id in set(self._progress) - live:
             del self._progress[run_id]
+        any_stalled = any(run.stall is not None for run in runs_seen)
+        if any_stalled != self.any_stalled:
+            self.any_stalled = any_stalled
+            self.on_stalled(any_stalled)
 
     def _seen(self, run: Run, now: float) -> _Progress:
         scored, dropped = run.counters.groups_scored, run.counters.groups_dropped

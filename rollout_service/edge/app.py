@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
-from rollout_service.edge.server import set_serving, start_grpc_server
+from rollout_service.edge.server import set_runs_progressing, set_serving, start_grpc_server
 from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.load_monitor import LoadMonitor
 from rollout_service.engine.managed import ManagedVLLMServer
@@ -267,6 +267,7 @@ async def _serve_grpc(
         service.engines_usable(usable)
 
     pool.on_usable = engines_usable
+    service.watchdog.on_stalled = lambda stalled: _schedule_health(set_runs_progressing(health, not stalled))
 
     async def stop_grpc() -> None:
         await health.enter_graceful_shutdown()
@@ -283,7 +284,12 @@ _health_updates: set[asyncio.Task[None]] = set()
 def _report_health(health: Any, usable: bool) -> None:
     """gRPC health says NOT_SERVING while no vLLM server answers (load balancers and
     orchestrators then stop sending trainers here), SERVING again once one does."""
-    task = asyncio.get_running_loop().create_task(set_serving(health, usable))
+    _schedule_health(set_serving(health, usable))
+
+
+def _schedule_health(update: Coroutine[Any, Any, None]) -> None:
+    """Run a health update from a plain callback (the health servicer's ``set`` is async)."""
+    task = asyncio.get_running_loop().create_task(update)
     _health_updates.add(task)
     task.add_done_callback(_health_updates.discard)
 

@@ -63,6 +63,9 @@ from rollout_service.weights.adapters import MAX_ADAPTER_BYTES, check_adapter_fi
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
+RUNS_HEALTH_NAME = f"{SERVICE_NAME}/runs"
+"""A health detail: NOT_SERVING while any run is stalled (``delivery.watchdog``; GetRun says
+which and why). The service itself stays SERVING: other runs may be fine."""
 SUBSCRIBE_TIMEOUT_S = 30.0
 """A stream must send its Subscribe within this long."""
 
@@ -377,6 +380,7 @@ async def start_grpc_server(
         raise OSError(f"could not bind gRPC to {host}:{port}; is the port in use?")
     await server.start()
     await set_serving(health_servicer, True)
+    await set_runs_progressing(health_servicer, True)
     return server, bound, health_servicer
 
 
@@ -385,3 +389,9 @@ async def set_serving(health_servicer: Any, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in (SERVICE_NAME, ""):
         await health_servicer.set(name, status)
+
+
+async def set_runs_progressing(health_servicer: Any, progressing: bool) -> None:
+    """``RUNS_HEALTH_NAME``'s status: SERVING unless a run is stalled."""
+    status = health_pb2.HealthCheckResponse.SERVING if progressing else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set(RUNS_HEALTH_NAME, status)

@@ -36,6 +36,8 @@ async def test_a_run_whose_generation_stopped_is_reported_once_and_clears_when_g
     service.watchdog.clock = clock
     run = await service.create_run(spec([[1, 2]], group_size=2))
     session = ConsumerSession(service, run.run_id, "c", credits=4)
+    health: list[bool] = []
+    service.watchdog.on_stalled = health.append
     try:
         await engine.wait_for(lambda: engine.active == 2)
         service.watchdog.check(service.runs.values(), engines_usable=True)
@@ -47,7 +49,7 @@ async def test_a_run_whose_generation_stopped_is_reported_once_and_clears_when_g
         service.watchdog.check(service.runs.values(), engines_usable=service.pool_usable)
         assert run.stall is not None and run.stall.kind == "generation"
         assert "no group scored for 61s: no vLLM server is answering" in run.stall.reason
-        assert stalled(service, run.run_id, "generation") == 1
+        assert stalled(service, run.run_id, "generation") == 1 and health == [True]
         message = run_to_pb(run)
         assert message.stall.kind == pb.STALL_KIND_GENERATION and message.stall.seconds == pytest.approx(61)
         # The stream sends it once, without a credit.
@@ -60,7 +62,7 @@ async def test_a_run_whose_generation_stopped_is_reported_once_and_clears_when_g
         engine.release()
         await wait_until(lambda: run.counters.groups_scored >= 1, 5, "a group to be scored")
         service.watchdog.check(service.runs.values(), engines_usable=True)
-        assert run.stall is None and stalled(service, run.run_id, "generation") == 0
+        assert run.stall is None and stalled(service, run.run_id, "generation") == 0 and health == [True, False]
         assert not run_to_pb(run).HasField("stall")
     finally:
         await service.delete_run(run.run_id)

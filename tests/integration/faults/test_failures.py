@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_api import rollout_pb2 as pb
+from rollout_service.edge.server import RUNS_HEALTH_NAME
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import service_settings, service_with_client, serving
 from tests.integration.tcp_proxy import KillableProxy
@@ -361,4 +362,9 @@ async def test_the_watchdog_reports_a_run_whose_only_server_died_and_its_trainer
         assert stall.kind == pb.STALL_KIND_GENERATION and stall.seconds >= stall_timeout_s
         registry = service.service.metrics.registry
         assert registry.get_sample_value("rollout_run_stalled", {"run": run.run_id, "kind": "generation"}) == 1
+        async with grpc.aio.insecure_channel(service.grpc_target) as channel:
+            runs_health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=RUNS_HEALTH_NAME), timeout=5
+            )
+        assert runs_health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         await client.delete_run(run.run_id)
