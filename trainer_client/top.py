@@ -53,7 +53,7 @@ def render(stats: pb.GetStatsResponse, runs: Mapping[str, pb.Run]) -> Group:
         counters, run = stats.runs[run_id], runs.get(run_id)
         table.add_row(
             run_id,
-            pb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower() if run else "?",
+            _state(run) if run else "?",
             str(run.policy_version) if run else "?",
             str(counters.slots_busy),
             str(counters.tokens_generated),
@@ -68,6 +68,14 @@ def render(stats: pb.GetStatsResponse, runs: Mapping[str, pb.Run]) -> Group:
     if not stats.runs:
         table.add_row("(no runs this caller may see)", *[""] * (len(RUN_COLUMNS) - 1))
     return Group(pool, table)
+
+
+def _state(run: pb.Run) -> str:
+    """running, stopped or failed; a stalled run says which side stopped (GetRun has why)."""
+    state = pb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
+    if run.HasField("stall"):
+        state += f" (stalled: {pb.StallKind.Name(run.stall.kind).removeprefix('STALL_KIND_').lower()})"
+    return state
 
 
 async def snapshot(target: str, timeout_s: float) -> Group:

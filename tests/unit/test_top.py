@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from typer.testing import CliRunner
 
+from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SecuritySettings
 from rollout_service.edge.cli import app
 from rollout_service.edge.server import start_grpc_server
@@ -12,7 +13,7 @@ from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_security import run_spec
 from trainer_client.client import RolloutClient
-from trainer_client.top import snapshot
+from trainer_client.top import render, snapshot
 
 
 def text_of(renderable: object) -> str:
@@ -58,3 +59,21 @@ def test_no_service_is_one_line_not_a_traceback() -> None:
     assert result.exit_code == 2
     assert "no rollout service answered at 127.0.0.1:9 within 0.5s" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_stalled_run_says_which_side_stopped() -> None:
+    stats = pb.GetStatsResponse(max_inflight=4)
+    stats.runs["run-a"].groups_started = 1
+    stats.runs["run-b"].groups_started = 1
+    runs = {
+        "run-a": pb.Run(run_id="run-a", state=pb.RUN_STATE_RUNNING),
+        "run-b": pb.Run(
+            run_id="run-b",
+            state=pb.RUN_STATE_RUNNING,
+            stall=pb.RunStall(kind=pb.STALL_KIND_GENERATION, reason="no vLLM server is answering", seconds=301),
+        ),
+    }
+    lines = text_of(render(stats, runs)).splitlines()
+    rows = {line.split()[0]: line for line in lines if line.strip().startswith("run-")}
+    assert "running" in rows["run-a"] and "stalled" not in rows["run-a"]
+    assert "running (stalled: generation)" in rows["run-b"]
