@@ -94,6 +94,8 @@ class Scheduler:
         """Tokens generated over all runs, and their recent rate (counted as episodes finish)."""
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
+        self._group_request_runs: dict[str, Run] = {}
+        """Runs whose groups started as one request each: the slots never shrink below their G."""
         """Per run, its groups whose members are generating."""
         metrics.slots_total.set(max_inflight)
 
@@ -104,6 +106,8 @@ class Scheduler:
         self.reward_executor.shutdown(wait=False, cancel_futures=True)
 
     def start_run(self, run: Run) -> None:
+        if self._samples_group_at_once(run):
+            self._group_request_runs[run.run_id] = run
         self._tasks[run.run_id] = set()
         self._inflight[run.run_id] = {}
         run.admission.on_change(lambda: self._abort_stale(run))
@@ -122,6 +126,7 @@ class Scheduler:
         await run.broker.close()
         self._slots.forget(run.run_id)
         self._inflight.pop(run.run_id, None)
+        self._group_request_runs.pop(run.run_id, None)
 
     def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -145,7 +150,10 @@ class Scheduler:
         return self._slots
 
     def resize(self, total: int) -> None:
-        """Follow the servers' summed in-flight limits (``engine.load_monitor``)."""
+        """Follow the servers' summed in-flight limits (``engine.load_monitor``), but never
+        below the largest group a running run samples in one request: one that started
+        taking its G slots must be able to finish taking them."""
+        total = max([total, *(run.spec.group_size for run in self._group_request_runs.values())])
         self.max_inflight = total
         self._slots.resize(total)
         self.metrics.slots_total.set(total)
@@ -212,12 +220,15 @@ class Scheduler:
                     member.cancel()
 
     def _samples_group_at_once(self, run: Run) -> bool:
-        """One request per group: single-turn, and no per-member seeds to honour."""
+        """One request per group: single-turn, no per-member seeds to honour, and room for
+        its G slots at once (a request that needs more slots than the run or the service
+        has would wait for them for ever; its members then go one slot at a time)."""
         return (
             self.group_requests
             and run.episode is None
             and not run.spec.group_deadline_s  # a deadline keeps the members that finished
             and run.spec.sampling.seed is None
+            and run.spec.group_size <= min(run.max_inflight, self._slots.total)
             and samples_groups_at_once(self.engine)
         )
 
