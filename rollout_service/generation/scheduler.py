@@ -94,9 +94,9 @@ class Scheduler:
         """Tokens generated over all runs, and their recent rate (counted as episodes finish)."""
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
+        """Per run, its groups whose members are generating."""
         self._group_request_runs: dict[str, Run] = {}
         """Runs whose groups started as one request each: the slots never shrink below their G."""
-        """Per run, its groups whose members are generating."""
         metrics.slots_total.set(max_inflight)
 
     # -- lifecycle -----------------------------------------------------------------------
