@@ -158,16 +158,23 @@ class Scheduler:
         self._slots.resize(total)
         self.metrics.slots_total.set(total)
 
-    async def _acquire_slot(self, run: Run) -> None:
-        await run.slots.acquire()
+    async def _acquire_slots(self, run: Run, count: int = 1) -> None:
+        """``count`` slots at once (a group request's G): the run's own limit first (only its
+        feeder takes them), then the service's, granted together so that two runs' requests
+        never each hold part of what they need."""
+        taken = 0
         try:
-            await self._slots.acquire(run.run_id, run.spec.weight)
+            while taken < count:
+                await run.slots.acquire()
+                taken += 1
+            await self._slots.acquire(run.run_id, run.spec.weight, count)
         except BaseException:
-            run.slots.release()
+            for _ in range(taken):
+                run.slots.release()
             raise
         self._account_slot_time(run)
-        self.slots_busy += 1
-        run.counters.slots_busy += 1
+        self.slots_busy += count
+        run.counters.slots_busy += count
         self.max_slots_busy_seen = max(self.max_slots_busy_seen, self.slots_busy)
         self.metrics.slots_busy.set(self.slots_busy)
 
@@ -238,7 +245,7 @@ class Scheduler:
         for index in range(run.spec.group_size):
             if any(m.done() and not m.cancelled() and m.exception() for m in members):
                 break  # the group is already lost; do not spend more slots on it
-            await self._acquire_slot(run)
+            await self._acquire_slots(run)
             params = _member_params(run.spec.sampling, prompt.index, index, run.spec.group_size)
             member = self._spawn(run, self._run_member(run, prompt, params, group_id, index), group_id)
             member.add_done_callback(lambda task, run=run: self._member_done(run, task, 1))
@@ -247,15 +254,8 @@ class Scheduler:
 
     async def _start_group_request(self, run: Run, prompt: PromptItem, group_id: str) -> list[asyncio.Task[Any]]:
         """One task for the whole group; it holds G slots, as G members would."""
-        size, held = run.spec.group_size, 0
-        try:
-            while held < size:
-                await self._acquire_slot(run)
-                held += 1
-        except BaseException:  # cancelled (run stopped) while waiting: give back what it held
-            for _ in range(held):
-                self._release_slot(run)
-            raise
+        size = run.spec.group_size
+        await self._acquire_slots(run, size)
         request = self._spawn(run, self._run_group_request(run, prompt, group_id), group_id)
         request.add_done_callback(lambda task, run=run: self._member_done(run, task, size))
         return [request]

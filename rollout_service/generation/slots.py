@@ -39,7 +39,8 @@ class _Holder:
     virtual: float = 0.0
     """slot-seconds / weight, floored at the active runs' least when the holder reactivates."""
     since: float = 0.0
-    waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
+    waiters: list[tuple[int, asyncio.Future[None], int]] = field(default_factory=list)
+    """(arrival order, woken when granted, slots wanted at once)."""
 
 
 class WeightedSlots:
@@ -65,24 +66,33 @@ class WeightedSlots:
         self._free_seconds = 0.0
         """Seconds up to ``_changed_at`` during which at least one slot was free."""
 
-    async def acquire(self, key: str, weight: float = 1.0) -> None:
+    async def acquire(self, key: str, weight: float = 1.0, count: int = 1) -> None:
+        """Wait for ``count`` slots, granted together: a group request holds its G slots at
+        once. Taken one at a time, two runs' requests could each hold part of what they
+        need while the slots ran out, and wait for each other for ever."""
+        if not 1 <= count <= self.total:
+            raise ValueError(f"{count} slots asked for at once, of {self.total}")
         holder = self._holders.setdefault(key, _Holder(weight, since=self.clock()))
         holder.weight = weight
         if holder.busy == 0 and not holder.waiters:
             self._reactivate(holder)
-        if self.busy < self.total and not self._anyone_waiting():
-            self._grant(holder)
+        if self.busy + count <= self.total and not self._anyone_waiting():
+            self._grant(holder, count)
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (next(self._order), future)
+        entry = (next(self._order), future, count)
         holder.waiters.append(entry)
         try:
             await future
         except asyncio.CancelledError:
             if entry in holder.waiters:
                 holder.waiters.remove(entry)
+                if self.busy < self.total and not self._handout_scheduled:  # it may have blocked others
+                    self._handout_scheduled = True
+                    asyncio.get_running_loop().call_soon(self._hand_out)
             elif future.done() and not future.cancelled():
-                self.release(key)  # granted and cancelled in the same turn: give it back
+                for _ in range(count):
+                    self.release(key)  # granted and cancelled in the same turn: give it back
             raise
 
     def release(self, key: str) -> None:
@@ -154,25 +164,29 @@ class WeightedSlots:
             # Finish tag: usage so far plus what the slots it would then hold will cost.
             tau = self._mean_slot_seconds()
             holder = min(waiting, key=lambda h: (h.virtual + (h.busy + 1) * tau / h.weight, h.waiters[0][0]))
-            _, future = holder.waiters.pop(0)
+            _, future, count = holder.waiters[0]
             if future.done():  # cancelled; its task is about to remove it
+                holder.waiters.pop(0)
                 continue
-            self._grant(holder)
+            if self.busy + count > self.total:
+                return  # the fairest waiter needs more slots than are free: the next releases are its
+            holder.waiters.pop(0)
+            self._grant(holder, count)
             future.set_result(None)
-            # One slot per loop turn: the task just woken may want another slot at once (a
-            # group request takes G, one at a time) and must be waiting before the next
-            # slot is handed out, or every second slot of a release goes to the other runs
-            # whatever the weights (3:1 gave 0.60 of the slots instead of 0.75).
+            # One grant per loop turn: the task just woken may want more slots at once (its
+            # run's next episode or group) and must be waiting before the next slot is handed
+            # out, or every second slot of a release goes to the other runs whatever the
+            # weights (3:1 gave 0.60 of the slots instead of 0.75).
             if self.busy < self.total and self._anyone_waiting():
                 self._handout_scheduled = True
                 asyncio.get_running_loop().call_soon(self._hand_out)
             return
 
-    def _grant(self, holder: _Holder) -> None:
+    def _grant(self, holder: _Holder, count: int = 1) -> None:
         self._account(holder)
-        holder.busy += 1
+        holder.busy += count
         self._integrate()
-        self.busy += 1
+        self.busy += count
 
     def _integrate(self) -> None:
         """Close the interval over which ``busy`` held its value; call before changing it."""
