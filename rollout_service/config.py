@@ -234,6 +234,10 @@ class WeightSyncSettings(Section):
     freezes them, but vLLM's pause preempts every running request, which then recomputes
     its KV cache: on the 2-core benchmark none reached the target in 0.83x TRL's time
     against keep's 0.95x, in as many steps."""
+    eval_hold_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest a weight update waits for evaluation runs holding the current policy version
+    (``weights.version_holds``); then those evaluations stop with what they scored and the
+    update goes on. Keep it below transfer_timeout_s, which bounds a commit's progress."""
     reset_prefix_cache: bool = False
     """Also reset vLLM's prefix cache at each commit. Off: every request carries a prefix-cache
     salt of its policy version, so no request reuses blocks of older weights anyway, and vLLM

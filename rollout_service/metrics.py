@@ -32,6 +32,26 @@ class ServiceMetrics:
             ["run", "kind"],
             registry=r,
         )
+        # Evaluation runs, by display name (the run id without one): the series outlive the
+        # run, so an evaluation set repeated every N pushes is one curve over versions.
+        self.eval_reward_mean = Gauge(
+            "rollout_eval_reward_mean",
+            "Mean total reward of the latest evaluation run of this name, over the samples scored so far",
+            ["eval"],
+            registry=r,
+        )
+        self.eval_policy_version = Gauge(
+            "rollout_eval_policy_version",
+            "The policy version the latest evaluation run of this name generated every sample at",
+            ["eval"],
+            registry=r,
+        )
+        self.eval_samples = Gauge(
+            "rollout_eval_samples",
+            "Samples the latest evaluation run of this name has scored",
+            ["eval"],
+            registry=r,
+        )
         self.groups_partial = Counter(
             "rollout_groups_partial",
             "Groups scored from fewer members than group_size at their deadline",

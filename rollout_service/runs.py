@@ -11,6 +11,7 @@ from typing import Literal
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
 from rollout_service.errors import InvalidArgument
+from rollout_service.evaluation import EvalSpec, EvalTally
 from rollout_service.generation.episode import MultiTurnConfig
 from rollout_service.generation.prompts import PromptSource, PromptSpec
 from rollout_service.scoring.advantages import AdvantageComputer
@@ -28,7 +29,7 @@ MAX_STOP_CHARS = 1024
 MAX_DISPLAY_NAME_CHARS = 256
 
 PromptSourceKind = Literal["dataset", "prompts", "submitted"]
-RunState = Literal["running", "stopped", "failed"]
+RunState = Literal["running", "stopped", "failed", "completed"]
 AdmissionMode = Literal["staleness", "buffer"]
 
 
@@ -59,6 +60,8 @@ class RunSpec:
     """Seconds a group waits for its slowest members; 0: for all of them."""
     min_group_size: int = 0
     """Fewest finished members a group past its deadline is scored from; 0: group_size (drop it)."""
+    eval: EvalSpec | None = None
+    """An evaluation run: each prompt once, at one policy version, never trained (``evaluation``)."""
 
     @property
     def scores_partial_groups(self) -> bool:
@@ -131,6 +134,23 @@ class RunSpec:
         if self.source_kind == "prompts" and not self.prompts:
             raise InvalidArgument("prompt_source.prompts is empty; give at least one prompt")
         self._validate_episode()
+        self._validate_eval()
+
+    def _validate_eval(self) -> None:
+        if self.eval is None:
+            return
+        if self.source_kind == "submitted":
+            raise InvalidArgument(
+                "an evaluation run needs a finite prompt set: give prompt_source.dataset or prompt_source.prompts, "
+                "not submitted prompts"
+            )
+        if self.serve_adapter:
+            raise InvalidArgument(
+                "an evaluation run evaluates the servers' base weights; serve_adapter runs cannot be evaluated "
+                "this way yet (evaluate the merged weights, or leave eval unset)"
+            )
+        if self.eval.policy_version is not None and self.eval.policy_version < 0:
+            raise InvalidArgument(f"eval.policy_version is {self.eval.policy_version}; it must be >= 0")
 
     def _validate_rewards(self) -> None:
         if not self.rewards:
@@ -211,6 +231,8 @@ class Run:
     """Set by the watchdog while the run makes no progress."""
     stalls: int = 0
     """Stalls so far: each consumer stream sends each one once."""
+    eval: EvalTally | None = None
+    """An evaluation run's version and scores (``spec.eval`` set); None for training runs."""
     slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:

@@ -20,11 +20,13 @@ from rollout_service.delivery.broker import RunBroker
 from rollout_service.delivery.watchdog import RunWatchdog
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rollout_service.evaluation import EvalResult, Evaluations
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
 from rollout_service.generation.prompts import (
     BUILTIN_DATASETS,
     CyclingPromptSource,
+    OncePromptSource,
     PromptRenderer,
     PromptSource,
     PromptSpec,
@@ -35,11 +37,12 @@ from rollout_service.generation.prompts import (
 from rollout_service.generation.scheduler import Scheduler
 from rollout_service.generation.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, ToolRegistry
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.runs import Run, RunSpec
+from rollout_service.runs import MAX_BUFFERED_GROUPS, Run, RunSpec
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.weights.adapters import AdapterPublisher
 from rollout_service.weights.update_messages import UpdateTimes
+from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
 DELETED_RUNS_KEPT = 256
@@ -89,6 +92,8 @@ class ServiceStats:
     weight_updates_aborted: int
     weight_update_paused_seconds: float
     last_weight_update: UpdateTimes | None
+    evals: list[EvalResult]
+    """The latest evaluation runs' results, oldest first."""
 
 
 class RolloutService:
@@ -138,6 +143,15 @@ class RolloutService:
         that GetRun and a late subscriber can still be told what happened."""
         self.policy_version = 0
         self.weight_sync: WeightSyncCoordinator | None = None
+        self.holds = VersionHolds()
+        """Evaluation runs holding the servers' version; the weight sync waits on them."""
+        self.evaluations = Evaluations(
+            self.holds,
+            metrics,
+            pausing_update_pending=lambda: self.weight_sync is not None and self.weight_sync.pausing_update_pending,
+            stop_generation=self.scheduler.stop_generation,
+        )
+        self.scheduler.evaluations = self.evaluations
         self.adapters: AdapterPublisher | None = None
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
 
@@ -147,12 +161,14 @@ class RolloutService:
         self.policy_version = version
         for run in self._runs_on_base_weights():
             run.admission.set_policy_version(version)
+        self.evaluations.version_changed(version)
 
     def set_trainer_version(self, version: int) -> None:
         """A push of base weights began (version: the servers' plus one) or was aborted
         (theirs): admission plans with the trainer's version, which leads the servers'."""
         for run in self._runs_on_base_weights():
             run.admission.set_trainer_version(version)
+        self.evaluations.version_changed(self.policy_version)  # an update ended: a held-back evaluation may start
 
     async def watch_runs(self) -> None:
         """Report runs that stop making progress (``delivery.watchdog``), until cancelled."""
@@ -203,17 +219,22 @@ class RolloutService:
         episode = self._episode_config(spec)
         tool_schemas = episode.tools.schemas() if episode is not None and episode.tools is not None else None
         run_id = Run.new_id()
+        source = await self._prompt_source(spec, tool_schemas)
         max_buffered = spec.max_buffered_groups or self.settings.default_max_buffered_groups
+        if isinstance(source, OncePromptSource):  # room for the whole set: no consumer has to keep up
+            max_buffered = spec.max_buffered_groups or min(source.size, MAX_BUFFERED_GROUPS)
         run = Run(
             run_id=run_id,
             spec=spec,
-            source=await self._prompt_source(spec, tool_schemas),
+            source=source,
             broker=self._broker(run_id, spec, max_buffered),
             max_inflight=spec.max_inflight or self.slot_ceiling,
             advantages=AdvantageComputer(spec.scale_rewards),
             episode=episode,
             owner=owner,
         )
+        if isinstance(source, OncePromptSource):
+            self.evaluations.admit(run, source.size, self.policy_version)
         self.runs[run_id] = run
         self.scheduler.start_run(run)
         logger.info("created run %s (%s, G=%d)", run_id, spec.display_name or spec.source_kind, spec.group_size)
@@ -221,14 +242,15 @@ class RolloutService:
 
     def _broker(self, run_id: str, spec: RunSpec, max_buffered: int) -> RunBroker:
         version = 0 if spec.serve_adapter else self.policy_version
+        trains = spec.eval is None  # an evaluation's groups are never trained: staleness does not apply
         admission = RunAdmission(
             run_id,
             self.metrics,
-            max_staleness=spec.max_staleness if spec.admission == "staleness" else None,
+            max_staleness=spec.max_staleness if spec.admission == "staleness" and trains else None,
             policy_version=version,
-            await_version=version + 1 if spec.await_first_update else 0,
+            await_version=version + 1 if spec.await_first_update and trains else 0,
             free_clock=self.scheduler.slots.free_seconds,
-            doomed_after=spec.max_staleness if self.settings.abort_stale_inflight else None,
+            doomed_after=spec.max_staleness if self.settings.abort_stale_inflight and trains else None,
         )
         lease_timeout_s = spec.lease_timeout_s or self.settings.lease_timeout_s
         return RunBroker(run_id, max_buffered, self.metrics, lease_timeout_s=lease_timeout_s, admission=admission)
@@ -262,7 +284,8 @@ class RolloutService:
         if spec.source_kind == "submitted":
             return SubmittedPromptSource(self.settings.max_queued_prompts, self.settings.max_queued_prompt_bytes)
         prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
-        return CyclingPromptSource(await self._render(prompts, spec.sampling.max_tokens, tools))
+        rendered = await self._render(prompts, spec.sampling.max_tokens, tools)
+        return OncePromptSource(rendered) if spec.eval is not None else CyclingPromptSource(rendered)
 
     async def _render(
         self, prompts: list[PromptSpec], max_tokens: int, tools: list[dict[str, Any]] | None = None
@@ -303,6 +326,8 @@ class RolloutService:
             return run  # deleting twice is a no-op
         if run.state == "running":
             run.state = "stopped"
+        if run.eval is not None:
+            self.evaluations.forget(run)
         await self.scheduler.stop_run(run)
         if self.adapters is not None:
             await self.adapters.forget(run_id)
@@ -384,6 +409,7 @@ class RolloutService:
             weight_updates_aborted=sync.updates_aborted if sync is not None else 0,
             weight_update_paused_seconds=sync.paused_seconds() if sync is not None else 0.0,
             last_weight_update=sync.last_update if sync is not None else None,
+            evals=self.evaluations.results(),
         )
 
     def require_weight_sync(self, run_id: str | None = None) -> WeightSyncCoordinator:
@@ -392,6 +418,10 @@ class RolloutService:
             run = self.get_run(run_id)
             if run.state != "running":
                 raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
+            if run.spec.eval is not None:
+                raise FailedPrecondition(
+                    f"run {run_id} is an evaluation run, which never trains; push weights for your training run"
+                )
             if run.spec.serve_adapter:
                 raise FailedPrecondition(
                     f"run {run_id} serves its own LoRA adapter (serve_adapter); push the adapter with PushAdapter, "

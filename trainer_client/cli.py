@@ -141,6 +141,15 @@ def main(
             "(half of them), else all",
         ),
     ] = 0,
+    eval_every: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Evaluate every this many weight pushes (0: never): --eval-dataset once, all at the version just "
+            "pushed, which the service holds meanwhile; results in metrics.jsonl, evals.jsonl and the summary",
+        ),
+    ] = 0,
+    eval_dataset: Annotated[str, typer.Option(help="Built-in dataset --eval-every evaluates")] = "letters",
     save_steps: Annotated[
         int, typer.Option(min=0, help="Save a checkpoint (model, optimizer, run id) every this many steps (0: none)")
     ] = 0,
@@ -232,6 +241,12 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
     if o.lora_serving not in ("merged", "adapter"):
         raise typer.BadParameter(f"--lora-serving {o.lora_serving!r}: choose merged or adapter")
     lora = LoraOptions(o.lora_rank, o.lora_alpha, targets, o.lora_serving) if o.lora_rank else None
+    if o.eval_every and (not o.push or (lora is not None and lora.serving == "adapter")):
+        raise typer.BadParameter(
+            "evaluations pin the base weights this trainer pushes; drop --eval-every with --no-push or "
+            "--lora-serving adapter",
+            param_hint="--eval-every",
+        )
     if o.admission not in ADMISSION_MODES:
         raise typer.BadParameter(f"--admission {o.admission!r}: choose {' or '.join(ADMISSION_MODES)}")
     if o.scale_rewards not in SCALE_REWARDS:
@@ -262,6 +277,8 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
         top_p=o.top_p,
         top_k=o.top_k,
         scale_rewards=o.scale_rewards,
+        eval_dataset=o.eval_dataset,
+        eval_every_pushes=o.eval_every,
     )
     try:
         summary = train(

@@ -105,6 +105,12 @@ class SyncAndAck(TrainerCallback):
         if trainer.args.world_size > 1:
             version = broadcast_object_list([version], from_process=0)[0]
         trainer.feed.current_version = version
+        self._pushed(version)
+
+    def _pushed(self, version: int) -> None:
+        """A push committed: an N-th one is evaluated (``evaluator``)."""
+        if self.trainer.evaluator is not None:
+            self.trainer.evaluator.pushed(version)
 
     def _push_timeout_s(self) -> float:
         """How long the training thread waits for one push: the transfer bound plus the RPCs'."""
@@ -138,6 +144,7 @@ class SyncAndAck(TrainerCallback):
                 trainer.feed.current_version = trainer.feed.call(
                     trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s()
                 )
+                self._pushed(trainer.feed.current_version)
                 return
             except Exception as exc:
                 if attempt == PUSH_ATTEMPTS:
@@ -174,6 +181,7 @@ class SyncAndAck(TrainerCallback):
             return
         self._failed_pushes = 0
         trainer.feed.current_version, trainer.feed.pushes_in_flight = version, 0
+        self._pushed(version)
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         trainer = self.trainer
@@ -190,6 +198,11 @@ class SyncAndAck(TrainerCallback):
         trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
         trainer.feed.flush_acks()
         record = trainer.step_record(state.global_step, book, trained_at)
+        if trainer.evaluator is not None:
+            for result in trainer.evaluator.finished():  # the latest lands in this step's record
+                if "reward_mean" in result:
+                    record["eval_reward_mean"] = result["reward_mean"]
+                    record["eval_policy_version"] = result["policy_version"]
         if due and background:
             self._push_in_background()
         now = time.perf_counter()
@@ -215,4 +228,6 @@ class SyncAndAck(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._wait_for_push()  # the last push lands before the run reports its version
+        if self.trainer.evaluator is not None:
+            self.trainer.evaluator.wait()
         return control

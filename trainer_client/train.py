@@ -34,6 +34,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.prompt_feeder import feed_prompts, fits_inline
 from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
 from trainer_client.step_timing import summarize_seconds
@@ -81,6 +82,9 @@ class RunOptions:
     """Top-k sampling (0: off; TRL's ``top_k`` 0 or None)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage denominator, as TRL's ``scale_rewards``."""
+    eval_dataset: str = ""
+    """Built-in dataset evaluated every ``eval_every_pushes`` pushes ("": no evaluation)."""
+    eval_every_pushes: int = 0
 
     def __post_init__(self) -> None:
         prompts = self.prompts
@@ -177,16 +181,32 @@ async def _create_run(
             spec.prompt_source.submitted.SetInParent()  # replaces the dataset (a oneof); fed by prompt_feeder
         elif options.prompts is not None:
             spec.prompt_source.prompts.prompts.extend(options.prompts)  # type: ignore[arg-type]
-        spec.sampling.temperature = config.temperature
-        spec.sampling.top_p = options.top_p
-        spec.sampling.top_k = options.top_k
-        spec.scale_rewards = SCALE_REWARDS[options.scale_rewards]
+        _sample_as_trained(spec, config, options)
         spec.serve_adapter = serve_adapter
         spec.admission = ADMISSION_MODES[options.admission]
         # This trainer pushes before it trains and refuses groups of older weights: generating
         # before that push would only make groups to drop.
         spec.await_first_update = pushes
         return (await client.create_run(spec)).run_id
+
+
+def _sample_as_trained(spec: pb.RunSpec, config: AsyncGRPOConfig, options: RunOptions) -> None:
+    spec.sampling.temperature = config.temperature
+    spec.sampling.top_p = options.top_p
+    spec.sampling.top_k = options.top_k
+    spec.scale_rewards = SCALE_REWARDS[options.scale_rewards]
+
+
+def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
+    """The evaluation runs' spec: the held-out dataset once, sampled and scored as training
+    samples are; each evaluation pins it to the version it evaluates (``evaluator``)."""
+    spec = dataset_run_spec(
+        options.eval_dataset, options.rewards, group_size=config.group_size, max_tokens=options.max_tokens
+    )
+    _sample_as_trained(spec, config, options)
+    spec.display_name = f"eval-{options.eval_dataset}"
+    spec.eval.SetInParent()
+    return spec
 
 
 def train(
@@ -234,8 +254,13 @@ def train(
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
         pusher = make_pusher(feed, run_id, trainer_address, lora) if push else None
         feeder = start_prompt_feeder(feed, run_id, options) if main else None
+        evaluator = None
+        if main and pusher is not None and options.eval_every_pushes:
+            spec = eval_run_spec(config, options)
+            evaluator = PinnedEvaluator(feed, spec, options.eval_every_pushes, output_dir / "evals.jsonl")
+            (output_dir / "evals.jsonl").unlink(missing_ok=True)
         try:
-            trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher)
+            trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher, evaluator=evaluator)
             trainer.add_callback(RunInCheckpoint(run_id))
             trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
         finally:
@@ -260,6 +285,8 @@ def train(
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records, run_id, *(int(total) for total in totals))
     summary["torch_threads"] = threads
+    if evaluator is not None:
+        summary["evals"] = evaluator.results
     if checkpoint is not None:
         summary["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": checkpoint.step}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, ProgressCallback, Trainer, TrainingArguments
 
 from trainer_client.batches import GroupCollator, StreamDataset, completion_logprobs, output_embedding_weight
+from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.loss_config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
 from trainer_client.losses import compute_loss
 from trainer_client.policy_weights import is_peft_model
@@ -168,6 +169,7 @@ class AsyncGRPOTrainer(Trainer):
         args: AsyncGRPOConfig,
         feed: GroupFeed,
         pusher: WeightPusher | AdapterPusher | None,
+        evaluator: PinnedEvaluator | None = None,
         **kwargs: Any,
     ) -> None:
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -178,6 +180,8 @@ class AsyncGRPOTrainer(Trainer):
         )
         self.feed = feed
         self.pusher = pusher
+        self.evaluator = evaluator
+        """Evaluates every N-th pushed version (rank 0 of a pushing trainer; ``evaluator``)."""
         self.loss_config = args.loss_config()
         self.ref_model: torch.nn.Module | None = None
         if args.beta > 0 and not is_peft_model(model):

@@ -89,6 +89,9 @@ class RunBroker:
         """Set at shutdown (``drain``): no group is started or handed out any more."""
         self.closed_event = asyncio.Event()
         """Set by ``close``: wakes a consumer stream that has no credits to take with."""
+        self.finished = False
+        """Set by ``finish``: no group will be added (an evaluation run's set is done)."""
+        self.finished_event = asyncio.Event()
         self._changed = asyncio.Condition()
 
     # -- producer side -------------------------------------------------------------------
@@ -132,6 +135,18 @@ class RunBroker:
         self._wakeups.add(task)
         task.add_done_callback(self._wakeups.discard)
 
+    def finish(self) -> None:
+        """No group will be added: once the buffered and leased ones are acked, consumers'
+        streams end (``exhausted``) instead of waiting for more."""
+        self.finished = True
+        self.finished_event.set()
+        self._wake_soon()
+
+    @property
+    def exhausted(self) -> bool:
+        """Finished, and every group delivered and acked."""
+        return self.finished and not self.buffered and not self.num_leased
+
     async def unreserve(self) -> None:
         async with self._changed:
             self.reserved -= 1
@@ -165,7 +180,12 @@ class RunBroker:
             while True:
                 self._expire_leases()
                 index = self._first_for(consumer_id)
-                if (index is not None and not self.draining) or self.closed or consumer_id not in self.leases:
+                if (
+                    (index is not None and not self.draining)
+                    or self.closed
+                    or consumer_id not in self.leases
+                    or self.exhausted
+                ):
                     break
                 try:
                     async with asyncio.timeout(self._seconds_to_next_expiry()):

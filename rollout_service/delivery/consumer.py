@@ -136,15 +136,17 @@ class ConsumerSession:
                     f"run {run.run_id} is {run.state}{why} (deleted, or the service is stopping); "
                     "its unacked groups are gone; create a new run"
                 )
+            if self.broker.exhausted:  # an evaluation run's every group is delivered and acked
+                return None
             self._changed.clear()
-            if self.credits <= 0:  # wait for a credit, or for the run to end
-                changed = asyncio.ensure_future(self._changed.wait())
-                closed = asyncio.ensure_future(self.broker.closed_event.wait())
+            if self.credits <= 0:  # wait for a credit, or for the run to end (or to finish its set)
+                ends = [self.broker.closed_event] + ([] if self.broker.finished else [self.broker.finished_event])
+                waits = {asyncio.ensure_future(self._changed.wait()), *(asyncio.ensure_future(e.wait()) for e in ends)}
                 try:
-                    await asyncio.wait({changed, closed}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    changed.cancel()
-                    closed.cancel()
+                    for wait in waits:
+                        wait.cancel()
                 continue
             take = asyncio.ensure_future(self.broker.take(self.consumer_id))
             changed = asyncio.ensure_future(self._changed.wait())
@@ -160,7 +162,7 @@ class ConsumerSession:
             if take.cancelled():
                 continue
             if (group := take.result()) is None:
-                if self.broker.closed:
+                if self.broker.closed or self.broker.exhausted:
                     continue  # said at the top of the loop
                 raise FailedPrecondition(
                     f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"

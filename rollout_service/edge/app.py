@@ -236,6 +236,7 @@ async def _attach_weights(
         recovery.version_committed,
         metrics=service.metrics,
         on_trainer_version=service.set_trainer_version,
+        holds=service.holds,
     )
     service.adapters = AdapterPublisher(
         settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(settings.engine)

@@ -11,6 +11,7 @@ from rollout_service import __version__
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.errors import InvalidArgument
+from rollout_service.evaluation import EvalResult, EvalSpec, eval_result
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
 from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams, ScoredGroup
@@ -40,6 +41,7 @@ _STATE_TO_PB = {
     "running": pb.RUN_STATE_RUNNING,
     "stopped": pb.RUN_STATE_STOPPED,
     "failed": pb.RUN_STATE_FAILED,
+    "completed": pb.RUN_STATE_COMPLETED,
 }
 _FINISH_TO_PB = {
     "stop": pb.FINISH_REASON_STOP,
@@ -144,6 +146,26 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         serve_adapter=spec.serve_adapter,
         group_deadline_s=spec.group_deadline_seconds,
         min_group_size=spec.min_group_size,
+        eval=eval_spec_from_pb(spec.eval) if spec.HasField("eval") else None,
+    )
+
+
+def eval_spec_from_pb(spec: pb.EvalSpec) -> EvalSpec:
+    return EvalSpec(policy_version=spec.policy_version if spec.HasField("policy_version") else None)
+
+
+def eval_result_to_pb(result: EvalResult) -> pb.EvalResult:
+    return pb.EvalResult(
+        run_id=result.run_id,
+        display_name=result.display_name,
+        policy_version=result.policy_version,
+        prompts=result.prompts,
+        groups_scored=result.groups_scored,
+        groups_dropped=result.groups_dropped,
+        samples=result.samples,
+        reward_mean=result.reward_mean,
+        reward_means=result.reward_means,
+        complete=result.complete,
     )
 
 
@@ -174,6 +196,10 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
     )
     if spec.episode.multi_turn:
         out.episode.CopyFrom(episode_to_pb(spec.episode))
+    if spec.eval is not None:
+        out.eval.SetInParent()
+        if spec.eval.policy_version is not None:
+            out.eval.policy_version = spec.eval.policy_version
     if s.seed is not None:
         out.sampling.seed = s.seed
     if spec.source_kind == "dataset":
@@ -226,6 +252,7 @@ def stats_to_pb(stats: ServiceStats, runs: Iterable[Run]) -> pb.GetStatsResponse
         weight_updates_committed=stats.weight_updates_committed,
         weight_updates_aborted=stats.weight_updates_aborted,
         weight_update_paused_seconds=stats.weight_update_paused_seconds,
+        evals=[eval_result_to_pb(result) for result in stats.evals],
     )
     if stats.last_weight_update is not None:
         out.last_weight_update.CopyFrom(update_times_to_pb(stats.last_weight_update))
@@ -244,6 +271,7 @@ def update_times_to_pb(times: UpdateTimes) -> pb.WeightUpdateTimes:
         reset_prefix_cache_seconds=phase("reset_prefix_cache", 0.0),
         resume_seconds=phase("resume", 0.0),
         paused_seconds=times.paused_seconds,
+        eval_hold_seconds=phase("eval_hold", 0.0),
     )
 
 
@@ -258,6 +286,7 @@ def run_to_pb(run: Run) -> pb.Run:
         max_inflight=run.max_inflight,
         max_buffered_groups=run.broker.max_buffered,
         stall=stall_to_pb(run.stall) if run.stall is not None else None,
+        eval_result=eval_result_to_pb(eval_result(run)) if run.eval is not None else None,
     )
 
 

@@ -227,7 +227,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @_edge
     async def GetStats(self, request, context) -> pb.GetStatsResponse:  # type: ignore[no-untyped-def]
-        return stats_to_pb(self.service.stats(), self._visible(self._caller(context)))
+        caller = self._caller(context)
+        stats = self.service.stats()
+        evals = [result for result in stats.evals if caller.admin or result.owner == caller.name]
+        return stats_to_pb(dataclasses.replace(stats, evals=evals), self._visible(caller))
 
     def _check_push(self, run_id: str, trainer_address: str, context: grpc.aio.ServicerContext) -> None:
         """Base weights change every full-weight run: only a principal allowed to push them

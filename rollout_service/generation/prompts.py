@@ -220,6 +220,31 @@ class CyclingPromptSource:
         self._cycle = itertools.cycle([])
 
 
+class OncePromptSource:
+    """A fixed list of rendered prompts, each handed out once (an evaluation set). The
+    feeder checks ``exhausted`` before it reserves room for another group."""
+
+    def __init__(self, rendered: list[RenderedPrompt]) -> None:
+        if not rendered:
+            raise InvalidArgument("a prompt list must not be empty")
+        self.size = len(rendered)
+        self._rendered = rendered
+        self._next = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self._next >= len(self._rendered)
+
+    async def next(self) -> PromptItem:
+        if self.exhausted:
+            raise RuntimeError("every prompt of the set was handed out; check exhausted first")
+        self._next += 1
+        return self._rendered[self._next - 1].item(self._next - 1)
+
+    def discard(self) -> None:
+        self._rendered = []
+
+
 class SubmittedPromptSource:
     """Prompts pushed through SubmitPrompts, in order; a run waits while none are queued.
 

@@ -36,7 +36,9 @@ from typing import Any, cast
 
 from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinity, samples_groups_at_once
 from rollout_service.errors import EngineError, EnvironmentFailure, RewardError
+from rollout_service.evaluation import Evaluations
 from rollout_service.generation.episode import run_episode, run_single_turn, run_single_turn_group
+from rollout_service.generation.prompts import OncePromptSource
 from rollout_service.generation.slots import WeightedSlots
 from rollout_service.generation.tools import ToolResult
 from rollout_service.metrics import RecentRate, ServiceMetrics
@@ -97,6 +99,10 @@ class Scheduler:
         """Per run, its groups whose members are generating."""
         self._group_request_runs: dict[str, Run] = {}
         """Runs whose groups started as one request each: the slots never shrink below their G."""
+        self._fed: set[str] = set()
+        """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
+        self.evaluations: Evaluations | None = None
+        """Told of evaluation runs' scored groups and of their end (set by the service)."""
         metrics.slots_total.set(max_inflight)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -127,6 +133,16 @@ class Scheduler:
         self._slots.forget(run.run_id)
         self._inflight.pop(run.run_id, None)
         self._group_request_runs.pop(run.run_id, None)
+        self._fed.discard(run.run_id)
+
+    def stop_generation(self, run: Run) -> None:
+        """Cancel the run's feeder and in-flight groups now, and end its consumers' streams
+        once they have its scored groups (an evaluation stopped by a weight update that will
+        not wait longer: no request of it may run on the next weights)."""
+        self._fed.discard(run.run_id)  # its set is not done: it never completes
+        for task in self._tasks.get(run.run_id, set()):
+            task.cancel()
+        run.broker.finish()
 
     def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -193,14 +209,31 @@ class Scheduler:
 
     # -- generation ----------------------------------------------------------------------
     async def _feed(self, run: Run) -> None:
-        """Start groups for the run while its broker has room, one slot at a time."""
-        while await run.broker.reserve():
+        """Start groups for the run while its broker has room, one slot at a time; an
+        evaluation run only once it holds its version, and only until its set is done."""
+        if run.eval is not None:
+            await run.eval.started.wait()
+        while True:
+            if isinstance(run.source, OncePromptSource) and run.source.exhausted:
+                self._fed.add(run.run_id)
+                self._check_generation_done(run)
+                return
+            if not await run.broker.reserve():
+                return
             try:
                 prompt = await run.source.next()
             except BaseException:
                 await run.broker.unreserve()
                 raise
             await self._start_group(run, prompt)
+
+    def _check_generation_done(self, run: Run) -> None:
+        """After the last group of a finite set: tell the evaluations, once."""
+        if run.run_id in self._fed and not self._inflight.get(run.run_id):
+            self._fed.discard(run.run_id)
+            run.broker.finish()
+            if self.evaluations is not None and run.eval is not None:
+                self.evaluations.generation_done(run)
 
     async def _start_group(self, run: Run, prompt: PromptItem) -> None:
         group_id = f"{run.run_id}/{prompt.index}/{uuid.uuid4().hex[:8]}"
@@ -416,10 +449,13 @@ class Scheduler:
                 return
             run.counters.groups_scored += 1
             self.metrics.groups_scored.labels(run.run_id).inc()
+            if self.evaluations is not None and run.eval is not None:
+                self.evaluations.record(run, scored)
             await run.broker.put(scored)
         finally:
             self._inflight.get(run.run_id, {}).pop(group_id, None)
             self._forget_affinity(group_id)
+            self._check_generation_done(run)
 
     async def _drop(self, run: Run, group_id: str, reason: str, error: BaseException | str | None) -> None:
         await run.broker.unreserve()

@@ -37,6 +37,7 @@ from rollout_service.engine.control import PauseModeName, WeightControl, WeightS
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.weights.update_messages import TensorSpec, UpdateTicket, UpdateTimes, init_info, validate_begin
+from rollout_service.weights.version_holds import VersionHolds
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,14 @@ class WeightSyncCoordinator:
         on_trainer_version: Callable[[int], None] = lambda version: None,
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        holds: VersionHolds | None = None,
     ) -> None:
         self.servers = servers
+        self.holds = holds or VersionHolds()
+        """Evaluations holding the current version: an update waits for them (``version_holds``)."""
+        self.pausing_update_pending = False
+        """A begin that pauses the servers is waiting or in progress: no evaluation may start
+        under it (the paused servers would never finish it)."""
         self.settings = settings
         self.version = version
         self.updates_committed = 0
@@ -103,9 +110,19 @@ class WeightSyncCoordinator:
                 raise FailedPrecondition(
                     f"weight update {self._current.update_id} is in progress; commit or abort it first"
                 )
-            world_sizes = await self._worker_world_sizes()
+            held_s = 0.0
+            self.pausing_update_pending = mode != "none"
+            try:
+                if mode != "none":  # paused servers could not finish an evaluation: wait for it first
+                    held_s = await self.holds.wait_released(self.settings.eval_hold_timeout_s)
+                world_sizes = await self._worker_world_sizes()
+            except BaseException:
+                self.pausing_update_pending = False
+                raise
             join = self._group != (trainer_address, trainer_port)
             update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, self._clock())
+            if held_s:
+                update.phases["eval_hold"] = held_s
             if join:
                 self._epoch += 1
                 update.epoch = self._epoch
@@ -237,6 +254,11 @@ class WeightSyncCoordinator:
                 raise FailedPrecondition(self._aborted_message(update))
             new_version = self.version + 1
             control_s = self.settings.control_timeout_s
+            if held_s := await self.holds.wait_released(self.settings.eval_hold_timeout_s):
+                update.phases["eval_hold"] = update.phases.get("eval_hold", 0.0) + held_s
+                self._progressed(update, "eval_hold")
+            if update.aborted is not None:
+                raise FailedPrecondition(self._aborted_message(update))
             try:
                 await self._phase(
                     update, "finish", *(s.finish_weight_update(str(new_version), control_s) for s in self.servers)
@@ -251,6 +273,7 @@ class WeightSyncCoordinator:
                 await self._abort_locked(update, f"applying failed: {exc}")
                 raise FailedPrecondition(self._aborted_message(update)) from None
             self.version = new_version
+            self.pausing_update_pending = False  # before the news: an evaluation may start on it
             self._on_version(new_version)
             await self._resume(update)
             self._current = None
@@ -289,6 +312,7 @@ class WeightSyncCoordinator:
             await self._resume(update)
         finally:  # whatever the resume raised, the update is over: later begins must work
             self._current = None
+            self.pausing_update_pending = False  # before the news: an evaluation may start on it
             self._on_trainer_version(self.version)
             self.updates_aborted += 1
             self._finished(update, committed=False)

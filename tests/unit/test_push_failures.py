@@ -15,7 +15,7 @@ from trainer_client.step_timing import PhaseClock
 
 def callback_with_failed_push() -> tuple[SyncAndAck, SimpleNamespace]:
     feed = SimpleNamespace(current_version=4, pushes_in_flight=1)
-    trainer = SimpleNamespace(feed=feed, pusher=SimpleNamespace(timeout_s=1.0), clock=PhaseClock())
+    trainer = SimpleNamespace(feed=feed, pusher=SimpleNamespace(timeout_s=1.0), clock=PhaseClock(), evaluator=None)
     return SyncAndAck(trainer), feed  # type: ignore[arg-type]
 
 

@@ -1,4 +1,4 @@
-"""The trainer CLI refuses bad loss options with one line that says what to change."""
+"""The trainer CLI refuses bad options with one line that says what to change."""
 
 import re
 from pathlib import Path
@@ -15,9 +15,14 @@ from trainer_client.train import cpu_training_config
     [
         (["--vllm-is-mode", "sequence"], "choose one of token_truncate, token_mask, sequence_truncate, sequence_mask"),
         (["--vllm-is-cap", "0.5"], "it must be > 1"),
+        (["--eval-every", "2", "--no-push"], "drop --eval-every with --no-push or --lora-serving adapter"),
+        (
+            ["--eval-every", "2", "--lora-rank", "4", "--lora-serving", "adapter"],
+            "evaluations pin the base weights this trainer pushes",
+        ),
     ],
 )
-def test_bad_importance_sampling_options_are_refused_before_anything_starts(
+def test_options_that_cannot_work_together_are_refused_before_anything_starts(
     tmp_path: Path, flags: list[str], message: str
 ) -> None:
     (tmp_path / "config.json").write_text("{}")

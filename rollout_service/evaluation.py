@@ -1,0 +1,240 @@
+"""Evaluation runs: every prompt of a held-out set once, all at one known policy version.
+
+Why: an asynchronous run's reward curve mixes samples of several policy versions, so it
+cannot tell a user how good version N is. An evaluation run can: it waits until the
+servers hold version N, holds that version while it generates (weight updates wait for
+it, see ``weights.version_holds``), never trains, and reports its scores per version.
+
+Lifecycle, driven by the service:
+
+- created: the version is resolved (unset: the servers' version now); one that has
+  already been replaced is FAILED_PRECONDITION;
+- waiting: until the servers hold the version and no pausing update is under way;
+- generating: the run holds the version, and the scheduler feeds each prompt once;
+- completed: every group scored or dropped; the hold is released and the run's stream
+  ends once its groups are delivered;
+- failed: the version was replaced before it could start, or a weight update waited
+  ``weight_sync.eval_hold_timeout_s`` for it; what it scored is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rollout_service.errors import FailedPrecondition
+from rollout_service.weights.version_holds import VersionHolds
+
+if TYPE_CHECKING:
+    from rollout_service.metrics import ServiceMetrics
+    from rollout_service.runs import Run
+    from rollout_service.types import ScoredGroup
+
+logger = logging.getLogger(__name__)
+
+KEPT_RESULTS = 100
+"""Evaluation results GetStats reports, the latest ones; deleted runs' included."""
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """``RunSpec.eval``: the version to evaluate; None means the servers' version at creation."""
+
+    policy_version: int | None = None
+
+
+@dataclass
+class EvalTally:
+    """What an evaluation run has scored so far, at its one policy version."""
+
+    policy_version: int
+    prompts: int
+    groups_scored: int = 0
+    samples: int = 0
+    reward_sum: float = 0.0
+    component_sums: dict[str, float] = field(default_factory=dict)
+    component_counts: dict[str, int] = field(default_factory=dict)
+    """Per reward function: samples it scored (None rewards are skipped, as TRL's nanmean)."""
+    complete: bool = False
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the run holds its version: the scheduler feeds it only then."""
+
+    def record(self, group: ScoredGroup) -> None:
+        self.groups_scored += 1
+        self.samples += len(group.rewards)
+        self.reward_sum += sum(group.rewards)
+        for name, values in group.reward_components.items():
+            scored = [value for value in values if value is not None and not math.isnan(value)]
+            self.component_sums[name] = self.component_sums.get(name, 0.0) + sum(scored)
+            self.component_counts[name] = self.component_counts.get(name, 0) + len(scored)
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / self.samples if self.samples else 0.0
+
+    @property
+    def reward_means(self) -> dict[str, float]:
+        return {
+            name: total / self.component_counts[name]
+            for name, total in self.component_sums.items()
+            if self.component_counts[name]
+        }
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation run's scores, as GetStats and GetRun report them."""
+
+    run_id: str
+    display_name: str
+    policy_version: int
+    prompts: int
+    groups_scored: int
+    groups_dropped: int
+    samples: int
+    reward_mean: float
+    reward_means: dict[str, float]
+    complete: bool
+    owner: str = ""
+    """The run's creator: GetStats shows a caller only its own evaluations."""
+
+
+def eval_result(run: Run) -> EvalResult:
+    tally = run.eval
+    assert tally is not None, f"run {run.run_id} is not an evaluation run"
+    return EvalResult(
+        run_id=run.run_id,
+        display_name=run.spec.display_name,
+        policy_version=tally.policy_version,
+        prompts=tally.prompts,
+        groups_scored=tally.groups_scored,
+        groups_dropped=run.counters.groups_dropped,
+        samples=tally.samples,
+        reward_mean=tally.reward_mean,
+        reward_means=tally.reward_means,
+        complete=tally.complete,
+        owner=run.owner,
+    )
+
+
+class Evaluations:
+    """Starts evaluation runs when their version is live, holds it while they generate,
+    and keeps the latest results for GetStats and Prometheus."""
+
+    def __init__(
+        self,
+        holds: VersionHolds,
+        metrics: ServiceMetrics,
+        pausing_update_pending: Callable[[], bool] = lambda: False,
+        stop_generation: Callable[[Run], None] = lambda run: None,
+    ) -> None:
+        self.holds = holds
+        self.holds.on_overrun = self._overrun
+        self._metrics = metrics
+        self._pausing_update_pending = pausing_update_pending
+        self._stop_generation = stop_generation
+        """Cancels a run's generation at once (the scheduler's), for an evaluation overrun."""
+        self._waiting: dict[str, Run] = {}
+        self._holding: dict[str, Run] = {}
+        self._reported: OrderedDict[str, Run] = OrderedDict()
+
+    def admit(self, run: Run, prompts: int, current_version: int) -> None:
+        """Give a new evaluation run its tally; it starts at once if its version is live."""
+        assert run.spec.eval is not None
+        version = run.spec.eval.policy_version
+        version = current_version if version is None else version
+        if version < current_version:
+            raise FailedPrecondition(
+                f"eval.policy_version is {version} but the servers already hold version {current_version}; "
+                f"evaluate version {current_version} or later (or leave policy_version unset for the current one)"
+            )
+        run.eval = EvalTally(version, prompts)
+        self._waiting[run.run_id] = run
+        self._reported[run.run_id] = run
+        while len(self._reported) > KEPT_RESULTS:
+            self._reported.popitem(last=False)
+        self.version_changed(current_version)
+
+    def version_changed(self, current_version: int) -> None:
+        """The servers' version changed, or an update ended: start the evaluations of this
+        version, and fail those whose version has been replaced."""
+        for run in list(self._waiting.values()):
+            assert run.eval is not None
+            if run.eval.policy_version < current_version:
+                del self._waiting[run.run_id]
+                run.state = "failed"
+                run.error = (
+                    f"policy version {run.eval.policy_version} was replaced by {current_version} before the "
+                    "evaluation could start (a weight update that pauses the servers was under way); "
+                    "create it again at a later version"
+                )
+                logger.warning("evaluation run %s: %s", run.run_id, run.error)
+                self._stop_generation(run)
+            elif run.eval.policy_version == current_version and not self._pausing_update_pending():
+                del self._waiting[run.run_id]
+                self._holding[run.run_id] = run
+                self.holds.hold(run.run_id, current_version)
+                run.eval.started.set()
+                logger.info("evaluation run %s generating at policy version %d", run.run_id, current_version)
+
+    def record(self, run: Run, group: ScoredGroup) -> None:
+        assert run.eval is not None
+        run.eval.record(group)
+        self._export(run)
+
+    def generation_done(self, run: Run) -> None:
+        """Every prompt's group is scored or dropped: release the version."""
+        assert run.eval is not None
+        run.eval.complete = True
+        if run.state == "running":
+            run.state = "completed"
+        self._release(run)
+        self._export(run)
+        result = eval_result(run)
+        logger.info(
+            "evaluation run %s at policy version %d: reward %.4f over %d samples (%d groups dropped)",
+            run.run_id,
+            result.policy_version,
+            result.reward_mean,
+            result.samples,
+            result.groups_dropped,
+        )
+
+    def forget(self, run: Run) -> None:
+        """The run was deleted: it holds and waits for nothing any more (its result stays)."""
+        self._waiting.pop(run.run_id, None)
+        self._release(run)
+
+    def results(self) -> list[EvalResult]:
+        return [eval_result(run) for run in self._reported.values()]
+
+    def _release(self, run: Run) -> None:
+        self._holding.pop(run.run_id, None)
+        self.holds.release(run.run_id)
+
+    def _overrun(self, holders: list[str]) -> None:
+        """A weight update stopped waiting for these evaluations: stop them, keep their scores."""
+        for run_id in holders:
+            run = self._holding.pop(run_id, None)
+            if run is None or run.eval is None:
+                continue
+            run.state = "failed"
+            run.error = (
+                f"stopped after {run.eval.groups_scored} of {run.eval.prompts} groups: a weight update waited "
+                "weight_sync.eval_hold_timeout_s for this evaluation to release policy version "
+                f"{run.eval.policy_version}; evaluate fewer prompts, or raise the setting"
+            )
+            logger.warning("evaluation run %s: %s", run_id, run.error)
+            self._stop_generation(run)
+
+    def _export(self, run: Run) -> None:
+        assert run.eval is not None
+        name = run.spec.display_name or run.run_id
+        self._metrics.eval_reward_mean.labels(name).set(run.eval.reward_mean)
+        self._metrics.eval_policy_version.labels(name).set(run.eval.policy_version)
+        self._metrics.eval_samples.labels(name).set(run.eval.samples)
