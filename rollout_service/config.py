@@ -306,6 +306,10 @@ class ServiceSettings(BaseSettings):
     """gRPC port; 0 picks a free one."""
     metrics_port: int | None = 9400
     """Prometheus /metrics port; None disables, 0 picks a free one."""
+    openai_port: int | None = None
+    """Port of the OpenAI-compatible endpoint that drives runs with prompt_source.external
+    (``edge.openai_api``), on ``host`` with the gRPC port's TLS and tokens; None disables,
+    0 picks a free one."""
     metrics_host: str = "127.0.0.1"
     """Bind address of /metrics, loopback by default: metrics are not authenticated and carry
     run ids as labels, so expose them only to a network your Prometheus alone reaches."""

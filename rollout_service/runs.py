@@ -28,7 +28,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 MAX_DISPLAY_NAME_CHARS = 256
 
-PromptSourceKind = Literal["dataset", "prompts", "submitted"]
+PromptSourceKind = Literal["dataset", "prompts", "submitted", "external"]
 RunState = Literal["running", "stopped", "failed", "completed"]
 AdmissionMode = Literal["staleness", "buffer"]
 
@@ -135,14 +135,19 @@ class RunSpec:
             raise InvalidArgument("prompt_source.prompts is empty; give at least one prompt")
         self._validate_episode()
         self._validate_eval()
+        if self.source_kind == "external" and self.episode.multi_turn:
+            raise InvalidArgument(
+                "episode settings do not apply to a run with prompt_source.external: its client runs the "
+                "conversation and its tools, and sends them with each request; leave episode unset"
+            )
 
     def _validate_eval(self) -> None:
         if self.eval is None:
             return
-        if self.source_kind == "submitted":
+        if self.source_kind in ("submitted", "external"):
             raise InvalidArgument(
                 "an evaluation run needs a finite prompt set: give prompt_source.dataset or prompt_source.prompts, "
-                "not submitted prompts"
+                f"not {self.source_kind} prompts"
             )
         if self.serve_adapter:
             raise InvalidArgument(

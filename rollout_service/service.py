@@ -23,6 +23,7 @@ from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound
 from rollout_service.evaluation import EvalResult, Evaluations
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
+from rollout_service.generation.external import ExternalEpisodes, ExternalSource
 from rollout_service.generation.prompts import (
     BUILTIN_DATASETS,
     CyclingPromptSource,
@@ -152,6 +153,8 @@ class RolloutService:
             stop_generation=self.scheduler.stop_generation,
         )
         self.scheduler.evaluations = self.evaluations
+        self.external = ExternalEpisodes(engine, renderer, self.scheduler.scorer)
+        """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""
         self.adapters: AdapterPublisher | None = None
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
 
@@ -283,6 +286,8 @@ class RolloutService:
     async def _prompt_source(self, spec: RunSpec, tools: list[dict[str, Any]] | None = None) -> PromptSource:
         if spec.source_kind == "submitted":
             return SubmittedPromptSource(self.settings.max_queued_prompts, self.settings.max_queued_prompt_bytes)
+        if spec.source_kind == "external":
+            return ExternalSource()
         prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
         rendered = await self._render(prompts, spec.sampling.max_tokens, tools)
         return OncePromptSource(rendered) if spec.eval is not None else CyclingPromptSource(rendered)

@@ -137,6 +137,11 @@ class RunWatchdog:
             )
         if run.spec.source_kind == "submitted":
             return "no group started: it has no prompts to start (its prompts come from SubmitPrompts)"
+        if run.spec.source_kind == "external":
+            return (
+                "no group completed: its episodes come from the OpenAI-compatible endpoint, and no task has had "
+                f"{run.spec.group_size} episodes closed (is the agent code running?)"
+            )
         return "no group started: admission holds the run back (its buffer and staleness bound, see GetRun's stats)"
 
     def _report(self, run: Run, stall: RunStall | None) -> None:

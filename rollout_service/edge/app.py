@@ -11,13 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
+from rollout_service.edge.openai_api import openai_app
+from rollout_service.edge.security import load_token_table
 from rollout_service.edge.server import set_runs_progressing, set_serving, start_grpc_server
 from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.load_monitor import LoadMonitor
@@ -48,6 +52,8 @@ class RunningService:
     grpc_port: int
     metrics_port: int | None
     engine_urls: list[str]
+    openai_port: int | None = None
+    """The OpenAI-compatible endpoint of external runs; None when off."""
 
     @property
     def grpc_target(self) -> str:
@@ -155,11 +161,12 @@ async def running_service(
             runner, metrics_port = await start_metrics_server(metrics, settings.metrics_host, settings.metrics_port)
             stack.push_async_callback(runner.cleanup)
         grpc_port = await _serve_grpc(service, pool, settings, stack)
+        openai_port = await _serve_openai(service, settings, stack)
         logger.info(
-            "rollout service on %s:%d (model %s, %d slots, engines %s, metrics port %s)",
-            settings.host, grpc_port, model, max_inflight, urls, metrics_port,
+            "rollout service on %s:%d (model %s, %d slots, engines %s, metrics port %s, OpenAI endpoint port %s)",
+            settings.host, grpc_port, model, max_inflight, urls, metrics_port, openai_port,
         )  # fmt: skip
-        yield RunningService(service, grpc_port, metrics_port, urls)
+        yield RunningService(service, grpc_port, metrics_port, urls, openai_port)
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:
@@ -277,6 +284,25 @@ async def _serve_grpc(
 
     stack.push_async_callback(stop_grpc)
     return grpc_port
+
+
+async def _serve_openai(
+    service: RolloutService, settings: ServiceSettings, stack: contextlib.AsyncExitStack
+) -> int | None:
+    """The OpenAI-compatible endpoint of external runs, when ``openai_port`` is set; its port."""
+    if settings.openai_port is None:
+        return None
+    security = settings.security
+    ssl_context = None
+    if security.tls_cert_file is not None and security.tls_key_file is not None:
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(security.tls_cert_file, security.tls_key_file)
+    runner = web.AppRunner(openai_app(service, load_token_table(security)), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.openai_port, ssl_context=ssl_context)
+    await site.start()
+    stack.push_async_callback(runner.cleanup)
+    return runner.addresses[0][1]
 
 
 _health_updates: set[asyncio.Task[None]] = set()

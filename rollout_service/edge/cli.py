@@ -82,6 +82,9 @@ def serve(
     host: Annotated[str | None, typer.Option(help="gRPC bind address")] = None,
     port: Annotated[int | None, typer.Option(help="gRPC port")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port")] = None,
+    openai_port: Annotated[
+        int | None, typer.Option(help="Port of the OpenAI-compatible endpoint of external runs (default: off)")
+    ] = None,
     vllm_url: Annotated[
         list[str] | None, typer.Option(help="A running vLLM server (repeat for several); default: managed")
     ] = None,
@@ -105,6 +108,7 @@ def serve(
         "host": host,
         "port": port,
         "metrics_port": metrics_port,
+        "openai_port": openai_port,
         "log_level": log_level,
     }
     settings = settings_from_cli(config, overrides)

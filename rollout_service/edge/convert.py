@@ -121,7 +121,7 @@ def episode_to_pb(e: EpisodeSpec) -> pb.EpisodeSpec:
 def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
     source = spec.prompt_source.WhichOneof("source")
     if source is None:
-        raise InvalidArgument("prompt_source is not set; choose dataset, prompts or submitted")
+        raise InvalidArgument("prompt_source is not set; choose dataset, prompts, submitted or external")
     if spec.scale_rewards not in _SCALING_FROM_PB:
         raise InvalidArgument(f"scale_rewards {spec.scale_rewards} is not a known AdvantageScaling value")
     if spec.admission not in _ADMISSION_FROM_PB:
@@ -206,6 +206,8 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         out.prompt_source.dataset = spec.dataset
     elif spec.source_kind == "submitted":
         out.prompt_source.submitted.SetInParent()
+    elif spec.source_kind == "external":
+        out.prompt_source.external.SetInParent()
     else:
         out.prompt_source.prompts.SetInParent()  # the prompts themselves are not echoed back
     return out

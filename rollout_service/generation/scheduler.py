@@ -38,6 +38,7 @@ from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinit
 from rollout_service.errors import EngineError, EnvironmentFailure, RewardError
 from rollout_service.evaluation import Evaluations
 from rollout_service.generation.episode import run_episode, run_single_turn, run_single_turn_group
+from rollout_service.generation.external import ExternalSource
 from rollout_service.generation.prompts import OncePromptSource
 from rollout_service.generation.slots import WeightedSlots
 from rollout_service.generation.tools import ToolResult
@@ -117,6 +118,8 @@ class Scheduler:
         self._tasks[run.run_id] = set()
         self._inflight[run.run_id] = {}
         run.admission.on_change(lambda: self._abort_stale(run))
+        if isinstance(run.source, ExternalSource):
+            return  # its episodes come from outside (``generation.external``): nothing to feed
         feeder = self._spawn(run, self._feed(run), f"feed-{run.run_id}")
         feeder.add_done_callback(lambda task: self._feeder_ended(run, task))
 

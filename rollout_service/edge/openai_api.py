@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP endpoint of external runs (``generation.external``).
+
+Any OpenAI client points its ``base_url`` at ``http://HOST:PORT/v1/runs/{run_id}`` and
+drives episodes of that run:
+
+- ``POST /v1/runs/{run_id}/chat/completions``: one assistant turn. The episode is named by
+  the header ``x-rollout-episode-id`` (or the body field ``episode_id``, e.g. the OpenAI
+  client's ``extra_body``), its task by ``x-rollout-task-id`` / ``task_id`` on its first
+  request. ``tools`` are passed to the chat template; tool calls the model writes come back
+  as ``tool_calls``. Each choice carries the generated ids and their logprobs under
+  ``rollout`` (not an OpenAI field; clients ignore it).
+- ``POST /v1/runs/{run_id}/completions``: the same for plain text: ``prompt`` repeats the
+  episode's text so far (previous prompt and completion) and appends what the client adds.
+- ``POST /v1/runs/{run_id}/episodes/{episode_id}/close`` with ``{"reward": r}`` or ``{}``.
+
+Authentication is the gRPC service's: ``Authorization: Bearer <token>`` of a principal in
+``security``, and a run is visible to its owner (and admins) only. Errors are OpenAI's
+shape, ``{"error": {"message", "type", "code"}}``, with the message saying what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from rollout_service.edge.security import Principal, TokenTable
+from rollout_service.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    ServiceError,
+    Unauthenticated,
+)
+from rollout_service.generation.external import TextRequest, TurnReply, TurnRequest
+from rollout_service.runs import Run
+from rollout_service.service import RolloutService
+
+logger = logging.getLogger(__name__)
+
+EPISODE_HEADER = "x-rollout-episode-id"
+TASK_HEADER = "x-rollout-task-id"
+MAX_BODY_BYTES = 16 << 20
+
+_STATUS: list[tuple[type[ServiceError], int, str]] = [
+    (InvalidArgument, 400, "invalid_request_error"),
+    (Unauthenticated, 401, "authentication_error"),
+    (PermissionDenied, 403, "permission_error"),
+    (NotFound, 404, "not_found_error"),
+    (FailedPrecondition, 409, "conflict_error"),
+    (ResourceExhausted, 429, "rate_limit_error"),
+]
+
+
+def openai_app(service: RolloutService, tokens: TokenTable) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
+    endpoint = _Endpoint(service, tokens)
+    app.router.add_post("/v1/runs/{run_id}/chat/completions", endpoint.chat_completions)
+    app.router.add_post("/v1/runs/{run_id}/completions", endpoint.completions)
+    app.router.add_post("/v1/runs/{run_id}/episodes/{episode_id}/close", endpoint.close)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every refusal as OpenAI's error body; anything unexpected is a logged 500, never a traceback on the wire."""
+    try:
+        return await handler(request)
+    except ServiceError as exc:
+        for kind, status, error_type in _STATUS:
+            if isinstance(exc, kind):
+                return _error(status, error_type, str(exc))
+        return _error(400, "invalid_request_error", str(exc))
+    except web.HTTPException:
+        raise
+    except Exception:
+        logger.exception("OpenAI-compatible endpoint: %s %s failed", request.method, request.path)
+        return _error(500, "server_error", "the service failed on this request; its log says why")
+
+
+def _error(status: int, error_type: str, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": error_type, "code": status}}, status=status)
+
+
+class _Endpoint:
+    def __init__(self, service: RolloutService, tokens: TokenTable) -> None:
+        self.service = service
+        self.tokens = tokens
+
+    def _caller(self, request: web.Request) -> Principal:
+        principal = self.tokens.authenticate([("authorization", request.headers.get("Authorization", ""))])
+        if principal is None:
+            raise Unauthenticated("missing or unknown bearer token: send Authorization: Bearer <your token>")
+        return principal
+
+    def _run(self, request: web.Request) -> Run:
+        caller = self._caller(request)
+        run_id = request.match_info["run_id"]
+        run = self.service.runs.get(run_id)
+        if run is None or not (caller.admin or run.owner == caller.name):
+            raise NotFound(f"no run {run_id!r} of yours; create one with prompt_source.external (CreateRun)")
+        return run
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        run = self._run(request)
+        body = await _json_object(request)
+        if body.get("stream"):
+            raise InvalidArgument("stream is not supported: set stream false (the turn comes back whole)")
+        if body.get("n", 1) != 1:
+            raise InvalidArgument("n must be 1: each episode is one conversation (G episodes of a task form a group)")
+        turn = TurnRequest(
+            episode_id=_named(request, body, EPISODE_HEADER, "episode_id", required=True),
+            task_id=_named(request, body, TASK_HEADER, "task_id", required=False),
+            messages=_list(body, "messages"),
+            tools=_list(body, "tools") if body.get("tools") else None,
+            max_tokens=_positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens"),
+            temperature=_number(body, "temperature", 0.0, 2.0),
+            top_p=_number(body, "top_p", 1e-9, 1.0),
+            stop=_stop(body.get("stop")),
+        )
+        reply = await self.service.external.turn(run, turn)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model") or self.service.info.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "finish_reason": reply.finish_reason,
+                        "logprobs": None,
+                        "rollout": {"token_ids": reply.token_ids, "logprobs": reply.logprobs},
+                    }
+                ],
+                "usage": _usage(reply),
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.Response:
+        run = self._run(request)
+        body = await _json_object(request)
+        if body.get("stream"):
+            raise InvalidArgument("stream is not supported: set stream false (the completion comes back whole)")
+        if body.get("n", 1) != 1 or body.get("echo"):
+            raise InvalidArgument("n must be 1 and echo false: each episode is one text")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidArgument("prompt must be one string: the episode's text so far plus what you add")
+        text = TextRequest(
+            episode_id=_named(request, body, EPISODE_HEADER, "episode_id", required=True),
+            task_id=_named(request, body, TASK_HEADER, "task_id", required=False),
+            prompt=prompt,
+            max_tokens=_positive_int(body, "max_tokens"),
+            temperature=_number(body, "temperature", 0.0, 2.0),
+            top_p=_number(body, "top_p", 1e-9, 1.0),
+            stop=_stop(body.get("stop")),
+        )
+        reply = await self.service.external.complete(run, text)
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model") or self.service.info.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": reply.content or "",
+                        "finish_reason": reply.finish_reason,
+                        "logprobs": None,
+                        "rollout": {"token_ids": reply.token_ids, "logprobs": reply.logprobs},
+                    }
+                ],
+                "usage": _usage(reply),
+            }
+        )
+
+    async def close(self, request: web.Request) -> web.Response:
+        run = self._run(request)
+        body = await _json_object(request, allow_empty=True)
+        reward = body.get("reward")
+        if reward is not None and (
+            isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward)
+        ):
+            raise InvalidArgument(f"reward is {reward!r}; give a finite number, or leave it out to score with the run")
+        episode_id = request.match_info["episode_id"]
+        waiting = await self.service.external.close(run, episode_id, None if reward is None else float(reward))
+        return web.json_response({"episode_id": episode_id, "group_complete": waiting == 0, "task_waiting": waiting})
+
+
+def _usage(reply: TurnReply) -> dict[str, int]:
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+async def _json_object(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
+    if allow_empty and not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        raise InvalidArgument("the request body is not JSON; send a JSON object") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    return body
+
+
+def _named(request: web.Request, body: dict[str, Any], header: str, field: str, required: bool) -> str:
+    value = request.headers.get(header) or body.get(field) or ""
+    if not isinstance(value, str) or len(value) > 256:
+        raise InvalidArgument(f"{field} must be a string of at most 256 characters")
+    if required and not value:
+        raise InvalidArgument(
+            f"name the episode: header {header} or body field {field} (OpenAI clients: extra_headers or extra_body)"
+        )
+    return value
+
+
+def _list(body: dict[str, Any], field: str) -> list[Any]:
+    value = body.get(field)
+    if not isinstance(value, list):
+        raise InvalidArgument(f"{field} must be a list")
+    return value
+
+
+def _positive_int(body: dict[str, Any], field: str) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(f"{field} is {value!r}; give a positive integer")
+    return value
+
+
+def _number(body: dict[str, Any], field: str, low: float, high: float) -> float | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise InvalidArgument(f"{field} is {value!r}; give a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 4:
+        raise InvalidArgument("stop must be a string or a list of at most 4 strings")
+    return tuple(stops)

@@ -1,0 +1,490 @@
+"""Episodes driven from outside: agent code talks to an OpenAI-compatible endpoint, and
+the service turns its conversations into training samples.
+
+Why: agents are written against OpenAI's API, in frameworks this project does not know.
+If the service sits behind that API, any of them produces samples, and the samples are
+exact: the service, not the agent, keeps the token ids and behaviour logprobs of every
+turn as vLLM generated them. A later request repeats the conversation so far (as OpenAI
+clients do); the service checks it against what it holds, renders only the messages the
+request adds (tool results, user turns) as the chat template's suffix after an assistant
+turn (``TurnTemplate``, mask 0), and never re-tokenizes the model's turns.
+
+An episode is named by the client and belongs to a task: G episodes of one task form a
+group. Closing an episode optionally gives its reward; a group whose episodes came without
+rewards is scored by the run's reward functions, like a group the service generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rollout_service.generation.episode import TurnTemplate, _Transcript, salted
+from rollout_service.generation.tools import ToolCall, parse_hermes
+from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams, ScoredGroup
+
+if TYPE_CHECKING:
+    from rollout_service.engine.protocol import Engine
+    from rollout_service.generation.prompts import PromptRenderer
+    from rollout_service.runs import Run
+    from rollout_service.scoring.score import GroupScorer
+
+logger = logging.getLogger(__name__)
+
+MAX_OPEN_EPISODES = 10_000
+"""Open episodes per run: each holds its transcript until it is closed."""
+CLIENT_REWARD = "client"
+"""The reward component of rewards given at close."""
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One chat request of an episode, as the endpoint parsed it."""
+
+    episode_id: str
+    task_id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """One text completion request of an episode (``/v1/completions``): ``prompt`` is the
+    episode's text so far (the previous prompt and completion) plus what the client adds."""
+
+    episode_id: str
+    task_id: str
+    prompt: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TurnReply:
+    """The assistant's turn, in the terms of OpenAI's chat completion."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class _OpenEpisode:
+    episode_id: str
+    task_id: str
+    prompt: PromptItem
+    template: TurnTemplate | None
+    """The chat template's turn suffixes; None for a text episode (``/v1/completions``)."""
+    version_first: int
+    known: list[dict[str, Any]]
+    """The conversation so far, as the client must repeat it (its requests and our replies)."""
+    text: str = ""
+    """A text episode's text so far, as the client must repeat it."""
+    transcript: _Transcript = field(default_factory=_Transcript)
+    last_turn_ids: list[int] = field(default_factory=list)
+    version_last: int = 0
+    turns: int = 0
+    finish: FinishReason = "stop"
+    busy: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class _Closed:
+    prompt: PromptItem
+    episode: EpisodeResult
+    reward: float | None
+    started: float
+
+
+class ExternalSource:
+    """The prompt source of an external run: it hands out no prompt (the scheduler starts
+    no feeder for it); it holds the run's open episodes and the closed ones per task until
+    their group is complete."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, _OpenEpisode] = {}
+        self.closed: dict[str, list[_Closed]] = {}
+        self.groups = 0
+
+    async def next(self) -> PromptItem:
+        raise RuntimeError("an external run's episodes come from its OpenAI-compatible endpoint, not from prompts")
+
+    def discard(self) -> None:
+        self.open.clear()
+        self.closed.clear()
+
+
+class ExternalEpisodes:
+    """Runs each turn of an outside episode on the engine, and groups closed episodes."""
+
+    def __init__(self, engine: Engine, renderer: PromptRenderer, scorer: GroupScorer) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.scorer = scorer
+
+    async def turn(self, run: Run, request: TurnRequest) -> TurnReply:
+        """One assistant turn of a chat episode (``/chat/completions``)."""
+        source = _running_source(run)
+        episode = source.open.get(request.episode_id)
+        if episode is None:
+            episode = await self._open(run, source, request)
+        else:
+            _not_busy(episode)
+            self._extend(run, episode, request)
+        episode.busy = True
+        try:
+            return await self._generate(run, episode, request)
+        finally:
+            episode.busy = False
+
+    async def complete(self, run: Run, request: TextRequest) -> TurnReply:
+        """One completion of a text episode (``/completions``): the prompt must repeat the
+        episode's text so far; what it adds is tokenized on its own and masked."""
+        source = _running_source(run)
+        episode = source.open.get(request.episode_id)
+        if episode is None:
+            _check_new(run, source, request.episode_id, request.task_id)
+            ids = await asyncio.to_thread(self.renderer.tokenizer.encode, request.prompt, add_special_tokens=False)
+            if not ids:
+                raise InvalidArgument("prompt is empty; send the text to complete")
+            prompt = PromptItem(source.groups, list(ids), request.prompt)
+            episode = _OpenEpisode(
+                request.episode_id, request.task_id, prompt, None, run.policy_version, [], text=request.prompt
+            )
+            source.open[request.episode_id] = episode
+        else:
+            _not_busy(episode)
+            if episode.template is not None:
+                raise InvalidArgument(
+                    f"episode {episode.episode_id!r} is a chat episode; continue it with chat/completions"
+                )
+            if not request.prompt.startswith(episode.text):
+                raise InvalidArgument(
+                    f"the prompt does not start with the text so far of episode {episode.episode_id!r} "
+                    f"({len(episode.text)} characters: the previous prompt and completion); send it unchanged and "
+                    "append to it"
+                )
+            if added := request.prompt[len(episode.text) :]:
+                ids = await asyncio.to_thread(self.renderer.tokenizer.encode, added, add_special_tokens=False)
+                episode.transcript.add_template(list(ids), [{"role": "user", "content": added}])
+            episode.text = request.prompt
+        episode.busy = True
+        try:
+            completion = await self._sample(
+                run, episode, request.max_tokens, request.temperature, request.top_p, request.stop
+            )
+        finally:
+            episode.busy = False
+        text = self.renderer.decode(completion.token_ids)
+        episode.text += text
+        episode.transcript.messages.append({"role": "assistant", "content": text})
+        reward_text = self.renderer.decode(completion.token_ids, skip_special_tokens=True)
+        episode.transcript.reward_messages.append({"role": "assistant", "content": reward_text})
+        return _reply(episode, completion, text, [])
+
+    async def _open(self, run: Run, source: ExternalSource, request: TurnRequest) -> _OpenEpisode:
+        _check_new(run, source, request.episode_id, request.task_id)
+        _check_messages(request.messages, first=True)
+        tokenizer = self.renderer.tokenizer
+        try:
+            template = TurnTemplate(tokenizer, request.tools)
+            ids = await asyncio.to_thread(
+                tokenizer.apply_chat_template,
+                request.messages,
+                tools=request.tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidArgument(f"the model's chat template cannot render these messages: {exc}") from None
+        text = self.renderer.decode(list(ids))
+        prompt = PromptItem(source.groups, list(ids), text, {}, tuple(dict(m) for m in request.messages))
+        episode = _OpenEpisode(
+            request.episode_id,
+            request.task_id,
+            prompt,
+            template,
+            version_first=run.policy_version,
+            known=[dict(m) for m in request.messages],
+        )
+        source.open[request.episode_id] = episode
+        return episode
+
+    def _extend(self, run: Run, episode: _OpenEpisode, request: TurnRequest) -> None:
+        """Append the messages this request adds after the episode's last assistant turn."""
+        if episode.template is None:
+            raise InvalidArgument(f"episode {episode.episode_id!r} is a text episode; continue it with completions")
+        if request.task_id and request.task_id != episode.task_id:
+            raise InvalidArgument(
+                f"episode {episode.episode_id!r} belongs to task {episode.task_id!r}, not {request.task_id!r}"
+            )
+        messages, known = request.messages, episode.known
+        if len(messages) <= len(known):
+            raise InvalidArgument(
+                f"episode {episode.episode_id!r} has {len(known)} messages and this request sends {len(messages)}: "
+                "repeat the conversation so far and append the new messages (tool results, a user turn)"
+            )
+        for index, (sent, held) in enumerate(zip(messages, known, strict=False)):
+            if not _same_message(sent, held):
+                raise InvalidArgument(
+                    f"message {index} of episode {episode.episode_id!r} differs from the conversation the service "
+                    f"holds ({held.get('role')}: {str(held.get('content'))[:60]!r}); send the conversation as it was, "
+                    "the assistant's replies unchanged, and append new messages"
+                )
+        added = [dict(m) for m in messages[len(known) :]]
+        _check_messages(added, first=False)
+        if any(m.get("role") == "assistant" for m in added):
+            raise InvalidArgument(
+                f"episode {episode.episode_id!r}: a request may add tool, user or system messages, not assistant "
+                "ones: only the model's own turns, generated here, can be trained on"
+            )
+        try:
+            bridge = episode.template.bridge(episode.last_turn_ids, added)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidArgument(f"the model's chat template cannot render the added messages: {exc}") from None
+        episode.transcript.add_template(bridge, added)
+        episode.known.extend(added)
+
+    async def _sample(
+        self,
+        run: Run,
+        episode: _OpenEpisode,
+        max_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        stop: tuple[str, ...],
+    ) -> Completion:
+        """Generate the episode's next turn from all its ids, and record it as generated."""
+        base = run.spec.sampling
+        context = len(episode.prompt.token_ids) + len(episode.transcript.ids)
+        room = self.renderer.max_model_len - context
+        if room <= 0:
+            raise InvalidArgument(
+                f"episode {episode.episode_id!r} holds {context} tokens, the model's whole context "
+                f"({self.renderer.max_model_len}); close it"
+            )
+        params = SamplingParams(
+            max_tokens=min(max_tokens or base.max_tokens, room),
+            temperature=base.temperature if temperature is None else temperature,
+            top_p=base.top_p if top_p is None else top_p,
+            top_k=base.top_k,
+            stop=stop or base.stop,
+            model=run.adapter,
+        )
+        version = run.policy_version
+        completion = await self.engine.generate(
+            episode.prompt.token_ids + episode.transcript.ids, salted(params, version), affinity=episode.episode_id
+        )
+        episode.version_last = run.policy_version
+        episode.transcript.add_generated(completion.token_ids, completion.logprobs)
+        episode.last_turn_ids = list(completion.token_ids)
+        episode.turns += 1
+        episode.finish = completion.finish_reason
+        return completion
+
+    async def _generate(self, run: Run, episode: _OpenEpisode, request: TurnRequest) -> TurnReply:
+        assert episode.template is not None
+        completion = await self._sample(
+            run, episode, request.max_tokens, request.temperature, request.top_p, request.stop
+        )
+        turn_ids = completion.token_ids
+        decode = self.renderer.decode
+        raw = decode(episode.template.content(turn_ids))
+        calls = [call for call in parse_hermes(raw) if isinstance(call, ToolCall)]
+        tool_calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:12]}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+            }
+            for call in calls
+        ]
+        content = raw.split("<tool_call>")[0].strip() if tool_calls else raw
+        reply_message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if tool_calls:
+            reply_message["tool_calls"] = tool_calls
+        episode.known.append(reply_message)
+        episode.transcript.messages.append({"role": "assistant", "content": raw})
+        reward_message: dict[str, Any] = {"role": "assistant", "content": decode(turn_ids, skip_special_tokens=True)}
+        if calls:
+            reward_message["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}} for c in calls
+            ]
+        episode.transcript.reward_messages.append(reward_message)
+        return _reply(episode, completion, content or None, tool_calls)
+
+    async def close(self, run: Run, episode_id: str, reward: float | None) -> int:
+        """End an episode; returns how many episodes of its task wait for their group (0:
+        its group was just completed and put into the run's stream)."""
+        source = _source(run)
+        episode = source.open.get(episode_id)
+        if episode is None:
+            raise NotFound(f"run {run.run_id} has no open episode {episode_id!r}")
+        if episode.busy:
+            raise FailedPrecondition(f"a request of episode {episode_id!r} is still running; close it after")
+        if not episode.turns:
+            raise FailedPrecondition(f"episode {episode_id!r} has no assistant turn yet; nothing to train on")
+        waiting = source.closed.setdefault(episode.task_id, [])
+        if waiting and (waiting[0].reward is None) != (reward is None):
+            given = "without" if waiting[0].reward is None else "with"
+            raise InvalidArgument(
+                f"the episodes of task {episode.task_id!r} so far were closed {given} a reward; close every episode "
+                "of a group the same way (rewards from the client, or from the run's reward functions)"
+            )
+        if waiting and waiting[0].prompt.token_ids != episode.prompt.token_ids:
+            raise InvalidArgument(
+                f"episode {episode_id!r} starts from other messages than the episodes of task {episode.task_id!r} "
+                "closed before it: a group is G samples of one prompt, so give each distinct prompt its own task id"
+            )
+        del source.open[episode_id]
+        waiting.append(_Closed(episode.prompt, _result(episode, self.renderer), reward, episode.started))
+        if len(waiting) < run.spec.group_size:
+            return len(waiting)
+        members = source.closed.pop(episode.task_id)
+        source.groups += 1
+        await self._put_group(run, episode.task_id, members)
+        return 0
+
+    async def _put_group(self, run: Run, task_id: str, members: list[_Closed]) -> None:
+        group_id = f"{run.run_id}/{task_id}/{uuid.uuid4().hex[:8]}"
+        episodes = [m.episode for m in members]
+        seconds = time.monotonic() - min(m.started for m in members)
+        run.counters.groups_started += 1
+        if not await run.broker.reserve():
+            raise FailedPrecondition(f"run {run.run_id} is stopped; its groups are no longer taken")
+        try:
+            if members[0].reward is not None:
+                rewards = [float(m.reward) for m in members]  # type: ignore[arg-type]
+                scored = ScoredGroup(
+                    group_id=group_id,
+                    run_id=run.run_id,
+                    prompt=members[0].prompt,
+                    episodes=episodes,
+                    rewards=rewards,
+                    reward_components={CLIENT_REWARD: rewards},
+                    reward_weights={CLIENT_REWARD: 1.0},
+                    advantages=run.advantages(rewards),
+                    generation_seconds=seconds,
+                    requested_size=run.spec.group_size,
+                )
+            else:
+                scored = await self.scorer.score(run, members[0].prompt, group_id, episodes, seconds)
+        except BaseException:
+            await run.broker.unreserve()
+            run.counters.groups_dropped += 1
+            raise
+        run.counters.groups_scored += 1
+        run.counters.tokens_generated += sum(sum(e.mask) for e in episodes)
+        await run.broker.put(scored)
+        logger.info("external group %s of run %s: %d episodes scored", group_id, run.run_id, len(episodes))
+
+
+def _reply(
+    episode: _OpenEpisode, completion: Completion, content: str | None, tool_calls: list[dict[str, Any]]
+) -> TurnReply:
+    finish = "tool_calls" if tool_calls else ("length" if completion.finish_reason == "length" else "stop")
+    turn_ids = completion.token_ids
+    return TurnReply(
+        content=content,
+        tool_calls=tool_calls,
+        finish_reason=finish,
+        prompt_tokens=len(episode.prompt.token_ids) + len(episode.transcript.ids) - len(turn_ids),
+        completion_tokens=len(turn_ids),
+        token_ids=list(turn_ids),
+        logprobs=list(completion.logprobs),
+    )
+
+
+def _running_source(run: Run) -> ExternalSource:
+    source = _source(run)
+    if run.state != "running":
+        raise FailedPrecondition(f"run {run.run_id} is {run.state}; episodes need a running run")
+    return source
+
+
+def _check_new(run: Run, source: ExternalSource, episode_id: str, task_id: str) -> None:
+    if not task_id:
+        raise InvalidArgument(
+            f"episode {episode_id!r} is new: name its task (header x-rollout-task-id or field task_id); "
+            f"{run.spec.group_size} episodes of one task form a group"
+        )
+    if len(source.open) >= MAX_OPEN_EPISODES:
+        raise ResourceExhausted(
+            f"run {run.run_id} has {len(source.open)} open episodes, its limit; close finished ones"
+        )
+
+
+def _not_busy(episode: _OpenEpisode) -> None:
+    if episode.busy:
+        raise FailedPrecondition(
+            f"a request of episode {episode.episode_id!r} is still running; send its turns one after another"
+        )
+
+
+def _source(run: Run) -> ExternalSource:
+    if not isinstance(run.source, ExternalSource):
+        raise FailedPrecondition(
+            f"run {run.run_id} takes its prompts from its {run.spec.source_kind}; create the run with "
+            "prompt_source.external to drive its episodes through this endpoint"
+        )
+    return run.source
+
+
+def _result(episode: _OpenEpisode, renderer: PromptRenderer) -> EpisodeResult:
+    transcript = episode.transcript
+    return EpisodeResult(
+        completion_ids=list(transcript.ids),
+        logprobs=list(transcript.logprobs),
+        mask=list(transcript.mask),
+        finish_reason=episode.finish,
+        text=renderer.decode(transcript.ids),
+        policy_version_first=episode.version_first,
+        policy_version_last=episode.version_last,
+        num_turns=episode.turns,
+        messages=tuple(transcript.messages),
+        reward_text=renderer.decode(transcript.ids, skip_special_tokens=True),
+        reward_messages=tuple(transcript.reward_messages),
+    )
+
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(messages: list[dict[str, Any]], first: bool) -> None:
+    if first and not messages:
+        raise InvalidArgument("messages is empty; send at least one message")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise InvalidArgument(f"message {index} needs a role, one of {', '.join(_ROLES)}")
+        if first and message["role"] in ("assistant", "tool"):
+            raise InvalidArgument(
+                f"message {index} of a new episode is a {message['role']} message: an episode starts from system "
+                "and user messages, and the model's turns are generated here"
+            )
+
+
+def _same_message(sent: dict[str, Any], held: dict[str, Any]) -> bool:
+    """The client's copy of a message the service holds. Assistant turns compare by role
+    only: their ids are what counts, and clients re-serialize them freely (content None or
+    "", tool-call arguments re-encoded)."""
+    if sent.get("role") != held.get("role"):
+        return False
+    return held.get("role") == "assistant" or (sent.get("content") or "") == (held.get("content") or "")
