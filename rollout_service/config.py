@@ -306,6 +306,9 @@ class ServiceSettings(BaseSettings):
     """gRPC port; 0 picks a free one."""
     metrics_port: int | None = 9400
     """Prometheus /metrics port; None disables, 0 picks a free one."""
+    state_store: str = "memory"
+    """Where runs, their unacked groups and acked ids survive a restart: the path of an SQLite
+    file (WAL; created if missing), or "memory" to keep nothing (``delivery.state_store``)."""
     openai_port: int | None = None
     """Port of the OpenAI-compatible endpoint that drives runs with prompt_source.external
     (``edge.openai_api``), on ``host`` with the gRPC port's TLS and tokens; None disables,

@@ -17,6 +17,7 @@ from typing import Any
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
+from rollout_service.delivery.state_store import MemoryStore, StateStore, run_state
 from rollout_service.delivery.watchdog import RunWatchdog
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -109,9 +110,12 @@ class RolloutService:
         tools: ToolRegistry | None = None,
         environments: EnvironmentRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        store: StateStore | None = None,
     ) -> None:
         self.clock = clock
         self.started = clock()
+        self.store: StateStore = store if store is not None else MemoryStore()
+        """Runs, unacked groups and acked ids, durable across restarts (``delivery.state_store``)."""
         self.renderer = renderer
         self.rewards = rewards
         self.tools = tools if tools is not None else ToolRegistry()
@@ -162,8 +166,10 @@ class RolloutService:
         """The servers now hold base weights of this version. Runs on the base weights share
         it; runs that serve their own adapter count their adapter pushes instead."""
         self.policy_version = version
+        self.store.set_meta("policy_version", version)
         for run in self._runs_on_base_weights():
             run.admission.set_policy_version(version)
+            self.store.save_run_state(run.run_id, run_state(run))
         self.evaluations.version_changed(version)
 
     def set_trainer_version(self, version: int) -> None:
@@ -207,6 +213,39 @@ class RolloutService:
         return max(self.settings.max_inflight, adaptive.max_per_server * len(self.info.engine_urls))
 
     async def create_run(self, spec: RunSpec, owner: str = "") -> Run:
+        run = await self._new_run(spec, owner, Run.new_id())
+        if spec.eval is None:  # an evaluation is pinned to a moment: it is not resumed after a restart
+            self.store.save_run(run.run_id, owner, spec, run_state(run))
+        self._start_run(run)
+        return run
+
+    async def restore(self) -> int:
+        """Start-up: recreate the stored runs with their unacked groups (as if every consumer
+        had left) and their memory of acked ids, and the servers' policy version. Returns the
+        number of runs restored. A run that cannot be recreated (its reward module is gone,
+        say) is logged and dropped from the store."""
+        stored, meta = await asyncio.to_thread(self.store.load)
+        self.set_policy_version(int(meta.get("policy_version", 0)))
+        self.base_weights_run = meta.get("base_weights_run")
+        for saved in stored:
+            try:
+                run = await self._new_run(saved.spec, saved.owner, saved.run_id)
+            except Exception as exc:
+                logger.error("stored run %s cannot be restored (%s); it is dropped", saved.run_id, exc)
+                self.store.delete_run(saved.run_id)
+                continue
+            admission, state = run.admission, saved.state
+            admission.await_version = min(admission.await_version, state.get("await_version", 0))
+            admission.set_trainer_version(max(state.get("trainer_version", 0), self.policy_version))
+            run.broker.restore(saved.groups, saved.acked)
+            self._start_run(run)
+            logger.info(
+                "restored run %s: %d unacked groups, %d acked ids, policy version %d",
+                run.run_id, len(saved.groups), len(saved.acked), run.policy_version,
+            )  # fmt: skip
+        return len(stored)
+
+    async def _new_run(self, spec: RunSpec, owner: str, run_id: str) -> Run:
         spec.validate()
         if len(self.runs) >= self.settings.max_runs:
             raise ResourceExhausted(
@@ -221,7 +260,6 @@ class RolloutService:
             )
         episode = self._episode_config(spec)
         tool_schemas = episode.tools.schemas() if episode is not None and episode.tools is not None else None
-        run_id = Run.new_id()
         source = await self._prompt_source(spec, tool_schemas)
         max_buffered = spec.max_buffered_groups or self.settings.default_max_buffered_groups
         if isinstance(source, OncePromptSource):  # room for the whole set: no consumer has to keep up
@@ -238,10 +276,13 @@ class RolloutService:
         )
         if isinstance(source, OncePromptSource):
             self.evaluations.admit(run, source.size, self.policy_version)
-        self.runs[run_id] = run
-        self.scheduler.start_run(run)
-        logger.info("created run %s (%s, G=%d)", run_id, spec.display_name or spec.source_kind, spec.group_size)
         return run
+
+    def _start_run(self, run: Run) -> None:
+        self.runs[run.run_id] = run
+        self.scheduler.start_run(run)
+        spec = run.spec
+        logger.info("created run %s (%s, G=%d)", run.run_id, spec.display_name or spec.source_kind, spec.group_size)
 
     def _broker(self, run_id: str, spec: RunSpec, max_buffered: int) -> RunBroker:
         version = 0 if spec.serve_adapter else self.policy_version
@@ -256,7 +297,10 @@ class RolloutService:
             doomed_after=spec.max_staleness if self.settings.abort_stale_inflight and trains else None,
         )
         lease_timeout_s = spec.lease_timeout_s or self.settings.lease_timeout_s
-        return RunBroker(run_id, max_buffered, self.metrics, lease_timeout_s=lease_timeout_s, admission=admission)
+        store = self.store if trains else None  # an evaluation is not resumed after a restart: nothing to keep
+        return RunBroker(
+            run_id, max_buffered, self.metrics, lease_timeout_s=lease_timeout_s, admission=admission, store=store
+        )
 
     def _episode_config(self, spec: RunSpec) -> MultiTurnConfig | None:
         """Resolve a multi-turn spec against the registries; unknown names are INVALID_ARGUMENT."""
@@ -337,6 +381,7 @@ class RolloutService:
         if self.adapters is not None:
             await self.adapters.forget(run_id)
         freed = run.broker.discard_all()
+        self.store.delete_run(run_id)
         run.source.discard()
         self.metrics.forget_run(run_id)
         del self.runs[run_id]
@@ -450,6 +495,8 @@ class RolloutService:
                 f"(a serve_adapter run), add this trainer to run {owner.run_id} (rollout-trainer --run-id "
                 f"{owner.run_id} --no-push), use another server pool, or delete run {owner.run_id} first"
             )
+        if self.base_weights_run != run_id:
+            self.store.set_meta("base_weights_run", run_id)
         self.base_weights_run = run_id
 
     async def drain(self, grace_s: float) -> None:

@@ -69,6 +69,11 @@ class ClientSecurity:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
+def unavailable(exc: BaseException) -> bool:
+    """The service could not be reached (it is down or restarting), as opposed to an answer."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
 def _log_stall(stall: pb.RunStall) -> None:
     logger.warning("the service reports the run stalled (%s): %s", pb.StallKind.Name(stall.kind), stall.reason)
 

@@ -122,6 +122,9 @@ class SyncAndAck(TrainerCallback):
         trainer = self.trainer
         assert isinstance(trainer.pusher, WeightPusher)
         self._wait_for_push()
+        if not trainer.feed.connected:  # the service restarts: the push after it reconnects sends these weights
+            logger.warning("the service is unreachable; this step's weights are pushed once it is back")
+            return
         with trainer.clock.measure("push_snapshot"):
             model = trainer.accelerator.unwrap_model(trainer.model)
             snapshot = [(name, tensor.detach().clone()) for name, tensor in policy_weights(model)]

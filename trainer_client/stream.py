@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import GroupStream, RolloutClient
+from trainer_client.client import GroupStream, RolloutClient, unavailable
 from trainer_client.step_timing import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ T = TypeVar("T")
 _WAKE = object()
 """Put in the group queue to wake the training thread for a request of the weights."""
 
+RECONNECT_S = 120.0
+"""How long a trainer waits for a service that went away (a restart) before it fails."""
 ID_MEMORY = 100_000
 """Group ids a feed remembers, like the service's ack memory per run: a duplicate delivery
 comes from a lease that expired or a stream that broke, minutes apart, never 100k groups
@@ -84,7 +86,14 @@ class GroupFeed:
     """One consumer of one run; use ``with GroupFeed(...) as feed``."""
 
     def __init__(
-        self, target: str, run_id: str, consumer_id: str, max_staleness: int, credits: int = 16, timeout_s: float = 30.0
+        self,
+        target: str,
+        run_id: str,
+        consumer_id: str,
+        max_staleness: int,
+        credits: int = 16,
+        timeout_s: float = 30.0,
+        reconnect_s: float = RECONNECT_S,
     ) -> None:
         self.target = target
         self.run_id = run_id
@@ -92,6 +101,11 @@ class GroupFeed:
         self.max_staleness = max_staleness
         self.credits = credits
         self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
+        """How long a lost service is retried for (a restart on a durable state store) before
+        training fails; 0: at once."""
+        self.connected = True
+        """False while the service is unreachable and the feed reconnects: pushes wait."""
         self.current_version = 0
         """The policy version of the last push that committed."""
         self.pushes_in_flight = 0
@@ -102,6 +116,9 @@ class GroupFeed:
         self.counters = FeedCounters()
         self._seen = RecentIds()
         """The group ids taken from the stream: none is trained twice, whatever the service sends."""
+        self._acked: dict[str, RecentIds] = {"trained": RecentIds(), "dropped_stale": RecentIds()}
+        """Ids acked, by status: a duplicate of one is acked again (its first ack may have
+        been lost with a service that restarted)."""
         self.on_weights_wanted: Callable[[str], None] | None = None
         """Set by a trainer that pushes: called on the training thread, between groups, when
         the service asks for the run's weights (a restarted vLLM server waits for them)."""
@@ -169,19 +186,65 @@ class GroupFeed:
 
     async def _open(self) -> None:
         self._client = await RolloutClient(self.target, self.timeout_s).__aenter__()
-        self._stream = self._client.stream(self.run_id, self.consumer_id, credits=self.credits)
-        self._stream.on_weights_wanted = self._weights_requested
-        self._stream.on_stall = self._stalled
-        self._reader = asyncio.ensure_future(self._read(self._stream))
+        self._reader = asyncio.ensure_future(self._read(self._subscribe()))
+
+    def _subscribe(self) -> GroupStream:
+        stream = self.client.stream(self.run_id, self.consumer_id, credits=self.credits)
+        stream.on_weights_wanted = self._weights_requested
+        stream.on_stall = self._stalled
+        self._stream = stream
+        return stream
 
     async def _read(self, stream: GroupStream) -> None:
         try:
-            async for group in stream:
-                self.counters.received += 1
-                await asyncio.to_thread(self._groups.put, group)
+            while True:
+                try:
+                    async for group in stream:
+                        self.counters.received += 1
+                        await asyncio.to_thread(self._groups.put, group)
+                    return
+                except Exception as exc:
+                    if not unavailable(exc) or not self.reconnect_s:
+                        raise
+                    stream = await self._reconnect(exc)
         except BaseException as exc:  # the trainer thread must see why the stream ended
             self._groups.put_nowait(exc)
             raise
+
+    async def _reconnect(self, lost: Exception) -> GroupStream:
+        """The service went away (a restart): retry with backoff for ``reconnect_s``, then
+        subscribe again. A service restarted on its state store has the run and its unacked
+        groups; those this trainer already trained come back once and are acked again, not
+        trained. A service whose version is behind this trainer's asks for a push."""
+        self.connected = False
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + self.reconnect_s, 0.25
+        logger.warning(
+            "the service at %s is unreachable (%s); reconnecting for up to %gs",
+            self.target,
+            lost,
+            self.reconnect_s,
+        )
+        while True:
+            await asyncio.sleep(delay)  # a retry backoff, not synchronisation
+            try:
+                run = await self.client.get_run(self.run_id)
+                break
+            except Exception as exc:
+                if not unavailable(exc) or loop.time() > deadline:
+                    raise
+                delay = min(2 * delay, 4.0)
+        stream = self._subscribe()
+        self.connected = True
+        logger.warning("reconnected to %s: run %s at policy version %d", self.target, self.run_id, run.policy_version)
+        if run.policy_version < self.current_version:
+            self._weights_requested(
+                pb.WeightsWanted(
+                    reason=f"the service came back at policy version {run.policy_version}, behind this trainer's "
+                    f"{self.current_version}"
+                )
+            )
+        return stream
 
     async def _close(self) -> None:
         if self._stream is not None:
@@ -244,13 +307,20 @@ class GroupFeed:
             return item
 
     def _skip_duplicate(self, group_id: str) -> None:
-        """Not trained and not acked (the first copy's ack covers the id); the credit it used
-        is granted back so that the stream does not shrink."""
+        """Not trained again. Acked again if its first copy was acked (that ack may have been
+        lost with a service that restarted; the service ignores a repeat); else the first
+        copy's ack, still to come, covers it. The credit it used is granted back so that the
+        stream does not shrink."""
         self.counters.duplicates += 1
         logger.warning("group %s was delivered again; skipped (it is trained once)", group_id)
         stream = self._stream
         assert stream is not None
-        self._loop.call_soon_threadsafe(stream.grant, 1)
+        if group_id in self._acked["trained"]:
+            self._loop.call_soon_threadsafe(functools.partial(stream.ack, [group_id], pb.ACK_STATUS_TRAINED))
+        elif group_id in self._acked["dropped_stale"]:
+            self._loop.call_soon_threadsafe(functools.partial(stream.ack, [group_id], pb.ACK_STATUS_DROPPED_STALE))
+        else:
+            self._loop.call_soon_threadsafe(stream.grant, 1)
 
     def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
         """Within max_staleness of ``at_version`` (default: ``training_version``) and not older
@@ -262,10 +332,14 @@ class GroupFeed:
         """``version``: the policy version they were trained at (default: the trainer's now)."""
         self.counters.trained += len(group_ids)
         self.counters.trained_group_ids.extend(group_ids)
+        for group_id in group_ids:
+            self._acked["trained"].add(group_id)
         self._ack(group_ids, pb.ACK_STATUS_TRAINED, self.training_version if version is None else version)
 
     def ack_dropped_stale(self, group_ids: list[str]) -> None:
         self.counters.dropped_stale += len(group_ids)
+        for group_id in group_ids:
+            self._acked["dropped_stale"].add(group_id)
         self._ack(group_ids, pb.ACK_STATUS_DROPPED_STALE)
 
     def flush_acks(self, timeout_s: float = 10.0) -> None:

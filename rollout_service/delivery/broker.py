@@ -30,14 +30,18 @@ run's admission (``admission_wait_seconds``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from rollout_service.delivery.admission import RunAdmission
+from rollout_service.delivery.state_store import MemoryStore, StateStore
 from rollout_service.errors import AlreadyExists, FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import ScoredGroup
+
+logger = logging.getLogger(__name__)
 
 ACK_TRAINED = "trained"
 ACK_DROPPED_STALE = "dropped_stale"
@@ -55,8 +59,11 @@ class RunBroker:
         lease_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         admission: RunAdmission | None = None,
+        store: StateStore | None = None,
     ) -> None:
         self.run_id = run_id
+        self.store: StateStore = store if store is not None else MemoryStore()
+        """Where scored groups and acks are made durable (``state_store``)."""
         self.max_buffered = max_buffered
         self.metrics = metrics
         self.lease_timeout_s = lease_timeout_s
@@ -81,6 +88,9 @@ class RunBroker:
         """Reservations waiting for room: only then does an ack need to wake anyone."""
         self.acked: OrderedDict[str, str] = OrderedDict()
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
+        self.restored: set[str] = set()
+        """Ids of groups restored from the store and not yet acked: their consumer before the
+        restart may ack them without holding a lease now (``ack``)."""
         self.deliveries: dict[str, int] = {}
         """Times each group not yet acked has been leased (1: once); a redelivery says so."""
         self.reserved = 0
@@ -153,6 +163,12 @@ class RunBroker:
             self._changed.notify_all()
 
     async def put(self, group: ScoredGroup) -> None:
+        """Buffer a scored group once it is durable: a group a consumer took is never one a
+        restarted service would forget. A store that fails is logged; the group stays in memory."""
+        try:
+            await self.store.put_group(group)
+        except Exception:
+            logger.exception("group %s could not be stored; it is kept in memory only", group.group_id)
         async with self._changed:
             self.reserved -= 1
             self.buffered.append(group)
@@ -254,12 +270,14 @@ class RunBroker:
                 )
             if group_id in self.acked:
                 continue
-            if group_id not in leased:
+            held_before_restart = group_id not in leased and self._take_restored(group_id)
+            if group_id not in leased and not held_before_restart:
                 raise FailedPrecondition(
                     f"group {group_id!r} is not leased to consumer {consumer_id!r}; "
                     "ack only groups this stream received"
                 )
-            del leased[group_id]
+            leased.pop(group_id, None)
+            self.restored.discard(group_id)
             self.lease_deadlines.pop(group_id, None)
             self.deliveries.pop(group_id, None)
             if self.expired_from.get(group_id) == consumer_id:
@@ -269,6 +287,7 @@ class RunBroker:
             if status == ACK_TRAINED:
                 self.admission.trained(trained_at)
             self.metrics.groups_acked.labels(self.run_id, status).inc()
+            self.store.ack(self.run_id, [group_id], status)
             newly += 1
         self._update_gauges()
         if newly and (self._reservers_waiting or self.draining):
@@ -292,6 +311,28 @@ class RunBroker:
             self._update_gauges()
             self._changed.notify_all()
         return len(leased)
+
+    def restore(self, groups: list[ScoredGroup], acked: dict[str, str]) -> None:
+        """A restarted service's stored state: the unacked groups (their leases returned, as
+        if their consumers had left) and the memory of acked ids."""
+        self.buffered.extend(groups)
+        self.restored.update(group.group_id for group in groups)
+        for group_id, status in acked.items():
+            self._remember(self.acked, group_id, status)
+        self._update_gauges()
+
+    def _take_restored(self, group_id: str) -> bool:
+        """A buffered group restored from the store, acked by the consumer that held it before
+        the restart (its trainer trained it and reconnected): out of the buffer, so that it is
+        not handed out again. False if it is no longer buffered, or was not restored."""
+        if group_id not in self.restored:
+            return False
+        for index, group in enumerate(self.buffered):
+            if group.group_id == group_id:
+                del self.buffered[index]
+                self.restored.discard(group_id)
+                return True
+        return False
 
     def discard_all(self) -> int:
         """After ``close`` (the run was deleted): drop every group and the memories of acks,

@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
+from rollout_service.delivery.state_store import open_store
 from rollout_service.edge.openai_api import openai_app
 from rollout_service.edge.security import load_token_table
 from rollout_service.edge.server import set_runs_progressing, set_serving, start_grpc_server
@@ -138,6 +139,8 @@ async def running_service(
             await control.start()
             stack.push_async_callback(control.close)
 
+        store = open_store(settings.state_store)
+        stack.callback(store.close)  # after the service stopped: the last acks are written
         service = RolloutService(
             engine=pool,
             renderer=PromptRenderer(tokenizer, max_model_len),
@@ -147,8 +150,13 @@ async def running_service(
             info=ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight),
             tools=tools,
             environments=environments,
+            store=store,
         )
         stack.push_async_callback(service.close)
+        if restored := await service.restore():
+            logger.info(
+                "restored %d runs from %s (policy version %d)", restored, settings.state_store, service.policy_version
+            )
         if monitor is not None and monitor.capacity is not None:  # adaptive: slots follow the limits
             monitor.on_capacity = service.scheduler.resize
             service.scheduler.resize(monitor.capacity)
@@ -241,6 +249,7 @@ async def _attach_weights(
         controls,
         settings.weight_sync,
         recovery.version_committed,
+        version=service.policy_version,  # a restarted service goes on from its stored version
         metrics=service.metrics,
         on_trainer_version=service.set_trainer_version,
         holds=service.holds,

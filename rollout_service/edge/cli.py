@@ -82,6 +82,10 @@ def serve(
     host: Annotated[str | None, typer.Option(help="gRPC bind address")] = None,
     port: Annotated[int | None, typer.Option(help="gRPC port")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port")] = None,
+    state_store: Annotated[
+        str | None,
+        typer.Option(help="SQLite file where runs and unacked groups survive a restart (default: memory)"),
+    ] = None,
     openai_port: Annotated[
         int | None, typer.Option(help="Port of the OpenAI-compatible endpoint of external runs (default: off)")
     ] = None,
@@ -109,6 +113,7 @@ def serve(
         "port": port,
         "metrics_port": metrics_port,
         "openai_port": openai_port,
+        "state_store": state_store,
         "log_level": log_level,
     }
     settings = settings_from_cli(config, overrides)

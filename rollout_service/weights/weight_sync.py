@@ -93,7 +93,10 @@ class WeightSyncCoordinator:
         self._current: _Update | None = None
         self._last_aborted: _Update | None = None
         self._group: tuple[str, int] | None = None
-        self._epoch = 0  # numbers the joins: each join's rendezvous keys get their own prefix
+        # Numbers the joins: each join's rendezvous keys get their own prefix in the trainer's
+        # store. Started from the clock, so that a restarted service never reuses the epoch of
+        # a join its predecessor made through the same long-lived store (a reconnecting trainer).
+        self._epoch = time.time_ns() // 1_000_000 % 2**31
         self._world_sizes: list[int] | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -192,11 +195,25 @@ class WeightSyncCoordinator:
             self._group = (address, port)
         if mode != "none":  # none: generation goes on while the weights change (see PauseMode)
             await self._phase(update, "pause", *(self._pause(update, server, mode) for server in self.servers))
-        await self._phase(update, "transfer", self._transfer(update_info, control_s, transfer_s))
+        await self._phase(update, "transfer", self._transfer(update_info, control_s, transfer_s, join))
 
-    async def _transfer(self, update_info: dict[str, Any], control_s: float, transfer_s: float) -> None:
-        await asyncio.gather(*(server.start_weight_update(control_s) for server in self.servers))
+    async def _transfer(self, update_info: dict[str, Any], control_s: float, transfer_s: float, join: bool) -> None:
+        await asyncio.gather(*(self._start(server, control_s, join) for server in self.servers))
         await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
+
+    async def _start(self, server: WeightControl, control_s: float, join: bool) -> None:
+        """``/start_weight_update``. A service that died between a transfer and its commit
+        leaves vLLM in the middle of that update ("already active"); a new service's first
+        update (a join) closes it first with ``/finish_weight_update``, which applies
+        nothing: joining dropped what the dead update had received (``vllm_gloo_transfer``)."""
+        try:
+            await server.start_weight_update(control_s)
+        except WeightSyncError as exc:
+            if not join or "already active" not in str(exc):
+                raise
+            logger.warning("%s was left in an unfinished weight update (a restart?); closing it first", server.base_url)
+            await server.finish_weight_update(str(self.version), control_s)
+            await server.start_weight_update(control_s)
 
     async def _phase(self, update: _Update, phase: str, *calls: Awaitable[Any]) -> None:
         """Run one phase on every server at once and record its wall time, failed or not."""

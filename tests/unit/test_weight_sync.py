@@ -265,3 +265,34 @@ async def test_the_watchdog_counts_from_the_last_progress_not_from_begin() -> No
         assert "no progress for 2s after transfer" in (sync._last_aborted.aborted or "")
     finally:
         await sync.close()
+
+
+async def test_a_first_update_closes_one_a_dead_service_left_open_in_vllm() -> None:
+    """Killed between a transfer and its commit, a service leaves vLLM's update active; the
+    next service's first update (a join) finishes it, which applies nothing, and starts its own."""
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock)
+    calls: list[str] = []
+    step = server._step
+
+    async def left_open(name: str) -> None:
+        calls.append(name)
+        if name == "start_weight_update" and calls.count(name) == 1:
+            raise WeightSyncError(server.base_url, "/start_weight_update", "HTTP 500: weight update is already active")
+        await step(name)
+
+    server._step = left_open  # type: ignore[method-assign]
+    sync = coordinator(server, clock, metrics)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        await asyncio.wait_for(server.received.wait(), 5)
+        assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 1
+    finally:
+        await sync.close()
+    assert calls[:5] == [
+        "init_weight_transfer",
+        "start_weight_update",
+        "finish_weight_update",  # closes the dead service's update
+        "start_weight_update",
+        "update_weights",
+    ]

@@ -34,9 +34,11 @@ STEPS, GROUPS_PER_STEP = 4, 2
 
 
 @contextlib.contextmanager
-def service_process(vllm_url: str, tiny_model: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``rollout-service serve`` on the session's vLLM server, killed at the end if still alive."""
-    port = free_port()
+def service_process(
+    vllm_url: str, tiny_model: Path, log: Path, port: int | None = None, *options: str
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``rollout-service serve [options]`` on the session's vLLM server, killed at the end if still alive."""
+    port = port or free_port()
     env = dict(
         os.environ,
         ROLLOUT_ENGINE__TOKENIZER=str(tiny_model),
@@ -45,7 +47,7 @@ def service_process(vllm_url: str, tiny_model: Path, log: Path) -> Iterator[tupl
         ROLLOUT_WEIGHT_SYNC__TRANSFER_TIMEOUT_S="8",  # vLLM's side of a broken transfer gives up soon
     )
     command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--vllm-url", vllm_url]
-    command += ["--port", str(port), "--metrics-port", "0"]
+    command += ["--port", str(port), "--metrics-port", "0", *options]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

@@ -1,0 +1,254 @@
+"""Durable service state: runs, their scored groups not yet acked, and the acked ids, in an
+embedded SQLite database (WAL), so that a restarted service loses nothing.
+
+Why here: groups are the expensive part of a run (minutes of vLLM time each, at scale), and
+they live in the broker until a trainer acks them. A service that restarts (a crash, a
+deploy) used to drop them all, and the trainers had to start over.
+
+What is written, and when (one writer thread, batched: a transaction per flush, so the
+stream is not slowed by a commit per group):
+
+- a run when it is created (its spec and owner) and its state and versions as they change;
+- a scored group before a consumer can take it: ``put_group`` returns once the group is
+  on disk, so a group handed out is never one a restart would forget;
+- an ack as it arrives (a kill within the flush interval may forget the last acks; those
+  groups come back once, and trainers skip a group id they trained: ``GroupFeed``);
+- a run's rows go when it is deleted.
+
+Leases are not stored: after a restart every unacked group is buffered again, as if its
+consumer had left. ``MemoryStore`` keeps today's behaviour (nothing survives a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import sqlite3
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rollout_service.types import ScoredGroup
+
+if TYPE_CHECKING:
+    from rollout_service.runs import Run
+
+logger = logging.getLogger(__name__)
+
+FLUSH_INTERVAL_S = 0.001
+"""How long the writer gathers writes into one transaction (after the first one waits)."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, created REAL, owner TEXT, spec BLOB, state BLOB);
+CREATE TABLE IF NOT EXISTS groups (group_id TEXT PRIMARY KEY, run_id TEXT, seq INTEGER, body BLOB);
+CREATE INDEX IF NOT EXISTS groups_by_run ON groups (run_id, seq);
+CREATE TABLE IF NOT EXISTS acked (run_id TEXT, group_id TEXT, status TEXT, PRIMARY KEY (run_id, group_id));
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
+"""
+
+
+@dataclass
+class StoredRun:
+    """A run as the store had it: enough to recreate it, its buffer and its ack memory."""
+
+    run_id: str
+    owner: str
+    spec: Any
+    """The ``RunSpec`` it was created with."""
+    state: dict[str, Any]
+    """State that changes: ``policy_version``, ``trainer_version``, ``state``, ``error``."""
+    groups: list[ScoredGroup] = field(default_factory=list)
+    """Scored and not acked, oldest first."""
+    acked: dict[str, str] = field(default_factory=dict)
+
+
+class StateStore(Protocol):
+    """What the service writes as it goes and reads back at start-up."""
+
+    def load(self) -> tuple[list[StoredRun], dict[str, Any]]: ...
+
+    def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None: ...
+
+    def save_run_state(self, run_id: str, state: dict[str, Any]) -> None: ...
+
+    def delete_run(self, run_id: str) -> None: ...
+
+    async def put_group(self, group: ScoredGroup) -> None: ...
+
+    def ack(self, run_id: str, group_ids: list[str], status: str) -> None: ...
+
+    def set_meta(self, key: str, value: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """Nothing is kept: a restarted service starts empty (``state_store: memory``)."""
+
+    def load(self) -> tuple[list[StoredRun], dict[str, Any]]:
+        return [], {}
+
+    def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None:
+        pass
+
+    def save_run_state(self, run_id: str, state: dict[str, Any]) -> None:
+        pass
+
+    def delete_run(self, run_id: str) -> None:
+        pass
+
+    async def put_group(self, group: ScoredGroup) -> None:
+        pass
+
+    def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
+        pass
+
+    def set_meta(self, key: str, value: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_Write = tuple[str, tuple[Any, ...]]
+
+
+class SqliteStore:
+    """The state in one SQLite file (WAL), written by one thread in batched transactions."""
+
+    def __init__(self, path: Path, flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.flush_interval_s = flush_interval_s
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash of the process loses nothing committed
+        self._db.executescript(_SCHEMA)
+        self._pending: list[tuple[_Write, Future[None] | None]] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._seq = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM groups").fetchone()[0])
+        self.flushes = 0
+        self.writes = 0
+        self._writer = threading.Thread(target=self._write_loop, name="state-store", daemon=True)
+        self._writer.start()
+
+    # -- reading (at start-up, before the writer has work) ---------------------------------
+    def load(self) -> tuple[list[StoredRun], dict[str, Any]]:
+        db = self._db
+        db.execute("DELETE FROM groups WHERE group_id IN (SELECT group_id FROM acked)")
+        runs: dict[str, StoredRun] = {}
+        for run_id, owner, spec, state in db.execute("SELECT run_id, owner, spec, state FROM runs ORDER BY created"):
+            runs[run_id] = StoredRun(run_id, owner, pickle.loads(spec), pickle.loads(state))
+        for run_id, body in db.execute("SELECT run_id, body FROM groups ORDER BY seq"):
+            if run_id in runs:
+                runs[run_id].groups.append(pickle.loads(body))
+        for run_id, group_id, status in db.execute("SELECT run_id, group_id, status FROM acked"):
+            if run_id in runs:
+                runs[run_id].acked[group_id] = status
+        meta = {key: pickle.loads(value) for key, value in db.execute("SELECT key, value FROM meta")}
+        return list(runs.values()), meta
+
+    # -- writing -------------------------------------------------------------------------
+    def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None:
+        self._enqueue(
+            "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?)",
+            (run_id, time.time(), owner, pickle.dumps(spec), pickle.dumps(state)),
+        )
+
+    def save_run_state(self, run_id: str, state: dict[str, Any]) -> None:
+        self._enqueue("UPDATE runs SET state = ? WHERE run_id = ?", (pickle.dumps(state), run_id))
+
+    def delete_run(self, run_id: str) -> None:
+        for table in ("runs", "groups", "acked"):
+            self._enqueue(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+
+    async def put_group(self, group: ScoredGroup) -> None:
+        """Returns once the group is committed: only then may a consumer take it."""
+        self._seq += 1
+        body = pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
+        done: Future[None] = Future()
+        self._enqueue(
+            "INSERT OR REPLACE INTO groups VALUES (?, ?, ?, ?)", (group.group_id, group.run_id, self._seq, body), done
+        )
+        await asyncio.wrap_future(done)
+
+    def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
+        """One small row per ack; the acked group's own row goes at the next start-up
+        (``load``), which is cheaper than deleting a 4 KB row per ack on the stream's path."""
+        for group_id in group_ids:
+            self._enqueue("INSERT OR REPLACE INTO acked VALUES (?, ?, ?)", (run_id, group_id, status))
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self._enqueue("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, pickle.dumps(value)))
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer and close the file."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._writer.join(timeout=10)
+        self._db.close()
+
+    def _enqueue(self, sql: str, args: tuple[Any, ...], done: Future[None] | None = None) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the state store is closed")
+            self._pending.append(((sql, args), done))
+            self._lock.notify()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                if not self._pending and self._closed:
+                    return
+            time.sleep(self.flush_interval_s)  # gather the writes of this interval into one transaction
+            with self._lock:
+                batch, self._pending = self._pending, []
+            self._flush(batch)
+
+    def _flush(self, batch: list[tuple[_Write, Future[None] | None]]) -> None:
+        error: BaseException | None = None
+        try:
+            self._db.execute("BEGIN")
+            for (sql, args), _ in batch:
+                self._db.execute(sql, args)
+            self._db.execute("COMMIT")
+            self.flushes += 1
+            self.writes += len(batch)
+        except sqlite3.Error as exc:  # a full disk, say: the service goes on in memory, loudly
+            error = exc
+            logger.error("state store: a batch of %d writes failed (%s); they are not durable", len(batch), exc)
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+        for _, done in batch:
+            if done is not None and not done.done():
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
+
+
+def open_store(setting: str) -> StateStore:
+    """``memory`` or the path of the SQLite file (created if missing)."""
+    if setting == "memory":
+        return MemoryStore()
+    return SqliteStore(Path(setting))
+
+
+def run_state(run: Run) -> dict[str, Any]:
+    """The parts of a run that change, as the store keeps them."""
+    admission = run.admission
+    return {
+        "state": run.state,
+        "error": run.error,
+        "policy_version": admission.policy_version,
+        "trainer_version": admission.trainer_version,
+        "await_version": admission.await_version,
+    }

@@ -1,0 +1,94 @@
+"""Durable state: the SQLite store's round trip, and a service restarted on it getting its
+runs, unacked groups (leases returned), acked ids and policy version back. A scripted
+engine stands in for vLLM; the kill -9 proof is tests/integration/faults/test_service_restart.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+from rollout_service.delivery.state_store import MemoryStore, SqliteStore, open_store
+from rollout_service.evaluation import EvalSpec
+from rollout_service.generation.prompts import PromptSpec
+from rollout_service.runs import RunSpec
+from rollout_service.types import SamplingParams
+from tests.support import wait_until
+from tests.unit.scripted import ScriptedEngine, make_service
+
+
+def spec(**kw) -> RunSpec:  # type: ignore[no-untyped-def]
+    return RunSpec(
+        source_kind="prompts",
+        prompts=(PromptSpec(token_ids=[1, 2]), PromptSpec(token_ids=[3])),
+        sampling=SamplingParams(max_tokens=4),
+        group_size=2,
+        rewards=(("completion_length", 1.0),),
+        display_name="durable",
+        **kw,
+    )
+
+
+def durable_service(path: Path, max_buffered: int = 4):  # type: ignore[no-untyped-def]
+    service = make_service(ScriptedEngine(), max_buffered=max_buffered)
+    service.store = SqliteStore(path)
+    return service
+
+
+async def test_a_restarted_service_gets_its_runs_unacked_groups_and_acked_ids_back(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = durable_service(path)
+    first.set_policy_version(3)
+    run = await first.create_run(spec())
+    gone = await first.create_run(spec())
+    await wait_until(lambda: len(run.broker.buffered) == 4, 5, "a full buffer")
+    run.broker.subscribe("trainer")
+    taken = [await asyncio.wait_for(run.broker.take("trainer"), 5) for _ in range(3)]
+    run.broker.ack("trainer", [taken[0].group_id], "trained")  # 2 stay leased, 1+ buffered
+    await first.delete_run(gone.run_id)
+    await wait_until(lambda: len(run.broker.buffered) >= 1, 5, "the buffer to refill")
+    unacked = {g.group_id for g in run.broker.buffered} | {g.group_id for g in taken[1:]}
+    for r in list(first.runs.values()):
+        await first.scheduler.stop_run(r)  # stop generating before the store is read back
+    first.store.close()  # the writer flushes what is queued
+
+    second = durable_service(path)
+    assert await second.restore() == 1
+    assert second.policy_version == 3 and list(second.runs) == [run.run_id]
+    restored = second.runs[run.run_id]
+    assert restored.spec == run.spec and restored.policy_version == 3
+    held = {g.group_id for g in restored.broker.buffered}
+    assert unacked <= held  # every unacked group is back, the leased ones returned
+    assert taken[0].group_id not in held and restored.broker.acked == {taken[0].group_id: "trained"}
+    restored.broker.subscribe("trainer")
+    again = await asyncio.wait_for(restored.broker.take("trainer"), 5)
+    assert again.group_id in unacked and again.episodes[0].completion_ids == [7, 7, 7, 7]
+    # The trainer that held a group before the restart trained it and acks it without a
+    # lease now: taken, and out of the buffer, so nobody trains it again.
+    late = next(g.group_id for g in restored.broker.buffered if g.group_id in unacked)
+    assert restored.broker.ack("trainer", [late], "trained") == 1
+    assert late not in {g.group_id for g in restored.broker.buffered}
+    await second.delete_run(run.run_id)
+    second.store.close()
+    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
+
+
+async def test_a_store_write_is_durable_when_put_group_returns(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db", flush_interval_s=0.001)
+    service = make_service(ScriptedEngine(), max_buffered=1)
+    service.store = store
+    run = await service.create_run(spec())
+    await wait_until(lambda: len(run.broker.buffered) == 1, 5, "a group")
+    reader = sqlite3.connect(tmp_path / "state.db")  # another connection sees it committed
+    [(group_id,)] = reader.execute("SELECT group_id FROM groups").fetchall()
+    assert group_id == run.broker.buffered[0].group_id
+    await service.delete_run(run.run_id)
+    store.close()
+
+
+async def test_evaluation_runs_are_not_resumed_and_memory_keeps_nothing(tmp_path: Path) -> None:
+    service = durable_service(tmp_path / "state.db")
+    await service.create_run(spec(eval=EvalSpec()))
+    service.store.close()
+    assert SqliteStore(tmp_path / "state.db").load() == ([], {})
+    assert isinstance(open_store("memory"), MemoryStore) and MemoryStore().load() == ([], {})
