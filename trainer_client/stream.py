@@ -222,7 +222,7 @@ class GroupFeed:
         logger.warning(
             "the service at %s is unreachable (%s); reconnecting for up to %gs",
             self.target,
-            lost,
+            lost.details() if hasattr(lost, "details") else lost,
             self.reconnect_s,
         )
         while True:
