@@ -245,6 +245,16 @@ class RolloutService:
             )  # fmt: skip
         return len(stored)
 
+    async def restore_adapters(self) -> None:
+        """After ``restore`` and once the adapter publisher is attached: each restored
+        serve_adapter run serves its newest adapter on disk again, at its version."""
+        if self.adapters is None:
+            return
+        for run in self.runs.values():
+            if run.spec.serve_adapter and (version := await self.adapters.restore(run.run_id)):
+                run.adapter = self.adapters.current(run.run_id)
+                run.admission.set_policy_version(version)
+
     async def _new_run(self, spec: RunSpec, owner: str, run_id: str) -> Run:
         spec.validate()
         if len(self.runs) >= self.settings.max_runs:

@@ -163,6 +163,7 @@ async def running_service(
         watchdog = asyncio.create_task(service.watch_runs(), name="run-watchdog")
         stack.push_async_callback(_cancelled, watchdog)
         await _attach_weights(service, pool, controls, settings, managed, stack)
+        await service.restore_adapters()  # restored serve_adapter runs get their adapters back
 
         metrics_port = None
         if settings.metrics_port is not None:

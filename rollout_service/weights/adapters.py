@@ -151,6 +151,28 @@ class AdapterPublisher:
                 await server.load_lora_adapter(state.name, str(state.paths[state.name].resolve()), self.timeout_s)
             logger.info("run %s's adapter %s loaded again on %s", run_id, state.name, url)
 
+    async def restore(self, run_id: str) -> int:
+        """A restarted service: the run's newest adapter on disk (``<dir>/<run_id>/v<N>/``, the
+        record of its versions) becomes its adapter again, loaded on every server (a server
+        that kept it loaded refuses the name, which is fine). Returns its version, 0 if none."""
+        versions = sorted(
+            int(path.name[1:])
+            for path in (self.root / run_id).glob("v*")
+            if path.name[1:].isdigit() and (path / CONFIG_FILE).exists()
+        )
+        if not versions:
+            return 0
+        version = versions[-1]
+        name, path = adapter_name(run_id, version), self.root / run_id / f"v{version}"
+        for server in self.servers:
+            try:
+                await server.load_lora_adapter(name, str(path.resolve()), self.timeout_s)
+            except WeightSyncError as exc:
+                logger.info("%s: adapter %s not loaded again (%s); it is already there", server.base_url, name, exc)
+        self.runs[run_id] = RunAdapter(version=version, name=name, paths={name: path})
+        logger.info("run %s serves adapter %s again after the restart", run_id, name)
+        return version
+
     async def forget(self, run_id: str) -> None:
         """The run is deleted: unload its adapters and remove their files."""
         state = self.runs.pop(run_id, None)

@@ -96,3 +96,16 @@ async def test_a_restarted_server_gets_each_runs_current_adapter_again(tmp_path:
     assert set(servers[1].loaded) == {"run@v2", "other@v1"}  # the current ones; v1 only served requests in flight
     assert all(written(path) for path in servers[1].loaded.values())
     assert set(servers[0].loaded) == {"run@v1", "run@v2", "other@v1"}  # the other server is left alone
+
+
+async def test_a_restarted_service_serves_each_runs_newest_adapter_on_disk_again(tmp_path: Path) -> None:
+    before = AdapterPublisher(tmp_path, [ScriptedServer("http://a")], timeout_s=5)  # type: ignore[arg-type]
+    for _ in range(3):
+        await before.publish("run", ADAPTER)
+    server = ScriptedServer("http://a", refuse={"run@v3"})  # kept it loaded: vLLM refuses the name
+    fresh = ScriptedServer("http://b")  # restarted too: holds nothing
+    after = AdapterPublisher(tmp_path, [server, fresh], timeout_s=5)  # type: ignore[arg-type]
+    assert await after.restore("run") == 3 and after.current("run") == "run@v3"
+    assert set(fresh.loaded) == {"run@v3"} and written(fresh.loaded["run@v3"])
+    assert await after.restore("never-pushed") == 0 and after.current("never-pushed") is None
+    assert await after.publish("run", ADAPTER) == 4  # versions go on

@@ -13,8 +13,10 @@ from rollout_service.evaluation import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
+from rollout_service.weights.adapters import AdapterPublisher
 from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
+from tests.unit.test_adapters import ADAPTER, ScriptedServer
 
 
 def spec(**kw) -> RunSpec:  # type: ignore[no-untyped-def]
@@ -92,3 +94,25 @@ async def test_evaluation_runs_are_not_resumed_and_memory_keeps_nothing(tmp_path
     service.store.close()
     assert SqliteStore(tmp_path / "state.db").load() == ([], {})
     assert isinstance(open_store("memory"), MemoryStore) and MemoryStore().load() == ([], {})
+
+
+async def test_a_restored_adapter_run_serves_its_newest_adapter_at_its_version(tmp_path: Path) -> None:
+    path, adapters = tmp_path / "state.db", tmp_path / "adapters"
+    first = durable_service(path)
+    first.adapters = AdapterPublisher(adapters, [ScriptedServer("http://a")], timeout_s=5)  # type: ignore[list-item]
+    run = await first.create_run(spec(serve_adapter=True))
+    for _ in range(2):
+        await first.publish_adapter(run.run_id, ADAPTER)
+    await first.scheduler.stop_run(run)
+    first.store.close()
+
+    second = durable_service(path)
+    server = ScriptedServer("http://a")
+    second.adapters = AdapterPublisher(adapters, [server], timeout_s=5)  # type: ignore[list-item]
+    await second.restore()
+    await second.restore_adapters()
+    restored = second.runs[run.run_id]
+    assert (restored.adapter, restored.policy_version) == (f"{run.run_id}@v2", 2)
+    assert set(server.loaded) == {f"{run.run_id}@v2"}
+    await second.delete_run(run.run_id)
+    second.store.close()
