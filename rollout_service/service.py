@@ -157,7 +157,7 @@ class RolloutService:
             stop_generation=self.scheduler.stop_generation,
         )
         self.scheduler.evaluations = self.evaluations
-        self.external = ExternalEpisodes(engine, renderer, self.scheduler.scorer)
+        self.external = ExternalEpisodes(engine, renderer, self.scheduler.scorer, metrics)
         """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""
         self.adapters: AdapterPublisher | None = None
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""

@@ -191,7 +191,7 @@ class MultiTurnConfig:
         return {"executor": self.environment_executor, "timeout_s": self.environment_timeout_s}
 
 
-class _Transcript:
+class Transcript:
     """The growing completion: ids, behaviour logprobs, mask and the conversation as messages
     (as the template renders them, and as reward functions see them)."""
 
@@ -230,7 +230,7 @@ class _Episode:
         self.on_tool_result = on_tool_result
         self.environment = config.environment() if config.environment is not None else None
         self.env_reward: float | None = 0.0 if self.environment is not None else None
-        self.transcript = _Transcript()
+        self.transcript = Transcript()
         self.turns = self.tool_calls = self.tool_failures = 0
 
     def room(self) -> tuple[float, FinishReason]:

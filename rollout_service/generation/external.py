@@ -24,14 +24,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from rollout_service.generation.episode import TurnTemplate, _Transcript, salted
+from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError
+from rollout_service.generation.episode import Transcript, TurnTemplate, salted
 from rollout_service.generation.tools import ToolCall, parse_hermes
 from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams, ScoredGroup
 
 if TYPE_CHECKING:
     from rollout_service.engine.protocol import Engine
     from rollout_service.generation.prompts import PromptRenderer
+    from rollout_service.metrics import ServiceMetrics
     from rollout_service.runs import Run
     from rollout_service.scoring.score import GroupScorer
 
@@ -96,7 +97,7 @@ class _OpenEpisode:
     """The conversation so far, as the client must repeat it (its requests and our replies)."""
     text: str = ""
     """A text episode's text so far, as the client must repeat it."""
-    transcript: _Transcript = field(default_factory=_Transcript)
+    transcript: Transcript = field(default_factory=Transcript)
     last_turn_ids: list[int] = field(default_factory=list)
     version_last: int = 0
     turns: int = 0
@@ -134,10 +135,11 @@ class ExternalSource:
 class ExternalEpisodes:
     """Runs each turn of an outside episode on the engine, and groups closed episodes."""
 
-    def __init__(self, engine: Engine, renderer: PromptRenderer, scorer: GroupScorer) -> None:
+    def __init__(self, engine: Engine, renderer: PromptRenderer, scorer: GroupScorer, metrics: ServiceMetrics) -> None:
         self.engine = engine
         self.renderer = renderer
         self.scorer = scorer
+        self.metrics = metrics
 
     async def turn(self, run: Run, request: TurnRequest) -> TurnReply:
         """One assistant turn of a chat episode (``/chat/completions``)."""
@@ -368,6 +370,7 @@ class ExternalEpisodes:
         episodes = [m.episode for m in members]
         seconds = time.monotonic() - min(m.started for m in members)
         run.counters.groups_started += 1
+        self.metrics.groups_started.labels(run.run_id).inc()
         if not await run.broker.reserve():
             raise FailedPrecondition(f"run {run.run_id} is stopped; its groups are no longer taken")
         try:
@@ -387,11 +390,20 @@ class ExternalEpisodes:
                 )
             else:
                 scored = await self.scorer.score(run, members[0].prompt, group_id, episodes, seconds)
-        except BaseException:
+        except RewardError as exc:
             await run.broker.unreserve()
             run.counters.groups_dropped += 1
+            self.metrics.groups_dropped.labels(run.run_id, "reward").inc()
+            logger.warning("external group %s of run %s could not be scored: %s", group_id, run.run_id, exc)
+            raise FailedPrecondition(
+                f"the group of task {task_id!r} could not be scored by the run's reward functions ({exc}); it is "
+                'dropped and counted (dropped{reason="reward"})'
+            ) from None
+        except BaseException:
+            await run.broker.unreserve()
             raise
         run.counters.groups_scored += 1
+        self.metrics.groups_scored.labels(run.run_id).inc()
         run.counters.tokens_generated += sum(sum(e.mask) for e in episodes)
         await run.broker.put(scored)
         logger.info("external group %s of run %s: %d episodes scored", group_id, run.run_id, len(episodes))

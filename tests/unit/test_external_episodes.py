@@ -71,13 +71,8 @@ def service_for(tokenizer: Any, engine: ScriptEngine) -> RolloutService:
 
 
 def external(group_size: int = 2, **kw: Any) -> RunSpec:
-    return RunSpec(
-        source_kind="external",
-        group_size=group_size,
-        rewards=(("completion_length", 1.0),),
-        sampling=SamplingParams(max_tokens=32),
-        **kw,
-    )
+    kw.setdefault("rewards", (("completion_length", 1.0),))
+    return RunSpec(source_kind="external", group_size=group_size, sampling=SamplingParams(max_tokens=32), **kw)
 
 
 def turn(episode: str, messages: list[dict[str, Any]], task: str = "t1", **kw: Any) -> TurnRequest:
@@ -214,3 +209,21 @@ async def test_the_http_layer_answers_in_openai_error_form_with_the_grpc_tokens(
         assert reply["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
         assert reply["choices"][0]["finish_reason"] == "stop"
         assert reply["usage"]["completion_tokens"] == len(reply["choices"][0]["rollout"]["token_ids"])
+
+
+async def test_a_group_the_runs_rewards_cannot_score_is_dropped_counted_and_said(tokenizer: Any) -> None:
+    service = service_for(tokenizer, ScriptEngine(tokenizer, ["a", "b"]))
+
+    def boom(completions: list[Any], **kwargs: Any) -> list[float]:
+        raise ValueError("no answer column")
+
+    service.rewards.register("boom", boom)
+    run = await service.create_run(external(rewards=(("boom", 1.0),)))
+    for episode in ("e1", "e2"):
+        await service.external.turn(run, turn(episode, QUESTION))
+    await service.external.close(run, "e1", None)
+    with pytest.raises(FailedPrecondition, match="could not be scored by the run's reward functions"):
+        await service.external.close(run, "e2", None)
+    assert run.counters.groups_dropped == 1 and not run.broker.buffered and run.broker.reserved == 0
+    sample = service.metrics.registry.get_sample_value
+    assert sample("rollout_groups_dropped_total", {"run": run.run_id, "reason": "reward"}) == 1
