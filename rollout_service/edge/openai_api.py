@@ -8,7 +8,8 @@ drives episodes of that run:
   client's ``extra_body``), its task by ``x-rollout-task-id`` / ``task_id`` on its first
   request. ``tools`` are passed to the chat template; tool calls the model writes come back
   as ``tool_calls``. Each choice carries the generated ids and their logprobs under
-  ``rollout`` (not an OpenAI field; clients ignore it).
+  ``rollout`` (not an OpenAI field; clients ignore it). ``stream: true`` sends the turn as
+  server-sent chunks once it is generated.
 - ``POST /v1/runs/{run_id}/completions``: the same for plain text: ``prompt`` repeats the
   episode's text so far (previous prompt and completion) and appends what the client adds.
 - ``POST /v1/runs/{run_id}/episodes/{episode_id}/close`` with ``{"reward": r}`` or ``{}``.
@@ -20,6 +21,7 @@ shape, ``{"error": {"message", "type", "code"}}``, with the message saying what 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -107,11 +109,9 @@ class _Endpoint:
             raise NotFound(f"no run {run_id!r} of yours; create one with prompt_source.external (CreateRun)")
         return run
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         run = self._run(request)
         body = await _json_object(request)
-        if body.get("stream"):
-            raise InvalidArgument("stream is not supported: set stream false (the turn comes back whole)")
         if body.get("n", 1) != 1:
             raise InvalidArgument("n must be 1: each episode is one conversation (G episodes of a task form a group)")
         turn = TurnRequest(
@@ -125,6 +125,9 @@ class _Endpoint:
             stop=_stop(body.get("stop")),
         )
         reply = await self.service.external.turn(run, turn)
+        model = body.get("model") or self.service.info.model
+        if body.get("stream"):
+            return await _stream_turn(request, reply, model)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
@@ -133,7 +136,7 @@ class _Endpoint:
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": body.get("model") or self.service.info.model,
+                "model": model,
                 "choices": [
                     {
                         "index": 0,
@@ -197,6 +200,32 @@ class _Endpoint:
         episode_id = request.match_info["episode_id"]
         waiting = await self.service.external.close(run, episode_id, None if reward is None else float(reward))
         return web.json_response({"episode_id": episode_id, "group_complete": waiting == 0, "task_waiting": waiting})
+
+
+async def _stream_turn(request: web.Request, reply: TurnReply, model: str) -> web.StreamResponse:
+    """``stream: true``, as server-sent events of ``chat.completion.chunk``: the turn is
+    generated whole first (the sample needs all of it), then sent as a role-and-content
+    chunk, a tool-calls chunk if any, and a final chunk with the finish reason, usage and
+    ``rollout`` (ids and logprobs); then ``[DONE]``. Clients that always stream work as they are."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time())}
+    head["model"] = model
+
+    async def send(delta: dict[str, Any], **extra: Any) -> None:
+        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None, **extra}
+        chunk = {**head, "choices": [choice]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+    await send({"role": "assistant", "content": reply.content or ""})
+    if reply.tool_calls:
+        await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]})
+    rollout = {"token_ids": reply.token_ids, "logprobs": reply.logprobs}
+    final = {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish_reason, "rollout": rollout}]}
+    await response.write(f"data: {json.dumps({**final, 'usage': _usage(reply)})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 def _usage(reply: TurnReply) -> dict[str, int]:

@@ -141,6 +141,14 @@ async def test_an_openai_client_drives_a_tool_episode_into_an_exact_sample(
             if m:
                 assert entry[str(token)]["logprob"] == pytest.approx(lp, abs=2e-3)
         assert len(other) == 2
+        # A client that streams gets the same turn as chunks.
+        stream = await openai.chat.completions.create(
+            model="tiny", messages=QUESTION, tools=TOOLS, max_tokens=8, stream=True,
+            extra_headers={"x-rollout-episode-id": "e3", "x-rollout-task-id": "t2"},
+        )  # fmt: skip
+        chunks = [chunk async for chunk in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 async def test_the_endpoint_refuses_what_cannot_make_an_exact_sample(

@@ -211,6 +211,25 @@ async def test_the_http_layer_answers_in_openai_error_form_with_the_grpc_tokens(
         assert reply["usage"]["completion_tokens"] == len(reply["choices"][0]["rollout"]["token_ids"])
 
 
+async def test_a_streamed_turn_comes_as_openai_chunks_then_done(tokenizer: Any) -> None:
+    service = service_for(tokenizer, ScriptEngine(tokenizer, ["Let me add. " + TOOL_TURN]))
+    run = await service.create_run(external())
+    async with TestClient(TestServer(openai_app(service, TokenTable({})))) as http:
+        body = {"messages": QUESTION, "episode_id": "e1", "task_id": "t1", "stream": True}
+        response = await http.post(f"/v1/runs/{run.run_id}/chat/completions", json=body)
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+        events = [line[len("data: ") :] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    first, calls, last = (chunk["choices"][0] for chunk in chunks)
+    assert first["delta"] == {"role": "assistant", "content": "Let me add."}
+    assert calls["delta"]["tool_calls"][0]["index"] == 0
+    assert calls["delta"]["tool_calls"][0]["function"]["name"] == "add"
+    assert last["finish_reason"] == "tool_calls" and last["rollout"]["token_ids"]
+    assert chunks[-1]["usage"]["completion_tokens"] == len(last["rollout"]["token_ids"])
+
+
 async def test_a_group_the_runs_rewards_cannot_score_is_dropped_counted_and_said(tokenizer: Any) -> None:
     service = service_for(tokenizer, ScriptEngine(tokenizer, ["a", "b"]))
 
