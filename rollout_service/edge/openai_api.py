@@ -115,14 +115,10 @@ class _Endpoint:
         if body.get("n", 1) != 1:
             raise InvalidArgument("n must be 1: each episode is one conversation (G episodes of a task form a group)")
         turn = TurnRequest(
-            episode_id=_named(request, body, EPISODE_HEADER, "episode_id", required=True),
-            task_id=_named(request, body, TASK_HEADER, "task_id", required=False),
             messages=_list(body, "messages"),
             tools=_list(body, "tools") if body.get("tools") else None,
             max_tokens=_positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens"),
-            temperature=_number(body, "temperature", 0.0, 2.0),
-            top_p=_number(body, "top_p", 1e-9, 1.0),
-            stop=_stop(body.get("stop")),
+            **_episode_and_sampling(request, body),
         )
         reply = await self.service.external.turn(run, turn)
         model = body.get("model") or self.service.info.model
@@ -131,24 +127,7 @@ class _Endpoint:
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "finish_reason": reply.finish_reason,
-                        "logprobs": None,
-                        "rollout": {"token_ids": reply.token_ids, "logprobs": reply.logprobs},
-                    }
-                ],
-                "usage": _usage(reply),
-            }
-        )
+        return web.json_response(_completion("chatcmpl", "chat.completion", model, reply, message=message))
 
     async def completions(self, request: web.Request) -> web.Response:
         run = self._run(request)
@@ -161,33 +140,11 @@ class _Endpoint:
         if not isinstance(prompt, str):
             raise InvalidArgument("prompt must be one string: the episode's text so far plus what you add")
         text = TextRequest(
-            episode_id=_named(request, body, EPISODE_HEADER, "episode_id", required=True),
-            task_id=_named(request, body, TASK_HEADER, "task_id", required=False),
-            prompt=prompt,
-            max_tokens=_positive_int(body, "max_tokens"),
-            temperature=_number(body, "temperature", 0.0, 2.0),
-            top_p=_number(body, "top_p", 1e-9, 1.0),
-            stop=_stop(body.get("stop")),
+            prompt=prompt, max_tokens=_positive_int(body, "max_tokens"), **_episode_and_sampling(request, body)
         )
         reply = await self.service.external.complete(run, text)
-        return web.json_response(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": body.get("model") or self.service.info.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": reply.content or "",
-                        "finish_reason": reply.finish_reason,
-                        "logprobs": None,
-                        "rollout": {"token_ids": reply.token_ids, "logprobs": reply.logprobs},
-                    }
-                ],
-                "usage": _usage(reply),
-            }
-        )
+        model = body.get("model") or self.service.info.model
+        return web.json_response(_completion("cmpl", "text_completion", model, reply, text=reply.content or ""))
 
     async def close(self, request: web.Request) -> web.Response:
         run = self._run(request)
@@ -209,8 +166,7 @@ async def _stream_turn(request: web.Request, reply: TurnReply, model: str) -> we
     ``rollout`` (ids and logprobs); then ``[DONE]``. Clients that always stream work as they are."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time())}
-    head["model"] = model
+    head = _envelope("chatcmpl", "chat.completion.chunk", model)
 
     async def send(delta: dict[str, Any], **extra: Any) -> None:
         choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None, **extra}
@@ -220,12 +176,38 @@ async def _stream_turn(request: web.Request, reply: TurnReply, model: str) -> we
     await send({"role": "assistant", "content": reply.content or ""})
     if reply.tool_calls:
         await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]})
-    rollout = {"token_ids": reply.token_ids, "logprobs": reply.logprobs}
-    final = {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish_reason, "rollout": rollout}]}
+    choice = {"index": 0, "delta": {}, "finish_reason": reply.finish_reason, "rollout": _rollout(reply)}
+    final = {**head, "choices": [choice]}
     await response.write(f"data: {json.dumps({**final, 'usage': _usage(reply)})}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _episode_and_sampling(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
+    """What both completion endpoints read alike: the episode and task names, and sampling."""
+    return {
+        "episode_id": _named(request, body, EPISODE_HEADER, "episode_id", required=True),
+        "task_id": _named(request, body, TASK_HEADER, "task_id", required=False),
+        "temperature": _number(body, "temperature", 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1e-9, 1.0),
+        "stop": _stop(body.get("stop")),
+    }
+
+
+def _envelope(id_prefix: str, object_name: str, model: str) -> dict[str, Any]:
+    return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": int(time.time()), "model": model}
+
+
+def _completion(id_prefix: str, object_name: str, model: str, reply: TurnReply, **answer: Any) -> dict[str, Any]:
+    """OpenAI's response around one choice; ``answer``: its ``message`` (chat) or ``text``."""
+    choice = {"index": 0, **answer, "finish_reason": reply.finish_reason, "logprobs": None, "rollout": _rollout(reply)}
+    return {**_envelope(id_prefix, object_name, model), "choices": [choice], "usage": _usage(reply)}
+
+
+def _rollout(reply: TurnReply) -> dict[str, list[Any]]:
+    """Not an OpenAI field (clients ignore it): the turn's ids and logprobs as vLLM generated them."""
+    return {"token_ids": reply.token_ids, "logprobs": reply.logprobs}
 
 
 def _usage(reply: TurnReply) -> dict[str, int]:

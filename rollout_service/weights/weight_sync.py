@@ -271,11 +271,10 @@ class WeightSyncCoordinator:
                 raise FailedPrecondition(self._aborted_message(update))
             new_version = self.version + 1
             control_s = self.settings.control_timeout_s
+            # Under the lock: nothing can abort the update while it waits for the evaluations.
             if held_s := await self.holds.wait_released(self.settings.eval_hold_timeout_s):
                 update.phases["eval_hold"] = update.phases.get("eval_hold", 0.0) + held_s
                 self._progressed(update, "eval_hold")
-            if update.aborted is not None:
-                raise FailedPrecondition(self._aborted_message(update))
             try:
                 await self._phase(
                     update, "finish", *(s.finish_weight_update(str(new_version), control_s) for s in self.servers)

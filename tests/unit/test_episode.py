@@ -9,14 +9,11 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
-from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import SchedulerSettings
 from rollout_service.edge.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, server_info_to_pb
 from rollout_service.engine.vllm_client import completion_body
@@ -42,12 +39,6 @@ from tests.unit.scripted import ScriptedEngine, make_service
 pytestmark = pytest.mark.timeout(60)
 
 Turn = tuple[str, FinishReason]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path: Path = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class TurnEngine:

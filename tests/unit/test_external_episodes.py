@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import SecretStr
-from transformers import AutoTokenizer
 
-from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import PrincipalSettings, SchedulerSettings
 from rollout_service.edge.openai_api import openai_app
 from rollout_service.edge.security import TokenTable
@@ -32,12 +29,6 @@ from rollout_service.types import Completion, EpisodeSpec, SamplingParams
 pytestmark = pytest.mark.timeout(60)
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 TOOL_TURN = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path: Path = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class ScriptEngine:

@@ -5,14 +5,11 @@ model's real tokenizer. (tests/integration/test_trl_rewards.py runs it on real v
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
 
-from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import SchedulerSettings
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.episode import MultiTurnConfig, TurnTemplate, run_episode, run_single_turn
@@ -36,12 +33,6 @@ pytestmark = pytest.mark.timeout(60)
 
 USER = {"role": "user", "content": "What is 2 + 3?"}
 ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path: Path = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class TextEngine:

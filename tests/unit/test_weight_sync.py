@@ -50,8 +50,15 @@ class ScriptedControl:
         self.resume_error: Exception = WeightSyncError(self.base_url, "/resume", "HTTP 500")
         self.resumes = 0
         self.paused = False
+        self.calls: list[str] = []
+        """Every step called, in order."""
+        self.fail_once: dict[str, Exception] = {}
+        """A step's next call raises this (once)."""
 
     async def _step(self, name: str) -> None:
+        self.calls.append(name)
+        if (error := self.fail_once.pop(name, None)) is not None:
+            raise error
         await asyncio.sleep(0)
         self.clock.now += STEP_SECONDS[name]
         if name == self.fail:
@@ -138,24 +145,16 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
     """pause_mode none: generation goes on while the weights change; nothing counts as paused."""
     clock, metrics = Clock(), ServiceMetrics()
     server = ScriptedControl(clock)
-    calls: list[str] = []
-    step = server._step
-
-    async def recorded(name: str) -> None:
-        calls.append(name)
-        await step(name)
-
-    server._step = recorded  # type: ignore[method-assign]
     sync = coordinator(server, clock, metrics)
     try:
         ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(1 + 3 + 4 + 5))
     finally:
         await sync.close()
-    assert "pause" not in calls and "resume" not in calls
+    assert "pause" not in server.calls and "resume" not in server.calls
     # No prefix-cache reset by default: requests are salted by version, and vLLM refuses it
     # while requests run.
-    assert calls[-1] == "finish_weight_update" and "reset_prefix_cache" not in calls
+    assert server.calls[-1] == "finish_weight_update" and "reset_prefix_cache" not in server.calls
     times = sync.last_update
     assert times is not None and times.committed and "pause" not in times.phases
     assert times.paused_seconds == 0 and sync.paused_seconds() == 0
@@ -272,16 +271,9 @@ async def test_a_first_update_closes_one_a_dead_service_left_open_in_vllm() -> N
     next service's first update (a join) finishes it, which applies nothing, and starts its own."""
     clock, metrics = Clock(), ServiceMetrics()
     server = ScriptedControl(clock)
-    calls: list[str] = []
-    step = server._step
-
-    async def left_open(name: str) -> None:
-        calls.append(name)
-        if name == "start_weight_update" and calls.count(name) == 1:
-            raise WeightSyncError(server.base_url, "/start_weight_update", "HTTP 500: weight update is already active")
-        await step(name)
-
-    server._step = left_open  # type: ignore[method-assign]
+    server.fail_once["start_weight_update"] = WeightSyncError(
+        server.base_url, "/start_weight_update", "HTTP 500: weight update is already active"
+    )
     sync = coordinator(server, clock, metrics)
     try:
         ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
@@ -289,7 +281,7 @@ async def test_a_first_update_closes_one_a_dead_service_left_open_in_vllm() -> N
         assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 1
     finally:
         await sync.close()
-    assert calls[:5] == [
+    assert server.calls[:5] == [
         "init_weight_transfer",
         "start_weight_update",
         "finish_weight_update",  # closes the dead service's update

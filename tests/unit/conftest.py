@@ -1,0 +1,17 @@
+"""Fixtures several unit-test modules share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_common.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny model's real tokenizer and chat template (built once per session)."""
+    path = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
+    return AutoTokenizer.from_pretrained(str(path))
