@@ -104,7 +104,7 @@ class SyncAndAck(TrainerCallback):
             version = trainer.feed.call(trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s())
         if trainer.args.world_size > 1:
             version = broadcast_object_list([version], from_process=0)[0]
-        trainer.feed.current_version = version
+        trainer.feed.current_version, trainer.feed.pushes_owed = version, 0
         self._pushed(version)
 
     def _pushed(self, version: int) -> None:
@@ -122,13 +122,13 @@ class SyncAndAck(TrainerCallback):
         trainer = self.trainer
         assert isinstance(trainer.pusher, WeightPusher)
         self._wait_for_push()
+        trainer.feed.pushes_owed = 1  # the weights are ahead of vLLM's until a push carries them
         if not trainer.feed.connected:  # the service restarts: the push after it reconnects sends these weights
             logger.warning("the service is unreachable; this step's weights are pushed once it is back")
             return
         with trainer.clock.measure("push_snapshot"):
             model = trainer.accelerator.unwrap_model(trainer.model)
             snapshot = [(name, tensor.detach().clone()) for name, tensor in policy_weights(model)]
-        trainer.feed.pushes_in_flight = 1
         self._push_in_flight = trainer.feed.submit(trainer.pusher.push(snapshot))
 
     def _push_on_request(self, reason: str) -> None:
@@ -147,6 +147,7 @@ class SyncAndAck(TrainerCallback):
                 trainer.feed.current_version = trainer.feed.call(
                     trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s()
                 )
+                trainer.feed.pushes_owed = 0
                 self._pushed(trainer.feed.current_version)
                 return
             except Exception as exc:
@@ -173,8 +174,7 @@ class SyncAndAck(TrainerCallback):
             if not future.done():  # still running: two pushes at once must never happen
                 future.cancel()
                 raise
-            trainer.feed.pushes_in_flight = 0
-            self._failed_pushes += 1
+            self._failed_pushes += 1  # the weights stay owed: the next push carries them
             if self._failed_pushes >= PUSH_ATTEMPTS:
                 raise
             logger.warning(
@@ -183,7 +183,7 @@ class SyncAndAck(TrainerCallback):
             )  # fmt: skip
             return
         self._failed_pushes = 0
-        trainer.feed.current_version, trainer.feed.pushes_in_flight = version, 0
+        trainer.feed.current_version, trainer.feed.pushes_owed = version, 0
         self._pushed(version)
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]

@@ -108,8 +108,11 @@ class GroupFeed:
         """False while the service is unreachable and the feed reconnects: pushes wait."""
         self.current_version = 0
         """The policy version of the last push that committed."""
-        self.pushes_in_flight = 0
-        """Pushes started in the background and not yet committed (0 or 1)."""
+        self.pushes_owed = 0
+        """How many versions the trainer's weights are ahead of ``current_version`` (0 or 1): a
+        background push in flight, or one that failed or was skipped while the service was
+        away. The next push that commits carries them, so the version a step trains at never
+        goes back."""
         self.min_version = 0
         self.clock = PhaseClock()
         """Seconds per phase of the current step; the feed adds ``wait_groups``, the trainer the rest."""
@@ -176,8 +179,8 @@ class GroupFeed:
 
     @property
     def training_version(self) -> int:
-        """The version of the trainer's weights once the pushes in flight commit."""
-        return self.current_version + self.pushes_in_flight
+        """The version of the trainer's weights once the push they are owed commits."""
+        return self.current_version + self.pushes_owed
 
     @property
     def client(self) -> RolloutClient:
