@@ -21,6 +21,7 @@ from aiohttp import web
 
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
 from rollout_service.delivery.state_store import open_store
+from rollout_service.edge.group_wire import WireCodec
 from rollout_service.edge.openai_api import openai_app
 from rollout_service.edge.security import load_token_table
 from rollout_service.edge.server import set_runs_progressing, set_serving, start_grpc_server
@@ -139,7 +140,7 @@ async def running_service(
             await control.start()
             stack.push_async_callback(control.close)
 
-        store = open_store(settings.state_store)
+        store = open_store(settings.state_store, WireCodec())
         stack.callback(store.close)  # after the service stopped: the last acks are written
         service = RolloutService(
             engine=pool,

@@ -10,11 +10,12 @@ from rollout_api import rollout_pb2 as pb
 from rollout_service import __version__
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
+from rollout_service.edge.group_wire import delivery_response
 from rollout_service.errors import InvalidArgument
 from rollout_service.evaluation import EvalResult, EvalSpec, eval_result
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
-from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams, ScoredGroup
+from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams
 from rollout_service.weights.update_messages import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
@@ -42,14 +43,6 @@ _STATE_TO_PB = {
     "stopped": pb.RUN_STATE_STOPPED,
     "failed": pb.RUN_STATE_FAILED,
     "completed": pb.RUN_STATE_COMPLETED,
-}
-_FINISH_TO_PB = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "max_turns": pb.FINISH_REASON_MAX_TURNS,
-    "max_episode_tokens": pb.FINISH_REASON_MAX_EPISODE_TOKENS,
-    "max_model_len": pb.FINISH_REASON_MAX_MODEL_LEN,
 }
 ACK_FROM_PB = {
     pb.ACK_STATUS_UNSPECIFIED: ACK_TRAINED,
@@ -299,43 +292,6 @@ def stall_to_pb(stall: RunStall) -> pb.RunStall:
     return pb.RunStall(kind=_STALL_KIND_TO_PB[stall.kind], reason=stall.reason, seconds=stall.seconds)
 
 
-def group_to_pb(group: ScoredGroup) -> pb.Group:
-    samples = []
-    for i, episode in enumerate(group.episodes):
-        samples.append(
-            pb.Sample(
-                completion_token_ids=episode.completion_ids,
-                completion_logprobs=episode.logprobs,
-                completion_mask=episode.mask,
-                reward=group.rewards[i],
-                reward_components=[
-                    pb.RewardComponent(name=name, value=values[i], weight=group.reward_weights[name])
-                    for name, values in group.reward_components.items()
-                ],
-                advantage=group.advantages[i],
-                policy_version_first=episode.policy_version_first,
-                policy_version_last=episode.policy_version_last,
-                finish_reason=_FINISH_TO_PB[episode.finish_reason],
-                completion_text=episode.text,
-                num_turns=episode.num_turns,
-                num_tool_calls=episode.num_tool_calls,
-                num_tool_failures=episode.num_tool_failures,
-            )
-        )
-    return pb.Group(
-        group_id=group.group_id,
-        run_id=group.run_id,
-        prompt_index=group.prompt.index,
-        prompt_text=group.prompt.text,
-        prompt_token_ids=group.prompt.token_ids,
-        requested_size=group.requested_size or len(group.episodes),
-        samples=samples,
-        policy_version=group.policy_version,
-        generation_seconds=group.generation_seconds,
-        metadata=group.prompt.metadata,
-    )
-
-
 def server_info_to_pb(info: ServerInfo) -> pb.GetServerInfoResponse:
     return pb.GetServerInfoResponse(service_version=__version__, **asdict(info))
 
@@ -356,12 +312,12 @@ def consumer_request_from_pb(message: pb.StreamSamplesRequest) -> ConsumerReques
     raise InvalidArgument("empty StreamSamplesRequest: set one of subscribe, credit or ack")
 
 
-def consumer_message_to_pb(message: ConsumerMessage) -> pb.StreamSamplesResponse:
+def consumer_message_to_wire(message: ConsumerMessage) -> pb.StreamSamplesResponse | bytes:
+    """What the stream sends: a group delivery as the response's bytes (``group_wire``:
+    encoded once per group), anything else as a message."""
     if isinstance(message, WeightsWanted):
         wanted = pb.WeightsWanted(policy_version=message.policy_version, reason=message.reason)
         return pb.StreamSamplesResponse(weights_wanted=wanted)
     if isinstance(message, RunStall):
         return pb.StreamSamplesResponse(stall=stall_to_pb(message))
-    group = group_to_pb(message.group)
-    group.delivery_attempt = message.attempt
-    return pb.StreamSamplesResponse(group=group)
+    return delivery_response(message.group, message.attempt)

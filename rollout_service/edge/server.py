@@ -25,7 +25,7 @@ from rollout_service.config import SecuritySettings
 from rollout_service.delivery.consumer import ConsumerRequest, ConsumerSession
 from rollout_service.edge.convert import (
     PAUSE_MODE_FROM_PB,
-    consumer_message_to_pb,
+    consumer_message_to_wire,
     consumer_request_from_pb,
     prompt_from_pb,
     run_spec_from_pb,
@@ -304,7 +304,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @_stream_edge
     async def StreamSamples(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamSamplesRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.StreamSamplesResponse]:
+    ) -> AsyncIterator[pb.StreamSamplesResponse | bytes]:
         session: ConsumerSession | None = None
         reader: asyncio.Task[None] | None = None
         try:
@@ -328,7 +328,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 )
             )
             while (message := await session.next_message()) is not None:
-                yield consumer_message_to_pb(message)
+                yield consumer_message_to_wire(message)
         finally:
             if reader is not None:
                 reader.cancel()
@@ -356,6 +356,35 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return sub
 
 
+class _HandlerCollector:
+    """Stands in for the server to catch the generated code's method handlers."""
+
+    handlers: dict[str, grpc.RpcMethodHandler]
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.handlers = handlers
+
+
+def _stream_response_bytes(response: pb.StreamSamplesResponse | bytes) -> bytes:
+    """A group delivery comes already encoded (``group_wire``); other responses are messages."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def _add_rollout_servicer(servicer: RolloutServicer, server: grpc.aio.Server) -> None:
+    """The generated ``add_RolloutServiceServicer_to_server``, with one change: StreamSamples
+    may yield a response as bytes, so a group is sent as encoded once, not re-encoded per
+    delivery. The handlers are the generated ones; only that serializer is replaced."""
+    collector = _HandlerCollector()
+    pb_grpc.add_RolloutServiceServicer_to_server(servicer, collector)
+    handlers = dict(collector.handlers)
+    handlers["StreamSamples"] = handlers["StreamSamples"]._replace(response_serializer=_stream_response_bytes)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 async def start_grpc_server(
     service: RolloutService, host: str, port: int, security: SecuritySettings | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
@@ -372,7 +401,7 @@ async def start_grpc_server(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(tokens, security.reflection)])
-    pb_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(service, tokens, security), server)
+    _add_rollout_servicer(RolloutServicer(service, tokens, security), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if security.reflection:

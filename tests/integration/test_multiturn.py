@@ -29,7 +29,7 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
-from rollout_service.edge.convert import group_to_pb
+from rollout_service.edge.group_wire import group_to_pb
 from rollout_service.engine.vllm_client import completion_body, parse_completion
 from rollout_service.generation.episode import MultiTurnConfig, TurnTemplate, run_episode
 from rollout_service.generation.prompts import PromptRenderer, PromptSpec

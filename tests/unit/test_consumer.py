@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from rollout_api import rollout_pb2 as pb
 from rollout_service.delivery.broker import ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerRequest, ConsumerSession, Credit, Delivery
-from rollout_service.edge.convert import consumer_message_to_pb
+from rollout_service.edge.convert import consumer_message_to_wire
 from rollout_service.errors import InvalidArgument
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec
@@ -78,7 +79,7 @@ async def test_a_group_handed_out_again_says_it_is_a_redelivery() -> None:
     redelivered = await asyncio.wait_for(again.next_message(), 10)
     assert isinstance(redelivered, Delivery)
     assert (redelivered.group.group_id, redelivered.attempt) == (first.group.group_id, 2)
-    assert consumer_message_to_pb(redelivered).group.delivery_attempt == 2
+    assert pb.StreamSamplesResponse.FromString(consumer_message_to_wire(redelivered)).group.delivery_attempt == 2
     run.broker.ack("d", [first.group.group_id], ACK_TRAINED)
     assert first.group.group_id not in run.broker.deliveries  # acked: forgotten
     await service.delete_run(run.run_id)

@@ -15,7 +15,8 @@ import pytest
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SchedulerSettings
-from rollout_service.edge.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, server_info_to_pb
+from rollout_service.edge.convert import run_spec_from_pb, run_spec_to_pb, server_info_to_pb
+from rollout_service.edge.group_wire import group_to_pb
 from rollout_service.engine.vllm_client import completion_body
 from rollout_service.errors import EnvironmentFailure, FailedPrecondition, InvalidArgument
 from rollout_service.generation.environments import EnvironmentRegistry, GuessNumber, StepResult

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rollout_service.edge.convert import group_to_pb
+from rollout_service.edge.group_wire import group_to_pb
 from rollout_service.types import EpisodeResult, PromptItem, ScoredGroup
 
 

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from rollout_api import rollout_pb2 as pb
-from rollout_service.edge.convert import group_to_pb, run_spec_from_pb, run_spec_to_pb, stats_to_pb
+from rollout_service.edge.convert import run_spec_from_pb, run_spec_to_pb, stats_to_pb
+from rollout_service.edge.group_wire import group_to_pb
 from rollout_service.errors import InvalidArgument
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.metrics import RecentRate

@@ -9,6 +9,7 @@ import sqlite3
 from pathlib import Path
 
 from rollout_service.delivery.state_store import MemoryStore, SqliteStore, open_store
+from rollout_service.edge.group_wire import WireCodec
 from rollout_service.evaluation import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import RunSpec
@@ -33,7 +34,7 @@ def spec(**kw) -> RunSpec:  # type: ignore[no-untyped-def]
 
 def durable_service(path: Path, max_buffered: int = 4):  # type: ignore[no-untyped-def]
     service = make_service(ScriptedEngine(), max_buffered=max_buffered)
-    service.store = SqliteStore(path)
+    service.store = SqliteStore(path, WireCodec())
     return service
 
 
@@ -76,7 +77,7 @@ async def test_a_restarted_service_gets_its_runs_unacked_groups_and_acked_ids_ba
 
 
 async def test_a_store_write_is_durable_when_put_group_returns(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "state.db", flush_interval_s=0.001)
+    store = SqliteStore(tmp_path / "state.db", WireCodec(), flush_interval_s=0.001)
     service = make_service(ScriptedEngine(), max_buffered=1)
     service.store = store
     run = await service.create_run(spec())
@@ -92,8 +93,8 @@ async def test_evaluation_runs_are_not_resumed_and_memory_keeps_nothing(tmp_path
     service = durable_service(tmp_path / "state.db")
     await service.create_run(spec(eval=EvalSpec()))
     service.store.close()
-    assert SqliteStore(tmp_path / "state.db").load() == ([], {})
-    assert isinstance(open_store("memory"), MemoryStore) and MemoryStore().load() == ([], {})
+    assert SqliteStore(tmp_path / "state.db", WireCodec()).load() == ([], {})
+    assert isinstance(open_store("memory", WireCodec()), MemoryStore) and MemoryStore().load() == ([], {})
 
 
 async def test_a_restored_adapter_run_serves_its_newest_adapter_at_its_version(tmp_path: Path) -> None:
@@ -116,3 +117,20 @@ async def test_a_restored_adapter_run_serves_its_newest_adapter_at_its_version(t
     assert set(server.loaded) == {f"{run.run_id}@v2"}
     await second.delete_run(run.run_id)
     second.store.close()
+
+
+async def test_writes_queued_at_close_are_written_and_the_wal_is_checkpointed(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db", WireCodec(), flush_interval_s=60, checkpoint_interval_s=0.01)
+    store.set_meta("policy_version", 7)  # queued: its flush is a minute away
+    await wait_until(lambda: store.checkpoints >= 2, 5, "the checkpointer to run")
+    store.close()
+    assert store.writes == 1 and not (tmp_path / "state.db-wal").exists()  # all in the database, the WAL gone
+    assert SqliteStore(tmp_path / "state.db", WireCodec()).load() == ([], {"policy_version": 7})
+
+
+def test_without_an_event_loop_a_write_is_committed_at_once(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db", WireCodec())
+    store.save_run("run-1", "alice", {"spec": 1}, {"policy_version": 2})
+    reader = sqlite3.connect(tmp_path / "state.db")
+    assert reader.execute("SELECT owner FROM runs").fetchall() == [("alice",)]
+    store.close()

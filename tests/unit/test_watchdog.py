@@ -10,7 +10,7 @@ import pytest
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.delivery.consumer import ConsumerSession
-from rollout_service.edge.convert import consumer_message_to_pb, run_to_pb
+from rollout_service.edge.convert import consumer_message_to_wire, run_to_pb
 from rollout_service.types import RunStall
 from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
@@ -54,7 +54,7 @@ async def test_a_run_whose_generation_stopped_is_reported_once_and_clears_when_g
         assert message.stall.kind == pb.STALL_KIND_GENERATION and message.stall.seconds == pytest.approx(61)
         # The stream sends it once, without a credit.
         first = await asyncio.wait_for(session.next_message(), 5)
-        assert isinstance(first, RunStall) and consumer_message_to_pb(first).stall.reason == run.stall.reason
+        assert isinstance(first, RunStall) and consumer_message_to_wire(first).stall.reason == run.stall.reason
         service.watchdog.check(service.runs.values(), engines_usable=False)
         assert run.stalls == 1 and session._stall() is None
         # Groups come again: it clears.

@@ -1,0 +1,143 @@
+"""A scored group on the wire (``rollout.v1.Group``), encoded once per group.
+
+Why: building a group's message is the costliest step of a delivery (about 140 us for G = 8
+and 64 tokens; more than the broker's own work), and the durable state store needs the
+group as bytes anyway, before a consumer may take it. So the group is encoded once, by the
+store at ``put`` or else at its first delivery, the bytes are kept on the group
+(``ScoredGroup.wire``), and each delivery sends them with its own ``delivery_attempt``
+appended: protobuf merges a message's fields in order, so a scalar field that appears
+again takes the later value. Re-deliveries (a consumer left, a lease expired) and the store
+cost no second encoding, and a restored group decodes from the very bytes it was stored as.
+"""
+
+from __future__ import annotations
+
+from rollout_api import rollout_pb2 as pb
+from rollout_service.types import EpisodeResult, FinishReason, PromptItem, ScoredGroup
+
+FINISH_TO_PB: dict[str, int] = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "max_turns": pb.FINISH_REASON_MAX_TURNS,
+    "max_episode_tokens": pb.FINISH_REASON_MAX_EPISODE_TOKENS,
+    "max_model_len": pb.FINISH_REASON_MAX_MODEL_LEN,
+}
+_FINISH_FROM_PB: dict[int, FinishReason] = {number: name for name, number in FINISH_TO_PB.items()}  # type: ignore[misc]
+
+_LENGTH_DELIMITED, _VARINT = 2, 0
+_GROUP_IN_RESPONSE = pb.StreamSamplesResponse.DESCRIPTOR.fields_by_name["group"].number
+_ATTEMPT_IN_GROUP = pb.Group.DESCRIPTOR.fields_by_name["delivery_attempt"].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_RESPONSE_GROUP_TAG = _varint(_GROUP_IN_RESPONSE << 3 | _LENGTH_DELIMITED)
+_ATTEMPT_TAG = _varint(_ATTEMPT_IN_GROUP << 3 | _VARINT)
+
+
+def group_to_pb(group: ScoredGroup) -> pb.Group:
+    samples = []
+    for i, episode in enumerate(group.episodes):
+        samples.append(
+            pb.Sample(
+                completion_token_ids=episode.completion_ids,
+                completion_logprobs=episode.logprobs,
+                completion_mask=episode.mask,
+                reward=group.rewards[i],
+                reward_components=[
+                    pb.RewardComponent(name=name, value=values[i], weight=group.reward_weights[name])
+                    for name, values in group.reward_components.items()
+                ],
+                advantage=group.advantages[i],
+                policy_version_first=episode.policy_version_first,
+                policy_version_last=episode.policy_version_last,
+                finish_reason=FINISH_TO_PB[episode.finish_reason],
+                completion_text=episode.text,
+                num_turns=episode.num_turns,
+                num_tool_calls=episode.num_tool_calls,
+                num_tool_failures=episode.num_tool_failures,
+            )
+        )
+    return pb.Group(
+        group_id=group.group_id,
+        run_id=group.run_id,
+        prompt_index=group.prompt.index,
+        prompt_text=group.prompt.text,
+        prompt_token_ids=group.prompt.token_ids,
+        requested_size=group.requested_size or len(group.episodes),
+        samples=samples,
+        policy_version=group.policy_version,
+        generation_seconds=group.generation_seconds,
+        metadata=group.prompt.metadata,
+    )
+
+
+def group_from_pb(message: pb.Group) -> ScoredGroup:
+    """The group a message carries: everything a consumer is sent. What only scoring needed
+    (the conversation as messages, the reward texts) is not on the wire and stays empty."""
+    samples = message.samples
+    names = [component.name for component in samples[0].reward_components] if samples else []
+    return ScoredGroup(
+        group_id=message.group_id,
+        run_id=message.run_id,
+        prompt=PromptItem(
+            message.prompt_index, list(message.prompt_token_ids), message.prompt_text, dict(message.metadata)
+        ),
+        episodes=[
+            EpisodeResult(
+                completion_ids=list(sample.completion_token_ids),
+                logprobs=list(sample.completion_logprobs),
+                mask=list(sample.completion_mask),
+                finish_reason=_FINISH_FROM_PB[sample.finish_reason],
+                text=sample.completion_text,
+                policy_version_first=sample.policy_version_first,
+                policy_version_last=sample.policy_version_last,
+                num_turns=sample.num_turns,
+                num_tool_calls=sample.num_tool_calls,
+                num_tool_failures=sample.num_tool_failures,
+            )
+            for sample in samples
+        ],
+        rewards=[sample.reward for sample in samples],
+        reward_components={
+            name: [sample.reward_components[k].value for sample in samples] for k, name in enumerate(names)
+        },
+        reward_weights={component.name: component.weight for component in samples[0].reward_components}
+        if samples
+        else {},
+        advantages=[sample.advantage for sample in samples],
+        generation_seconds=message.generation_seconds,
+        requested_size=message.requested_size,
+    )
+
+
+class WireCodec:
+    """Groups as ``rollout.v1.Group`` bytes, kept on the group once encoded: the state
+    store's codec (``state_store.GroupCodec``) and the stream's."""
+
+    @staticmethod
+    def encode(group: ScoredGroup) -> bytes:
+        if group.wire is None:
+            group.wire = group_to_pb(group).SerializeToString()
+        return group.wire
+
+    @staticmethod
+    def decode(body: bytes) -> ScoredGroup:
+        group = group_from_pb(pb.Group.FromString(body))
+        group.wire = body
+        return group
+
+
+def delivery_response(group: ScoredGroup, attempt: int) -> bytes:
+    """The ``StreamSamplesResponse`` that delivers ``group`` for the ``attempt``-th time, as
+    bytes: the group's stored encoding with this delivery's attempt appended."""
+    body = WireCodec.encode(group) + _ATTEMPT_TAG + _varint(attempt)
+    return _RESPONSE_GROUP_TAG + _varint(len(body)) + body
