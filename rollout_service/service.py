@@ -237,6 +237,8 @@ class RolloutService:
             admission, state = run.admission, saved.state
             admission.await_version = min(admission.await_version, state.get("await_version", 0))
             admission.set_trainer_version(max(state.get("trainer_version", 0), self.policy_version))
+            admission.trained_per_version = state.get("trained_per_version")  # not re-learned from nothing
+            admission.version_bumped = state.get("version_bumped", admission.version_bumped)
             run.broker.restore(saved.groups, saved.acked)
             self._start_run(run)
             logger.info(

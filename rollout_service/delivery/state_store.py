@@ -315,4 +315,6 @@ def run_state(run: Run) -> dict[str, Any]:
         "policy_version": admission.policy_version,
         "trainer_version": admission.trainer_version,
         "await_version": admission.await_version,
+        "trained_per_version": admission.trained_per_version,  # staleness admission's estimate
+        "version_bumped": admission.version_bumped,
     }
