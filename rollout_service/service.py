@@ -240,10 +240,12 @@ class RolloutService:
             admission.trained_per_version = state.get("trained_per_version")  # not re-learned from nothing
             admission.version_bumped = state.get("version_bumped", admission.version_bumped)
             run.broker.restore(saved.groups, saved.acked)
+            if isinstance(run.source, SubmittedPromptSource):
+                run.source.restore(saved.prompts, saved.prompts_submitted)
             self._start_run(run)
             logger.info(
-                "restored run %s: %d unacked groups, %d acked ids, policy version %d",
-                run.run_id, len(saved.groups), len(saved.acked), run.policy_version,
+                "restored run %s: %d unacked groups, %d acked ids, %d submitted prompts, policy version %d",
+                run.run_id, len(saved.groups), len(saved.acked), len(saved.prompts), run.policy_version,
             )  # fmt: skip
         return len(stored)
 
@@ -438,7 +440,8 @@ class RolloutService:
         rendered = await self._render(prompts, run.spec.sampling.max_tokens, tools)
         if run.state != "running":  # stopped or deleted while its prompts were rendered
             raise FailedPrecondition(f"run {run_id} is {run.state}; submit to a running run")
-        return len(prompts), run.source.submit(rendered)
+        await self.store.put_prompts(run.run_id, run.source.submit(rendered))
+        return len(prompts), run.source.queued
 
     def server_info(self) -> ServerInfo:
         return ServerInfo(

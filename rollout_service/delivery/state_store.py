@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollout_service.types import ScoredGroup
+from rollout_service.types import PromptItem, ScoredGroup
 
 if TYPE_CHECKING:
     from rollout_service.runs import Run
@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS groups (group_id TEXT PRIMARY KEY, run_id TEXT, seq I
 CREATE INDEX IF NOT EXISTS groups_by_run ON groups (run_id, seq);
 CREATE TABLE IF NOT EXISTS acked (run_id TEXT, group_id TEXT, status TEXT, PRIMARY KEY (run_id, group_id));
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
+CREATE TABLE IF NOT EXISTS prompts (run_id TEXT, prompt_index INTEGER, body BLOB, PRIMARY KEY (run_id, prompt_index));
 """
 
 
@@ -69,6 +70,11 @@ class StoredRun:
     groups: list[ScoredGroup] = field(default_factory=list)
     """Scored and not acked, oldest first."""
     acked: dict[str, str] = field(default_factory=dict)
+    prompts: list[PromptItem] = field(default_factory=list)
+    """Submitted prompts not yet made into a stored group (queued, or in flight at the stop),
+    in order."""
+    prompts_submitted: int = 0
+    """Prompts ever submitted to the run: the next one's index."""
 
 
 class GroupCodec(Protocol):
@@ -91,6 +97,10 @@ class StateStore(Protocol):
     def delete_run(self, run_id: str) -> None: ...
 
     async def put_group(self, group: ScoredGroup) -> None: ...
+
+    async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None: ...
+
+    def prompt_done(self, run_id: str, prompt_index: int) -> None: ...
 
     def ack(self, run_id: str, group_ids: list[str], status: str) -> None: ...
 
@@ -115,6 +125,12 @@ class MemoryStore:
         pass
 
     async def put_group(self, group: ScoredGroup) -> None:
+        pass
+
+    async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None:
+        pass
+
+    def prompt_done(self, run_id: str, prompt_index: int) -> None:
         pass
 
     def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
@@ -184,7 +200,12 @@ class SqliteStore:
         for run_id, group_id, status in db.execute("SELECT run_id, group_id, status FROM acked"):
             if run_id in runs:
                 runs[run_id].acked[group_id] = status
+        for run_id, body in db.execute("SELECT run_id, body FROM prompts ORDER BY run_id, prompt_index"):
+            if run_id in runs:
+                runs[run_id].prompts.append(pickle.loads(body))
         meta = {key: pickle.loads(value) for key, value in db.execute("SELECT key, value FROM meta")}
+        for run in runs.values():
+            run.prompts_submitted = meta.pop(_submitted_key(run.run_id), 0)
         return list(runs.values()), meta
 
     # -- writing -------------------------------------------------------------------------
@@ -198,19 +219,42 @@ class SqliteStore:
         self._enqueue("UPDATE runs SET state = ? WHERE run_id = ?", (pickle.dumps(state), run_id))
 
     def delete_run(self, run_id: str) -> None:
-        for table in ("runs", "groups", "acked"):
+        for table in ("runs", "groups", "acked", "prompts"):
             self._enqueue(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+        self._enqueue("DELETE FROM meta WHERE key = ?", (_submitted_key(run_id),))
 
     async def put_group(self, group: ScoredGroup) -> None:
-        """Returns once the group is committed: only then may a consumer take it."""
+        """Returns once the group is committed: only then may a consumer take it. Its
+        prompt's row (a submitted prompt's) goes in the same transaction, so after a kill a
+        prompt is either a stored group or queued again, never both or neither."""
         self._seq += 1
         done = asyncio.get_running_loop().create_future()
         self._waiters.append(done)
+        self.prompt_done(group.run_id, group.prompt.index)
         self._enqueue(
             "INSERT OR REPLACE INTO groups VALUES (?, ?, ?, ?)",
             (group.group_id, group.run_id, self._seq, self.codec.encode(group)),
         )
         await done
+
+    async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None:
+        """Submitted prompts, and the run's count of them; returns once committed, so a
+        client told its prompts were queued is never told so by a service that forgets
+        them. The writes are queued before the first await: a group made from one of them
+        later deletes its row after it is written."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiters.append(done)
+        for prompt in prompts:
+            self._enqueue(
+                "INSERT OR REPLACE INTO prompts VALUES (?, ?, ?)", (run_id, prompt.index, pickle.dumps(prompt))
+            )
+        submitted = max(prompt.index for prompt in prompts) + 1
+        self._enqueue("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_submitted_key(run_id), pickle.dumps(submitted)))
+        await done
+
+    def prompt_done(self, run_id: str, prompt_index: int) -> None:
+        """The prompt left the run without a group (dropped): it is not queued again after a restart."""
+        self._enqueue("DELETE FROM prompts WHERE run_id = ? AND prompt_index = ?", (run_id, prompt_index))
 
     def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
         """One small row per ack; the acked group's own row goes at the next start-up
@@ -290,6 +334,10 @@ class SqliteStore:
                     logger.warning("state store: a checkpoint failed (%s); the next one tries again", exc)
         finally:
             checkpointer.close()
+
+
+def _submitted_key(run_id: str) -> str:
+    return f"prompts_submitted/{run_id}"
 
 
 def _connect(path: Path) -> sqlite3.Connection:

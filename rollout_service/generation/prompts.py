@@ -258,7 +258,8 @@ class SubmittedPromptSource:
         self.max_bytes = max_bytes
         self.queued_bytes = 0
 
-    def submit(self, rendered: list[RenderedPrompt]) -> int:
+    def submit(self, rendered: list[RenderedPrompt]) -> list[PromptItem]:
+        """Queue the prompts (all or none) and return them as the run will see them."""
         free = self._queue.maxsize - self._queue.qsize()
         if len(rendered) > free:
             raise ResourceExhausted(
@@ -273,10 +274,25 @@ class SubmittedPromptSource:
                 f"{self.queued_bytes} of {self.max_bytes} bytes (scheduler.max_queued_prompt_bytes); "
                 "submit fewer or smaller prompts, or wait for the run to consume some"
             )
-        for prompt, size in zip(rendered, sizes, strict=True):
-            self._queue.put_nowait((prompt.item(next(self._count)), size))
+        items = [prompt.item(next(self._count)) for prompt in rendered]
+        for item, size in zip(items, sizes, strict=True):
+            self._queue.put_nowait((item, size))
         self.queued_bytes += total
+        return items
+
+    @property
+    def queued(self) -> int:
         return self._queue.qsize()
+
+    def restore(self, items: list[PromptItem], submitted: int) -> None:
+        """A restarted service's stored prompts (queued, or in flight when it stopped), in
+        order and with their indices; ``submitted``: how many the run had been sent, so new
+        ones are numbered on from there."""
+        for item in items:
+            size = RenderedPrompt(item.token_ids, item.text, item.metadata, item.messages).approx_bytes()
+            self._queue.put_nowait((item, size))
+            self.queued_bytes += size
+        self._count = itertools.count(max([submitted, *(item.index + 1 for item in items)]))
 
     async def next(self) -> PromptItem:
         item, size = await self._queue.get()

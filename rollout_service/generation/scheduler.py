@@ -398,7 +398,7 @@ class Scheduler:
                     f"started at policy version {inflight.start_version}, and the trainer is at version "
                     f"{run.admission.trainer_version}, more than max_staleness {run.spec.max_staleness} later"
                 )
-                await self._drop(run, group_id, "stale_inflight", why)
+                await self._drop(run, prompt, group_id, "stale_inflight", why)
                 return
             failed = [t for t in done if t.exception() is not None]
             if failed or len(members) < expected:
@@ -407,7 +407,7 @@ class Scheduler:
                 await asyncio.gather(*pending, return_exceptions=True)
                 error = failed[0].exception() if failed else None
                 reason = "environment" if isinstance(error, EnvironmentFailure) else "engine"
-                await self._drop(run, group_id, reason, error)
+                await self._drop(run, prompt, group_id, reason, error)
                 if isinstance(error, EngineError):
                     self.engine_failures += 1
                 elif error is not None and not isinstance(error, EnvironmentFailure):
@@ -423,7 +423,7 @@ class Scheduler:
                         f"{len(members)} of {expected} members finished within group_deadline_seconds {deadline:g}; "
                         f"it is scored from at least {run.spec.fewest_members} (min_group_size)"
                     )
-                    await self._drop(run, group_id, "deadline", why)
+                    await self._drop(run, prompt, group_id, "deadline", why)
                     return
                 run.counters.groups_partial += 1
                 self.metrics.groups_partial.labels(run.run_id).inc()
@@ -431,16 +431,16 @@ class Scheduler:
             if any(episode.finish_reason == "abort" for episode in episodes):
                 # A weight update with pause_mode abort cut a member off: the proto promises
                 # such groups are dropped, not trained on a truncated sample.
-                await self._drop(run, group_id, "aborted", "a member was aborted by a weight update")
+                await self._drop(run, prompt, group_id, "aborted", "a member was aborted by a weight update")
                 return
             try:
                 scored = await self.scorer.score(run, prompt, group_id, episodes, time.monotonic() - started)
             except RewardError as exc:
-                await self._drop(run, group_id, "reward", exc)
+                await self._drop(run, prompt, group_id, "reward", exc)
                 return
             except Exception as exc:  # never let a group die unobserved: its buffer place would leak
                 logger.error("scoring group %s failed unexpectedly", group_id, exc_info=exc)
-                await self._drop(run, group_id, "internal", exc)
+                await self._drop(run, prompt, group_id, "internal", exc)
                 return
             if (size := scored.wire_bytes_upper_bound()) > self.max_group_bytes:
                 # Buffered, it would fail every consumer's stream and come back, for ever.
@@ -448,7 +448,7 @@ class Scheduler:
                     f"about {size} bytes, over scheduler.max_group_bytes ({self.max_group_bytes}); lower the run's "
                     "max_tokens, group_size or prompt metadata, or raise the setting with the clients' receive limit"
                 )
-                await self._drop(run, group_id, "too_large", message)
+                await self._drop(run, prompt, group_id, "too_large", message)
                 return
             run.counters.groups_scored += 1
             self.metrics.groups_scored.labels(run.run_id).inc()
@@ -460,8 +460,11 @@ class Scheduler:
             self._forget_affinity(group_id)
             self._check_generation_done(run)
 
-    async def _drop(self, run: Run, group_id: str, reason: str, error: BaseException | str | None) -> None:
+    async def _drop(
+        self, run: Run, prompt: PromptItem, group_id: str, reason: str, error: BaseException | str | None
+    ) -> None:
         await run.broker.unreserve()
+        run.broker.store.prompt_done(run.run_id, prompt.index)  # a submitted prompt is not queued again
         run.counters.groups_dropped += 1
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()
         logger.warning("dropped group %s (%s): %s", group_id, reason, error)

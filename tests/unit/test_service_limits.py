@@ -93,12 +93,12 @@ async def test_the_prompt_queue_is_bounded_by_bytes() -> None:
     refuses a whole submit that passes them, and takes prompts again as the run consumes them."""
     source = SubmittedPromptSource(capacity=100, max_bytes=1 << 20)
     prompt = RenderedPrompt(token_ids=[1, 2, 3], text="abc", metadata={"answer": "x" * (60 << 10)})
-    assert source.submit([prompt] * 16) == 16
+    assert [item.index for item in source.submit([prompt] * 16)] == list(range(16)) and source.queued == 16
     with pytest.raises(ResourceExhausted, match=r"scheduler\.max_queued_prompt_bytes"):
         source.submit([prompt] * 2)
     assert source.queued_bytes == 16 * prompt.approx_bytes()
     await asyncio.wait_for(source.next(), 5)
-    assert source.submit([prompt]) == 16
+    assert [item.index for item in source.submit([prompt])] == [16] and source.queued == 16
     source.discard()
     assert source.queued_bytes == 0
 

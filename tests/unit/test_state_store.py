@@ -5,6 +5,7 @@ engine stands in for vLLM; the kill -9 proof is tests/integration/faults/test_se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 from pathlib import Path
 
@@ -138,3 +139,26 @@ def test_without_an_event_loop_a_write_is_committed_at_once(tmp_path: Path) -> N
     reader = sqlite3.connect(tmp_path / "state.db")
     assert reader.execute("SELECT owner FROM runs").fetchall() == [("alice",)]
     store.close()
+
+
+async def test_submitted_prompts_come_back_queued_unless_their_group_was_stored(tmp_path: Path) -> None:
+    """Each submitted prompt is, after a restart, either a stored group or queued again with
+    its index (a group in flight at the stop is generated again); new ones number on."""
+    path = tmp_path / "state.db"
+    first = durable_service(path, max_buffered=2)
+    run = await first.create_run(dataclasses.replace(spec(), source_kind="submitted", prompts=()))
+    await first.submit_prompts(run.run_id, [PromptSpec(token_ids=[i + 1]) for i in range(6)])
+    await wait_until(lambda: len(run.broker.buffered) == 2, 5, "a full buffer")
+    await first.scheduler.stop_run(run)
+    first.store.close()
+
+    second = durable_service(path, max_buffered=2)
+    assert await second.restore() == 1
+    restored = second.runs[run.run_id]
+    await second.scheduler.stop_run(restored)  # hold generation: look at what came back
+    grouped = [group.prompt.index for group in restored.broker.buffered]
+    queued = [(await restored.source.next()).index for _ in range(restored.source.queued)]
+    assert len(grouped) == 2 and sorted(grouped + queued) == list(range(6)) and queued == sorted(queued)
+    await second.submit_prompts(run.run_id, [PromptSpec(token_ids=[9])])
+    assert (await restored.source.next()).index == 6
+    second.store.close()
