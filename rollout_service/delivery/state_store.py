@@ -45,7 +45,14 @@ FLUSH_INTERVAL_S = 0.001
 """How long writes gather into one transaction (after the first one is queued)."""
 
 CHECKPOINT_INTERVAL_S = 1.0
-"""How often the checkpointer thread copies the WAL into the database."""
+"""How often the maintenance thread deletes acked groups and checkpoints the WAL."""
+
+ACKED_KEPT = 100_000
+"""Acked ids kept, newest first: as many as a run's broker remembers (``broker._ACK_MEMORY``)."""
+
+DELETE_CHUNK = 512
+"""Acked groups deleted per transaction of the maintenance thread: each holds the write lock
+for a few milliseconds, which is as long as a flush on the loop may have to wait."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, created REAL, owner TEXT, spec BLOB, state BLOB);
@@ -155,9 +162,11 @@ class SqliteStore:
     (after its sleep, after each statement) it waited up to the interpreter's switch
     interval (5 ms) while the loop encoded groups, so the puts waiting for its commit
     stalled. On the loop, a batch of 32 groups commits in about 0.5 ms (a WAL append,
-    no fsync with ``synchronous=NORMAL``). The slow part, the checkpoint that copies the
-    WAL into the database and fsyncs, runs on a thread with its own connection: one
-    statement in C, with the GIL released."""
+    no fsync with ``synchronous=NORMAL``). The slow parts run on a maintenance thread with
+    its own connection, each one statement in C with the GIL released: deleting the rows
+    of acked groups (so the file holds what a restart needs, not every group ever made),
+    trimming the acked ids to the last ``ACKED_KEPT``, and the checkpoint that copies the
+    WAL into the database and fsyncs."""
 
     def __init__(
         self,
@@ -181,9 +190,12 @@ class SqliteStore:
         self.flushes = 0
         self.writes = 0
         self.checkpoints = 0
+        self.deleted_groups = 0
+        self._prompt_runs: set[str] = set()
+        """Runs with submitted prompts stored: only their groups and drops delete a prompt row."""
         self._stop = threading.Event()
         self._checkpointer = threading.Thread(
-            target=self._checkpoint_loop, args=(checkpoint_interval_s,), name="state-store-checkpoint", daemon=True
+            target=self._maintain, args=(checkpoint_interval_s,), name="state-store-maintenance", daemon=True
         )
         self._checkpointer.start()
 
@@ -203,6 +215,7 @@ class SqliteStore:
         for run_id, body in db.execute("SELECT run_id, body FROM prompts ORDER BY run_id, prompt_index"):
             if run_id in runs:
                 runs[run_id].prompts.append(pickle.loads(body))
+                self._prompt_runs.add(run_id)
         meta = {key: pickle.loads(value) for key, value in db.execute("SELECT key, value FROM meta")}
         for run in runs.values():
             run.prompts_submitted = meta.pop(_submitted_key(run.run_id), 0)
@@ -222,6 +235,7 @@ class SqliteStore:
         for table in ("runs", "groups", "acked", "prompts"):
             self._enqueue(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
         self._enqueue("DELETE FROM meta WHERE key = ?", (_submitted_key(run_id),))
+        self._prompt_runs.discard(run_id)
 
     async def put_group(self, group: ScoredGroup) -> None:
         """Returns once the group is committed: only then may a consumer take it. Its
@@ -244,6 +258,7 @@ class SqliteStore:
         later deletes its row after it is written."""
         done = asyncio.get_running_loop().create_future()
         self._waiters.append(done)
+        self._prompt_runs.add(run_id)
         for prompt in prompts:
             self._enqueue(
                 "INSERT OR REPLACE INTO prompts VALUES (?, ?, ?)", (run_id, prompt.index, pickle.dumps(prompt))
@@ -254,11 +269,13 @@ class SqliteStore:
 
     def prompt_done(self, run_id: str, prompt_index: int) -> None:
         """The prompt left the run without a group (dropped): it is not queued again after a restart."""
-        self._enqueue("DELETE FROM prompts WHERE run_id = ? AND prompt_index = ?", (run_id, prompt_index))
+        if run_id in self._prompt_runs:
+            self._enqueue("DELETE FROM prompts WHERE run_id = ? AND prompt_index = ?", (run_id, prompt_index))
 
     def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
-        """One small row per ack; the acked group's own row goes at the next start-up
-        (``load``), which is cheaper than deleting a 4 KB row per ack on the stream's path."""
+        """One small row per ack; the acked group's own 4 KB row is deleted by the
+        maintenance thread, off the loop (measured: deleting it in the flush doubled the
+        store's cost per group)."""
         for group_id in group_ids:
             self._enqueue("INSERT OR REPLACE INTO acked VALUES (?, ?, ?)", (run_id, group_id, status))
 
@@ -321,19 +338,39 @@ class SqliteStore:
                 else:
                     done.set_exception(error)
 
-    def _checkpoint_loop(self, interval_s: float) -> None:
-        """Copy the WAL into the database now and then, so the WAL stays small; PASSIVE
-        never blocks the loop's writes."""
-        checkpointer = _connect(self.path)
+    def _maintain(self, interval_s: float) -> None:
+        """Now and then: delete acked groups' rows, trim the acked ids, checkpoint the WAL
+        (PASSIVE: it never blocks the loop's writes)."""
+        db = _connect(self.path)
+        acks_done = 0  # acked rows (by rowid) whose groups are deleted
         try:
             while not self._stop.wait(interval_s):
                 try:
-                    checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    deleted, acks_done = _delete_acked_groups(db, acks_done)
+                    self.deleted_groups += deleted
+                    db.execute("DELETE FROM acked WHERE rowid <= (SELECT MAX(rowid) FROM acked) - ?", (ACKED_KEPT,))
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
                     self.checkpoints += 1
                 except sqlite3.Error as exc:
-                    logger.warning("state store: a checkpoint failed (%s); the next one tries again", exc)
+                    logger.warning("state store: maintenance failed (%s); the next round tries again", exc)
         finally:
-            checkpointer.close()
+            db.close()
+
+
+def _delete_acked_groups(db: sqlite3.Connection, after: int) -> tuple[int, int]:
+    """Rows of the groups acked since acked row ``after``, ``DELETE_CHUNK`` acks per
+    transaction; returns how many were deleted and the newest acked row now done. (A
+    repeated ack replaces its row with a newer one, and is looked at again: harmless.)"""
+    newest = db.execute("SELECT COALESCE(MAX(rowid), 0) FROM acked").fetchone()[0]
+    deleted = 0
+    while after < newest:
+        upto = min(after + DELETE_CHUNK, newest)
+        cursor = db.execute(
+            "DELETE FROM groups WHERE group_id IN (SELECT group_id FROM acked WHERE rowid > ? AND rowid <= ?)",
+            (after, upto),
+        )
+        deleted, after = deleted + cursor.rowcount, upto
+    return deleted, after
 
 
 def _submitted_key(run_id: str) -> str:

@@ -9,6 +9,9 @@ import dataclasses
 import sqlite3
 from pathlib import Path
 
+import pytest
+
+from rollout_service.delivery import state_store
 from rollout_service.delivery.state_store import MemoryStore, SqliteStore, open_store
 from rollout_service.edge.group_wire import WireCodec
 from rollout_service.evaluation import EvalSpec
@@ -19,6 +22,7 @@ from rollout_service.weights.adapters import AdapterPublisher
 from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_adapters import ADAPTER, ScriptedServer
+from tests.unit.test_group_wire import scored_group
 
 
 def spec(**kw) -> RunSpec:  # type: ignore[no-untyped-def]
@@ -162,3 +166,22 @@ async def test_submitted_prompts_come_back_queued_unless_their_group_was_stored(
     await second.submit_prompts(run.run_id, [PromptSpec(token_ids=[9])])
     assert (await restored.source.next()).index == 6
     second.store.close()
+
+
+async def test_acked_groups_leave_the_file_and_only_the_newest_acks_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The maintenance thread deletes acked groups' rows, so the file holds what a restart
+    needs, not every group ever made, and keeps the newest ``ACKED_KEPT`` acked ids."""
+    monkeypatch.setattr(state_store, "ACKED_KEPT", 2)
+    path = tmp_path / "state.db"
+    store = SqliteStore(path, WireCodec(), checkpoint_interval_s=0.01)
+    groups = [dataclasses.replace(scored_group(), group_id=f"run-1/{i}") for i in range(5)]
+    for group in groups:
+        await store.put_group(group)
+    store.ack("run-1", [group.group_id for group in groups[:3]], "trained")
+    await wait_until(lambda: store.deleted_groups == 3 and store.checkpoints >= 2, 5, "acked groups deleted")
+    store.close()
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT group_id FROM groups ORDER BY seq").fetchall() == [("run-1/3",), ("run-1/4",)]
+    assert db.execute("SELECT group_id FROM acked").fetchall() == [("run-1/1",), ("run-1/2",)]
