@@ -182,7 +182,7 @@ class SqliteStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.flush_interval_s = flush_interval_s
         self._db = _connect(path)
-        self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it, off the loop
+        self._db.execute("PRAGMA wal_autocheckpoint=0")  # the maintenance thread does it, off the loop
         self._db.executescript(_SCHEMA)
         self._pending: list[_Write] = []
         self._waiters: list[asyncio.Future[None]] = []
@@ -198,10 +198,10 @@ class SqliteStore:
         self._prompt_runs: set[str] = set()
         """Runs with submitted prompts stored: only their groups and drops delete a prompt row."""
         self._stop = threading.Event()
-        self._checkpointer = threading.Thread(
+        self._maintainer = threading.Thread(
             target=self._maintain, args=(checkpoint_interval_s,), name="state-store-maintenance", daemon=True
         )
-        self._checkpointer.start()
+        self._maintainer.start()
 
     # -- reading (at start-up, before anything is written) ----------------------------------
     def load(self) -> tuple[list[StoredRun], dict[str, Any]]:
@@ -296,7 +296,7 @@ class SqliteStore:
         self.flush()
         self._closed = True
         self._stop.set()
-        self._checkpointer.join(timeout=30)
+        self._maintainer.join(timeout=30)
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._db.close()
 
