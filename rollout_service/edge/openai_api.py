@@ -12,6 +12,7 @@ drives episodes of that run:
   server-sent chunks once it is generated.
 - ``POST /v1/runs/{run_id}/completions``: the same for plain text: ``prompt`` repeats the
   episode's text so far (previous prompt and completion) and appends what the client adds.
+  ``stream: true`` works here too.
 - ``POST /v1/runs/{run_id}/episodes/{episode_id}/close`` with ``{"reward": r}`` or ``{}``.
 
 Authentication is the gRPC service's: ``Authorization: Bearer <token>`` of a principal in
@@ -123,17 +124,15 @@ class _Endpoint:
         reply = await self.service.external.turn(run, turn)
         model = body.get("model") or self.service.info.model
         if body.get("stream"):
-            return await _stream_turn(request, reply, model)
+            return await _stream_reply(request, reply, model, chat=True)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
         return web.json_response(_completion("chatcmpl", "chat.completion", model, reply, message=message))
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         run = self._run(request)
         body = await _json_object(request)
-        if body.get("stream"):
-            raise InvalidArgument("stream is not supported: set stream false (the completion comes back whole)")
         if body.get("n", 1) != 1 or body.get("echo"):
             raise InvalidArgument("n must be 1 and echo false: each episode is one text")
         prompt = body.get("prompt")
@@ -144,6 +143,8 @@ class _Endpoint:
         )
         reply = await self.service.external.complete(run, text)
         model = body.get("model") or self.service.info.model
+        if body.get("stream"):
+            return await _stream_reply(request, reply, model, chat=False)
         return web.json_response(_completion("cmpl", "text_completion", model, reply, text=reply.content or ""))
 
     async def close(self, request: web.Request) -> web.Response:
@@ -159,26 +160,30 @@ class _Endpoint:
         return web.json_response({"episode_id": episode_id, "group_complete": waiting == 0, "task_waiting": waiting})
 
 
-async def _stream_turn(request: web.Request, reply: TurnReply, model: str) -> web.StreamResponse:
-    """``stream: true``, as server-sent events of ``chat.completion.chunk``: the turn is
-    generated whole first (the sample needs all of it), then sent as a role-and-content
-    chunk, a tool-calls chunk if any, and a final chunk with the finish reason, usage and
-    ``rollout`` (ids and logprobs); then ``[DONE]``. Clients that always stream work as they are."""
+async def _stream_reply(request: web.Request, reply: TurnReply, model: str, chat: bool) -> web.StreamResponse:
+    """``stream: true``, as server-sent events: the reply is generated whole first (the
+    sample needs all of it), then sent as OpenAI's chunks, and a final chunk with the finish
+    reason, usage and ``rollout`` (ids and logprobs); then ``[DONE]``. Chat: a role-and-content
+    chunk and a tool-calls chunk if any (``chat.completion.chunk``); text: one chunk with the
+    text (``text_completion``). Clients that always stream work as they are."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    head = _envelope("chatcmpl", "chat.completion.chunk", model)
+    head = _envelope(*(("chatcmpl", "chat.completion.chunk") if chat else ("cmpl", "text_completion")), model)
 
-    async def send(delta: dict[str, Any], **extra: Any) -> None:
-        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None, **extra}
+    async def send(answer: dict[str, Any], final: bool = False) -> None:
+        choice = {"index": 0, **answer, "finish_reason": reply.finish_reason if final else None, "logprobs": None}
         chunk = {**head, "choices": [choice]}
+        if final:
+            choice["rollout"], chunk["usage"] = _rollout(reply), _usage(reply)
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
-    await send({"role": "assistant", "content": reply.content or ""})
-    if reply.tool_calls:
-        await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]})
-    choice = {"index": 0, "delta": {}, "finish_reason": reply.finish_reason, "rollout": _rollout(reply)}
-    final = {**head, "choices": [choice]}
-    await response.write(f"data: {json.dumps({**final, 'usage': _usage(reply)})}\n\n".encode())
+    if chat:
+        await send({"delta": {"role": "assistant", "content": reply.content or ""}})
+        if reply.tool_calls:
+            await send({"delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]}})
+    else:
+        await send({"text": reply.content or ""})
+    await send({"delta": {}} if chat else {"text": ""}, final=True)
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -221,6 +221,25 @@ async def test_a_streamed_turn_comes_as_openai_chunks_then_done(tokenizer: Any) 
     assert chunks[-1]["usage"]["completion_tokens"] == len(last["rollout"]["token_ids"])
 
 
+async def test_a_streamed_text_completion_comes_as_text_chunks_then_done(tokenizer: Any) -> None:
+    service = service_for(tokenizer, ScriptEngine(tokenizer, [" four"]))
+    run = await service.create_run(external())
+    async with TestClient(TestServer(openai_app(service, TokenTable({})))) as http:
+        body = {"prompt": "Two plus two is", "episode_id": "e1", "task_id": "t1", "stream": True}
+        response = await http.post(f"/v1/runs/{run.run_id}/completions", json=body)
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+        events = [line[len("data: ") :] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text, last = (json.loads(event) for event in events[:-1])
+    assert text["object"] == last["object"] == "text_completion"
+    ids = last["choices"][0]["rollout"]["token_ids"]
+    assert text["choices"][0]["text"] == tokenizer.decode(ids) and text["choices"][0]["text"].startswith(" four")
+    assert text["choices"][0]["finish_reason"] is None
+    assert last["choices"][0]["text"] == "" and last["choices"][0]["finish_reason"] == "stop"
+    assert last["usage"]["completion_tokens"] == len(ids)
+    assert run.source.open["e1"].text == "Two plus two is" + tokenizer.decode(ids)  # the episode goes on from here
+
+
 async def test_a_group_the_runs_rewards_cannot_score_is_dropped_counted_and_said(tokenizer: Any) -> None:
     service = service_for(tokenizer, ScriptEngine(tokenizer, ["a", "b"]))
 
