@@ -359,7 +359,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 class _HandlerCollector:
     """Stands in for the server to catch the generated code's method handlers."""
 
-    handlers: dict[str, grpc.RpcMethodHandler]
+    handlers: dict[str, grpc.RpcMethodHandler] | None = None
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         pass
@@ -379,6 +379,8 @@ def _add_rollout_servicer(servicer: RolloutServicer, server: grpc.aio.Server) ->
     delivery. The handlers are the generated ones; only that serializer is replaced."""
     collector = _HandlerCollector()
     pb_grpc.add_RolloutServiceServicer_to_server(servicer, collector)
+    if collector.handlers is None:
+        raise RuntimeError("rollout_pb2_grpc registers no method handlers: regenerate it with `make proto`")
     handlers = dict(collector.handlers)
     handlers["StreamSamples"] = handlers["StreamSamples"]._replace(response_serializer=_stream_response_bytes)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
