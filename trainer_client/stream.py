@@ -119,7 +119,10 @@ class GroupFeed:
         self.counters = FeedCounters()
         self._seen = RecentIds()
         """The group ids taken from the stream: none is trained twice, whatever the service sends."""
-        self._acked: dict[str, RecentIds] = {"trained": RecentIds(), "dropped_stale": RecentIds()}
+        self._acked: dict[pb.AckStatus.ValueType, RecentIds] = {
+            pb.ACK_STATUS_TRAINED: RecentIds(),
+            pb.ACK_STATUS_DROPPED_STALE: RecentIds(),
+        }
         """Ids acked, by status: a duplicate of one is acked again (its first ack may have
         been lost with a service that restarted)."""
         self.on_weights_wanted: Callable[[str], None] | None = None
@@ -318,12 +321,11 @@ class GroupFeed:
         logger.warning("group %s was delivered again; skipped (it is trained once)", group_id)
         stream = self._stream
         assert stream is not None
-        if group_id in self._acked["trained"]:
-            self._loop.call_soon_threadsafe(functools.partial(stream.ack, [group_id], pb.ACK_STATUS_TRAINED))
-        elif group_id in self._acked["dropped_stale"]:
-            self._loop.call_soon_threadsafe(functools.partial(stream.ack, [group_id], pb.ACK_STATUS_DROPPED_STALE))
-        else:
+        acked_as = next((status for status, ids in self._acked.items() if group_id in ids), None)
+        if acked_as is None:
             self._loop.call_soon_threadsafe(stream.grant, 1)
+        else:
+            self._loop.call_soon_threadsafe(functools.partial(stream.ack, [group_id], acked_as))
 
     def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
         """Within max_staleness of ``at_version`` (default: ``training_version``) and not older
@@ -335,14 +337,10 @@ class GroupFeed:
         """``version``: the policy version they were trained at (default: the trainer's now)."""
         self.counters.trained += len(group_ids)
         self.counters.trained_group_ids.extend(group_ids)
-        for group_id in group_ids:
-            self._acked["trained"].add(group_id)
         self._ack(group_ids, pb.ACK_STATUS_TRAINED, self.training_version if version is None else version)
 
     def ack_dropped_stale(self, group_ids: list[str]) -> None:
         self.counters.dropped_stale += len(group_ids)
-        for group_id in group_ids:
-            self._acked["dropped_stale"].add(group_id)
         self._ack(group_ids, pb.ACK_STATUS_DROPPED_STALE)
 
     def flush_acks(self, timeout_s: float = 10.0) -> None:
@@ -362,5 +360,7 @@ class GroupFeed:
     def _ack(self, group_ids: list[str], status: pb.AckStatus.ValueType, version: int | None = None) -> None:
         stream = self._stream
         assert stream is not None
+        for group_id in group_ids:
+            self._acked[status].add(group_id)
         with self.clock.measure("ack"):
             self._loop.call_soon_threadsafe(functools.partial(stream.ack, group_ids, status, policy_version=version))

@@ -270,8 +270,8 @@ class RunBroker:
                 )
             if group_id in self.acked:
                 continue
-            held_before_restart = group_id not in leased and self._take_restored(group_id)
-            if group_id not in leased and not held_before_restart:
+            # Unleased, only a restored group may be acked: its consumer held it before the restart.
+            if group_id not in leased and not self._take_restored(group_id):
                 raise FailedPrecondition(
                     f"group {group_id!r} is not leased to consumer {consumer_id!r}; "
                     "ack only groups this stream received"

@@ -54,6 +54,9 @@ DELETE_CHUNK = 512
 """Acked groups deleted per transaction of the maintenance thread: each holds the write lock
 for a few milliseconds, which is as long as a flush on the loop may have to wait."""
 
+# The tables on the stream's path (groups, acked) are append-only B-trees with no index beside
+# their rowid: an index on group ids cost the loop a third of the store's time per group.
+# Acked rows carry the group's ``seq``, by which the maintenance thread deletes its row.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, created REAL, owner TEXT, spec BLOB, state BLOB);
 CREATE TABLE IF NOT EXISTS groups (seq INTEGER PRIMARY KEY, group_id TEXT, run_id TEXT, body BLOB);
@@ -72,7 +75,7 @@ class StoredRun:
     spec: Any
     """The ``RunSpec`` it was created with."""
     state: dict[str, Any]
-    """State that changes: ``policy_version``, ``trainer_version``, ``state``, ``error``."""
+    """State that changes: versions and admission's estimate (``run_state``)."""
     groups: list[ScoredGroup] = field(default_factory=list)
     """Scored and not acked, oldest first."""
     acked: dict[str, str] = field(default_factory=dict)
@@ -150,9 +153,7 @@ class MemoryStore:
 
 
 _Write = tuple[str, tuple[Any, ...]]
-"""Tables on the stream's path (groups, acked) are append-only B-trees with no index beside
-their rowid: an index on group ids cost the loop a third of the store's time per group.
-Acked rows carry the group's ``seq``, by which the maintenance thread deletes its row."""
+"""A statement and its arguments, queued for the next flush."""
 
 
 class SqliteStore:
@@ -249,8 +250,7 @@ class SqliteStore:
         prompt's row (a submitted prompt's) goes in the same transaction, so after a kill a
         prompt is either a stored group or queued again, never both or neither."""
         self._seq += 1
-        done = asyncio.get_running_loop().create_future()
-        self._waiters.append(done)
+        done = self._committed()
         self.prompt_done(group.run_id, group.prompt.index)
         seq = self._seq_of.setdefault(group.run_id, {})[group.group_id] = self._seq
         row = (seq, group.group_id, group.run_id, self.codec.encode(group))
@@ -262,8 +262,7 @@ class SqliteStore:
         client told its prompts were queued is never told so by a service that forgets
         them. The writes are queued before the first await: a group made from one of them
         later deletes its row after it is written."""
-        done = asyncio.get_running_loop().create_future()
-        self._waiters.append(done)
+        done = self._committed()
         self._prompt_runs.add(run_id)
         for prompt in prompts:
             self._enqueue(
@@ -300,6 +299,12 @@ class SqliteStore:
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._db.close()
 
+    def _committed(self) -> asyncio.Future[None]:
+        """Done when the next flush commits (or fails with its error)."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiters.append(done)
+        return done
+
     def _enqueue(self, sql: str, args: tuple[Any, ...]) -> None:
         """Queue a write for the next flush, ``flush_interval_s`` after the first queued one
         (at once when no event loop runs: start-up, shutdown, scripts)."""
@@ -317,7 +322,7 @@ class SqliteStore:
 
     def flush(self) -> None:
         """One transaction for everything queued; consecutive writes of one statement go in
-        one ``executemany``. Then the ``put_group`` calls it held return (or raise)."""
+        one ``executemany``. Then the puts awaiting it (``_committed``) return, or raise."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

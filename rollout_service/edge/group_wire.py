@@ -15,7 +15,7 @@ from __future__ import annotations
 from rollout_api import rollout_pb2 as pb
 from rollout_service.types import EpisodeResult, FinishReason, PromptItem, ScoredGroup
 
-FINISH_TO_PB: dict[str, int] = {
+_FINISH_TO_PB: dict[str, int] = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
@@ -23,7 +23,7 @@ FINISH_TO_PB: dict[str, int] = {
     "max_episode_tokens": pb.FINISH_REASON_MAX_EPISODE_TOKENS,
     "max_model_len": pb.FINISH_REASON_MAX_MODEL_LEN,
 }
-_FINISH_FROM_PB: dict[int, FinishReason] = {number: name for name, number in FINISH_TO_PB.items()}  # type: ignore[misc]
+_FINISH_FROM_PB: dict[int, FinishReason] = {number: name for name, number in _FINISH_TO_PB.items()}  # type: ignore[misc]
 
 _LENGTH_DELIMITED, _VARINT = 2, 0
 _GROUP_IN_RESPONSE = pb.StreamSamplesResponse.DESCRIPTOR.fields_by_name["group"].number
@@ -59,7 +59,7 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
                 advantage=group.advantages[i],
                 policy_version_first=episode.policy_version_first,
                 policy_version_last=episode.policy_version_last,
-                finish_reason=FINISH_TO_PB[episode.finish_reason],
+                finish_reason=_FINISH_TO_PB[episode.finish_reason],
                 completion_text=episode.text,
                 num_turns=episode.num_turns,
                 num_tool_calls=episode.num_tool_calls,
@@ -84,7 +84,7 @@ def group_from_pb(message: pb.Group) -> ScoredGroup:
     """The group a message carries: everything a consumer is sent. What only scoring needed
     (the conversation as messages, the reward texts) is not on the wire and stays empty."""
     samples = message.samples
-    names = [component.name for component in samples[0].reward_components] if samples else []
+    components = samples[0].reward_components if samples else []  # every sample names the same ones
     return ScoredGroup(
         group_id=message.group_id,
         run_id=message.run_id,
@@ -108,11 +108,10 @@ def group_from_pb(message: pb.Group) -> ScoredGroup:
         ],
         rewards=[sample.reward for sample in samples],
         reward_components={
-            name: [sample.reward_components[k].value for sample in samples] for k, name in enumerate(names)
+            component.name: [sample.reward_components[k].value for sample in samples]
+            for k, component in enumerate(components)
         },
-        reward_weights={component.name: component.weight for component in samples[0].reward_components}
-        if samples
-        else {},
+        reward_weights={component.name: component.weight for component in components},
         advantages=[sample.advantage for sample in samples],
         generation_seconds=message.generation_seconds,
         requested_size=message.requested_size,
