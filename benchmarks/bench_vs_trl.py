@@ -386,6 +386,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], dict[str
     engine = {"managed": {"model": str(args.model_dir)}}
     if args.vllm_url:
         engine = {"urls": [args.vllm_url], "tokenizer": str(args.model_dir), "model": "tiny"}
+    engine["token_endpoint"] = not args.completions_endpoint
     settings = load_settings(port=0, metrics_port=None, engine=engine, reward_modules=["bench_rewards"])
     variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
     contenders = [f"trl-{t}t" for t in args.trl_threads] + list(variants)
@@ -491,6 +492,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variant", action="append", default=[], type=lambda s: tuple(s.split("=", 1)), help='NAME="TRAINER FLAGS"'
     )
     parser.add_argument("--vllm-url", help="a running vLLM server (weight transfer on); default: a managed one")
+    parser.add_argument(
+        "--completions-endpoint", action="store_true",
+        help="the service samples through vLLM's /v1/completions, not its token endpoint (engine.token_endpoint off)",
+    )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--output", type=Path, default=Path("outputs/bench_vs_trl"))
     # trl-worker only

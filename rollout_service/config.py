@@ -88,6 +88,10 @@ class EngineSettings(Section):
     """Tokenizer for chat templates and decoding; None: the managed model or `model`."""
     max_model_len: int | None = None
     """Context length for prompt validation; None: what the servers report (/v1/models)."""
+    token_endpoint: bool = True
+    """Ask for samples through vLLM's token-in, token-out endpoint (/inference/v1/generate,
+    served with --enable-scale-out, vLLM >= 0.32) with detokenization off, where a server
+    serves it; false: always /v1/completions. Requests with stop strings use completions."""
     connect_timeout_s: float = 5.0
     """TCP connect timeout per attempt."""
     read_timeout_s: float = 300.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -77,6 +78,7 @@ class ManagedVLLMServer:
             # Behaviour logprobs must be those of the distribution actually sampled from.
             "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log",
+            *self._token_endpoint_args(),
             *self._block_size_args(),
             *self._weight_transfer_args(),
             *self._lora_args(),
@@ -88,6 +90,15 @@ class ManagedVLLMServer:
         if block_size is None and self.settings.device == "cpu":
             block_size = CPU_BLOCK_SIZE
         return [] if block_size is None else ["--block-size", str(block_size)]
+
+    @staticmethod
+    def _token_endpoint_args() -> list[str]:
+        """Serve /inference/v1/generate (token ids in and out, no detokenization), which the
+        service's client prefers (``vllm_client``), where this vLLM has it (>= 0.32)."""
+        vllm = importlib.util.find_spec("vllm")  # the package's location only: importing vLLM takes seconds
+        locations = (vllm.submodule_search_locations or []) if vllm is not None else []
+        has_endpoint = any((Path(location) / "entrypoints" / "scale_out").is_dir() for location in locations)
+        return ["--enable-scale-out"] if has_endpoint else []
 
     def _weight_transfer_args(self) -> list[str]:
         backend = self.weight_transfer_backend

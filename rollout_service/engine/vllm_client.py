@@ -1,5 +1,12 @@
 """HTTP client of one OpenAI-compatible vLLM server, token ids in and out.
 
+Requests go to vLLM's token-in, token-out endpoint (``/inference/v1/generate``, served with
+``--enable-scale-out``, vLLM >= 0.32) with detokenization off: the service decodes the ids
+itself, so vLLM's incremental detokenizer and its OpenAI response were work for nothing, done
+in the API server process, which on a CPU host shares the trainer's cores (measured: about
+30% of that process's CPU per step). A server without the endpoint (403 or 404), and a
+request with stop strings (which need vLLM's text), use ``/v1/completions``.
+
 Retries only what can succeed (connection errors, timeouts, 5xx, 429) with exponential
 backoff inside a bounded budget; a 4xx is the request's fault and fails at once. Timeouts
 are per phase (connect, read) per attempt, never one total around retries.
@@ -25,8 +32,16 @@ logger = logging.getLogger(__name__)
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 
 
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
+
+
 class _Retryable(Exception):
     pass
+
+
+class _NoTokenEndpoint(Exception):
+    """The server does not serve ``GENERATE_PATH`` (vLLM before 0.32, or without --enable-scale-out)."""
 
 
 def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
@@ -51,6 +66,39 @@ def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -
     return body
 
 
+def generate_body(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` request for ``n`` completions with behaviour logprobs,
+    as ``completion_body`` asks them but without detokenization (so without stop strings)."""
+    sampling: dict[str, Any] = {
+        "n": n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": max(params.top_k, 0),  # 0: off
+        "logprobs": 0,
+        "detokenize": False,
+    }
+    if params.seed is not None:
+        sampling["seed"] = params.seed
+    body: dict[str, Any] = {"token_ids": prompt_ids, "model": params.model or model, "sampling_params": sampling}
+    if params.cache_salt is not None:
+        body["cache_salt"] = params.cache_salt
+    return body
+
+
+def parse_generated(payload: dict[str, Any], server: str, n: int) -> list[Completion]:
+    """The ``n`` choices of a ``/inference/v1/generate`` answer, in index order."""
+    choices = sorted(payload["choices"], key=lambda choice: choice.get("index", 0))
+    if len(choices) != n:
+        raise EngineError(server, f"{len(choices)} choices for n={n}")
+    completions = []
+    for choice in choices:
+        token_ids = list(choice["token_ids"] or [])
+        logprobs = [float(entry["logprob"]) for entry in (choice.get("logprobs") or {}).get("content") or []]
+        completions.append(_completion(token_ids, logprobs, choice.get("finish_reason"), server))
+    return completions
+
+
 def parse_completion(payload: dict[str, Any], server: str) -> Completion:
     return _parse_choice(payload["choices"][0], server)
 
@@ -64,12 +112,15 @@ def parse_completions(payload: dict[str, Any], server: str, n: int) -> list[Comp
 
 
 def _parse_choice(choice: dict[str, Any], server: str) -> Completion:
-    token_ids = list(choice["token_ids"])
     logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    return _completion(list(choice["token_ids"]), logprobs, choice.get("finish_reason"), server)
+
+
+def _completion(token_ids: list[int], logprobs: list[float], reason: str | None, server: str) -> Completion:
     if len(logprobs) != len(token_ids):
         raise EngineError(server, f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
-    reason = choice.get("finish_reason") or "stop"
-    finish: FinishReason = reason if reason in ("stop", "length", "abort") else "stop"
+    reason = reason or "stop"
+    finish: FinishReason = reason if reason in ("stop", "length", "abort") else "stop"  # type: ignore[assignment]
     return Completion(token_ids, logprobs, finish, server)
 
 
@@ -95,6 +146,8 @@ class VLLMServerClient:
         self.limit: int | None = None
         """Its adaptive in-flight limit (``load_monitor``); None: only the service's slots bound it."""
         self.consecutive_failures = 0
+        self.token_endpoint = settings.token_endpoint
+        """Whether to use ``GENERATE_PATH``; False once the server answered it 403 or 404."""
         # aiohttp's default cap of 100 connections would silently throttle large runs.
         self._connector_limit = max(max_connections, 1) + 8
         self._session: aiohttp.ClientSession | None = None
@@ -148,16 +201,12 @@ class VLLMServerClient:
     async def generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
         """``n`` samples of one prompt in one request (vLLM's ``n``); ``inflight`` counts
         sequences, which is what loads a server."""
-        body = completion_body(self.model, prompt_ids, params)
-        if n > 1:
-            body["n"] = n
         self.inflight += n
         self.peak_inflight = max(self.peak_inflight, self.inflight)
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         start = time.perf_counter()
         try:
-            payload = await self._post_within_deadline("/v1/completions", body)
-            completions = parse_completions(payload, self.base_url, n)
+            completions = await self._request(prompt_ids, params, n)
         except EngineError:
             self.consecutive_failures += 1
             self.metrics.request_failures.labels(self.base_url).inc()
@@ -168,6 +217,19 @@ class VLLMServerClient:
         self.consecutive_failures = 0
         self.metrics.request_latency.labels(self.base_url).observe(time.perf_counter() - start)
         return completions
+
+    async def _request(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
+        if self.token_endpoint and not params.stop:
+            body = generate_body(self.model, prompt_ids, params, n)
+            try:
+                return parse_generated(await self._post_within_deadline(GENERATE_PATH, body), self.base_url, n)
+            except _NoTokenEndpoint as exc:
+                self.token_endpoint = False
+                logger.info("%s does not serve %s (%s); using %s", self.base_url, GENERATE_PATH, exc, COMPLETIONS_PATH)
+        body = completion_body(self.model, prompt_ids, params)
+        if n > 1:
+            body["n"] = n
+        return parse_completions(await self._post_within_deadline(COMPLETIONS_PATH, body), self.base_url, n)
 
     def give_up(self, reason: str) -> None:
         """Treat the server as hung: fail the requests in flight now (closing their
@@ -214,6 +276,8 @@ class VLLMServerClient:
             raise EngineError(self.base_url, "client used before start()")
         try:
             async with self._session.post(self.base_url + path, json=body) as resp:
+                if path == GENERATE_PATH and resp.status in (403, 404):
+                    raise _NoTokenEndpoint(f"HTTP {resp.status}")
                 if resp.status in _RETRYABLE_STATUS:
                     raise _Retryable(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 if resp.status >= 400:
