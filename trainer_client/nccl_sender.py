@@ -72,6 +72,8 @@ class NcclWeightSender:
     """Rank 0 of the trainer <-> vLLM workers NCCL group; same surface as ``GlooWeightSender``."""
 
     REJOIN_NEEDS_NEW_PORT = True
+    RESIZES_IN_PLACE = False
+    """vLLM's NCCL rendezvous has no epochs: another world size is a new sender (and store)."""
 
     def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 60.0) -> None:
         if world_size < 2:
@@ -86,10 +88,13 @@ class NcclWeightSender:
     def connected(self) -> bool:
         return self._communicator is not None
 
-    def connect(self, epoch: int = 0) -> None:
-        """Join as rank 0 (blocks until every worker joins). ``epoch`` is unused: see the module doc."""
+    def connect(self, epoch: int = 0, world_size: int | None = None) -> None:
+        """Join as rank 0 (blocks until every worker joins). ``epoch`` is unused: see the module
+        doc. ``world_size`` must be this sender's (not ``RESIZES_IN_PLACE``)."""
         if self._communicator is not None:
             raise RuntimeError("already connected; leave() first")
+        if world_size not in (None, self.world_size):
+            raise ValueError(f"this sender was made for world size {self.world_size}, not {world_size}; make a new one")
         if not torch.cuda.is_available():
             raise RuntimeError(INSTALL_HINT)
         try:

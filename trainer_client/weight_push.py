@@ -96,16 +96,18 @@ class WeightPusher:
         if ticket.join_group:
             # First push, or the servers dropped the group (a failure, a service restart):
             # join again through the same store, under this join's epoch.
+            # The servers may have changed (a pool that grew or shrank): a new world size.
             sender_class = sender_for(ticket.backend)
+            world_size = ticket.group_world_size
             if (
                 not isinstance(self._sender, sender_class)
-                or self._sender.world_size != ticket.group_world_size
                 or self._sender.master_port != self.port
+                or (self._sender.world_size != world_size and not self._sender.RESIZES_IN_PLACE)
             ):
                 self.close()
-                self._sender = sender_class(self.address, self.port, ticket.group_world_size, self.timeout_s)
+                self._sender = sender_class(self.address, self.port, world_size, self.timeout_s)
             self._sender.leave()
-            await asyncio.to_thread(self._sender.connect, ticket.group_epoch)
+            await asyncio.to_thread(self._sender.connect, ticket.group_epoch, world_size)
         assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
         await asyncio.to_thread(self._sender.broadcast, tensors)
 

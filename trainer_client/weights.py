@@ -81,6 +81,9 @@ class GlooWeightSender:
 
     REJOIN_NEEDS_NEW_PORT = False
     """The store outlives a join: a re-join reuses the port under a new epoch prefix."""
+    RESIZES_IN_PLACE = True
+    """A join may bring another world size (servers joined or left the pool) through the same
+    store: restarting the store instead would drop the workers already connecting to it."""
 
     def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 60.0) -> None:
         if world_size < 2:
@@ -96,8 +99,9 @@ class GlooWeightSender:
     def connected(self) -> bool:
         return self._group is not None
 
-    def connect(self, epoch: int = 0) -> None:
-        """Join the group as rank 0 (blocks until all workers join).
+    def connect(self, epoch: int = 0, world_size: int | None = None) -> None:
+        """Join the group as rank 0 (blocks until all workers join); ``world_size``: this
+        join's, when the servers changed since the last.
 
         The rendezvous store is hosted once and kept across joins; each join's keys live
         under the prefix of its ``epoch`` (the service numbers the joins), so a re-join after
@@ -105,6 +109,10 @@ class GlooWeightSender:
         """
         if self._group is not None:
             raise RuntimeError("already connected; leave() first")
+        if world_size is not None:
+            if world_size < 2:
+                raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
+            self.world_size = world_size
         if self._store is None:
             self._store = TCPStore(
                 self.master_address,

@@ -12,6 +12,7 @@ import asyncio
 import sys
 import threading
 import types
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from rollout_service.weights.update_messages import init_info
 from trainer_client.nccl_sender import NcclWeightSender, call_within
 from trainer_client.weight_push import WeightPusher, sender_for
-from trainer_client.weights import GlooWeightSender
+from trainer_client.weights import GlooWeightSender, free_port, rendezvous_uri
 from vllm_gloo_transfer.packing import broadcast_buckets
 from vllm_gloo_transfer.plugin import GlooWeightTransferInitInfo
 
@@ -124,3 +125,45 @@ def test_call_within_returns_the_value_or_raises_the_error() -> None:
     assert call_within(5, "x", lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(ZeroDivisionError):
         call_within(5, "x", lambda: 1 / 0)
+
+
+def _gloo_worker(port: int, epoch: int, rank: int, world_size: int, out: dict[int, torch.Tensor]) -> None:
+    """A server's worker as vllm_gloo_transfer joins: a client of the trainer's store, under the join's epoch."""
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    store = TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=20))
+    prefix = PrefixStore(f"{rendezvous_uri('127.0.0.1', port)}/epoch-{epoch}", store)
+    group = ProcessGroupGloo(prefix, rank, world_size, timedelta(seconds=20))
+    group._set_sequence_number_for_group()
+    received = torch.zeros(3)
+    group.broadcast(received, 0).wait()
+    out[rank] = received
+    group.shutdown()
+
+
+def test_a_gloo_join_with_more_servers_goes_through_the_same_store() -> None:
+    """A pool that grew: the next join has a larger world. The store the workers connect to
+    stays up across it (a restarted one drops workers that connected early)."""
+    port = free_port("127.0.0.1")
+    sender = GlooWeightSender("127.0.0.1", port, world_size=2, timeout_s=20)
+    for epoch, world_size in ((1, 2), (2, 3)):
+        out: dict[int, torch.Tensor] = {}
+        workers = [
+            threading.Thread(target=_gloo_worker, args=(port, epoch, rank, world_size, out))
+            for rank in range(1, world_size)
+        ]
+        for worker in workers:
+            worker.start()
+        store = sender._store
+        sender.connect(epoch, world_size)
+        assert store is None or sender._store is store  # hosted once
+        sender._require_group().broadcast(torch.full((3,), float(epoch)), 0).wait()
+        for worker in workers:
+            worker.join(30)
+        assert sorted(out) == list(range(1, world_size))
+        assert all(torch.equal(tensor, torch.full((3,), float(epoch))) for tensor in out.values())
+        sender.leave()
+    sender.close()
+    with pytest.raises(ValueError, match="world size 2, not 3"):
+        NcclWeightSender("127.0.0.1", port, 2).connect(0, 3)
