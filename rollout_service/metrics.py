@@ -85,6 +85,7 @@ class ServiceMetrics:
             ["server"],
             registry=r,
         )
+        self.engines = Gauge("rollout_engines", "vLLM servers in the pool, held ones included", registry=r)
         self.server_inflight = Gauge(
             "rollout_engine_inflight_requests", "Requests in flight per server", ["server"], registry=r
         )

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
@@ -42,10 +42,14 @@ from rollout_service.metrics import ServiceMetrics
 from rollout_service.runs import MAX_BUFFERED_GROUPS, Run, RunSpec
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
+from rollout_service.types import EngineState
 from rollout_service.weights.adapters import AdapterPublisher
 from rollout_service.weights.update_messages import UpdateTimes
 from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
+
+if TYPE_CHECKING:  # it drives this class: imported for the annotation only
+    from rollout_service.weights.pool_membership import PoolMembership
 
 DELETED_RUNS_KEPT = 256
 NO_ENGINE_ERROR = "no vLLM server is answering; groups are dropped until one does (see the service's health)"
@@ -95,6 +99,8 @@ class ServiceStats:
     weight_update_paused_seconds: float
     last_weight_update: UpdateTimes | None
     evals: list[EvalResult]
+    engines: list[EngineState]
+    """The pool's servers now: routable or held, and why."""
     """The latest evaluation runs' results, oldest first."""
 
 
@@ -161,6 +167,8 @@ class RolloutService:
         """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""
         self.adapters: AdapterPublisher | None = None
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
+        self.membership: PoolMembership | None = None
+        """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
 
     def set_policy_version(self, version: int) -> None:
         """The servers now hold base weights of this version. Runs on the base weights share
@@ -475,7 +483,13 @@ class RolloutService:
             weight_update_paused_seconds=sync.paused_seconds() if sync is not None else 0.0,
             last_weight_update=sync.last_update if sync is not None else None,
             evals=self.evaluations.results(),
+            engines=self.membership.states() if self.membership is not None else [],
         )
+
+    def require_membership(self) -> PoolMembership:
+        if self.membership is None:
+            raise FailedPrecondition("this service's pool cannot change while it runs")
+        return self.membership
 
     def require_weight_sync(self, run_id: str | None = None) -> WeightSyncCoordinator:
         """The weight-sync coordinator; with ``run_id``, also check that run can take a push."""

@@ -170,3 +170,25 @@ class RunStall:
     kind: Literal["generation", "consumers"]
     reason: str
     seconds: float
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """One server as GetStats and the membership RPCs report it."""
+
+    url: str
+    routable: bool
+    held_reason: str
+    """Why it takes no requests now (joining, restarting, leaving); empty when routable."""
+    sequences_in_flight: int
+    managed: bool
+
+
+@dataclass(frozen=True)
+class EngineRemoved:
+    url: str
+    drain_seconds: float
+    sequences_drained: int
+    """Sequences in flight when the drain began that finished on the server."""
+    sequences_moved: int
+    """Sequences still running at the drain timeout: abandoned there, started over elsewhere."""

@@ -213,6 +213,19 @@ class RolloutClient:
     async def stats(self) -> pb.GetStatsResponse:
         return await self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s, metadata=self._metadata)
 
+    async def add_engine(self, url: str) -> pb.EngineState:
+        """Add a vLLM server to the service's pool (an admin's call); it is held until it
+        holds the runs' policy."""
+        request = pb.AddEngineRequest(url=url)
+        return (await self.stub.AddEngine(request, timeout=self.timeout_s, metadata=self._metadata)).engine
+
+    async def remove_engine(self, url: str, drain_timeout_s: float | None = None) -> pb.RemoveEngineResponse:
+        """Drain a vLLM server and take it out of the pool (an admin's call). The call waits
+        for the drain, so its deadline covers ``drain_timeout_s`` too."""
+        request = pb.RemoveEngineRequest(url=url, drain_timeout_seconds=drain_timeout_s)
+        deadline = self.timeout_s + (120.0 if drain_timeout_s is None else drain_timeout_s)
+        return await self.stub.RemoveEngine(request, timeout=deadline, metadata=self._metadata)
+
     async def submit_prompts(self, run_id: str, prompts: list[pb.Prompt]) -> pb.SubmitPromptsResponse:
         request = pb.SubmitPromptsRequest(run_id=run_id, prompts=prompts)
         return await self.stub.SubmitPrompts(request, timeout=self.timeout_s, metadata=self._metadata)

@@ -39,6 +39,7 @@ from rollout_service.metrics import ServiceMetrics, start_metrics_server
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.weights.adapters import AdapterPublisher
+from rollout_service.weights.pool_membership import PoolMembership
 from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
@@ -163,7 +164,18 @@ async def running_service(
             service.scheduler.resize(monitor.capacity)
         watchdog = asyncio.create_task(service.watch_runs(), name="run-watchdog")
         stack.push_async_callback(_cancelled, watchdog)
-        await _attach_weights(service, pool, controls, settings, managed, stack)
+        recovery = ServerRecovery(service, pool)
+        service.membership = PoolMembership(
+            service,
+            pool,
+            recovery,
+            lambda url: VLLMServerClient(url, model, engine_settings, metrics, connections),
+            engine_settings.connect_timeout_s,
+            managed_urls=frozenset([managed.url] if managed is not None else []),
+        )
+        stack.push_async_callback(service.membership.close)  # after weight sync's close, which may resume them
+        metrics.engines.set(len(pool.clients))
+        await _attach_weights(service, recovery, controls, settings, managed, stack)
         await service.restore_adapters()  # restored serve_adapter runs get their adapters back
 
         metrics_port = None
@@ -238,15 +250,14 @@ def _user_registries(settings: ServiceSettings) -> tuple[RewardRegistry, ToolReg
 
 async def _attach_weights(
     service: RolloutService,
-    pool: EnginePool,
+    recovery: ServerRecovery,
     controls: list[VLLMControlClient],
     settings: ServiceSettings,
     managed: ManagedVLLMServer | None,
     stack: contextlib.AsyncExitStack,
 ) -> None:
     """Weight sync, adapters, and (for a managed server) the supervisor that restarts it and
-    holds it out of routing until it holds the runs' policy again."""
-    recovery = ServerRecovery(service, pool)
+    holds it out of routing until it holds the runs' policy again (``recovery``)."""
     service.weight_sync = WeightSyncCoordinator(
         controls,
         settings.weight_sync,

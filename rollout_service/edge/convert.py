@@ -15,7 +15,14 @@ from rollout_service.errors import InvalidArgument
 from rollout_service.evaluation import EvalResult, EvalSpec, eval_result
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
-from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams
+from rollout_service.types import (
+    AdvantageScaling,
+    EngineRemoved,
+    EngineState,
+    EpisodeSpec,
+    RunStall,
+    SamplingParams,
+)
 from rollout_service.weights.update_messages import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
@@ -248,10 +255,30 @@ def stats_to_pb(stats: ServiceStats, runs: Iterable[Run]) -> pb.GetStatsResponse
         weight_updates_aborted=stats.weight_updates_aborted,
         weight_update_paused_seconds=stats.weight_update_paused_seconds,
         evals=[eval_result_to_pb(result) for result in stats.evals],
+        engines=[engine_state_to_pb(engine) for engine in stats.engines],
     )
     if stats.last_weight_update is not None:
         out.last_weight_update.CopyFrom(update_times_to_pb(stats.last_weight_update))
     return out
+
+
+def engine_state_to_pb(engine: EngineState) -> pb.EngineState:
+    return pb.EngineState(
+        url=engine.url,
+        routable=engine.routable,
+        held_reason=engine.held_reason,
+        sequences_in_flight=engine.sequences_in_flight,
+        managed=engine.managed,
+    )
+
+
+def engine_removed_to_pb(removed: EngineRemoved) -> pb.RemoveEngineResponse:
+    return pb.RemoveEngineResponse(
+        url=removed.url,
+        drain_seconds=removed.drain_seconds,
+        sequences_drained=removed.sequences_drained,
+        sequences_moved=removed.sequences_moved,
+    )
 
 
 def update_times_to_pb(times: UpdateTimes) -> pb.WeightUpdateTimes:

@@ -27,6 +27,8 @@ from rollout_service.edge.convert import (
     PAUSE_MODE_FROM_PB,
     consumer_message_to_wire,
     consumer_request_from_pb,
+    engine_removed_to_pb,
+    engine_state_to_pb,
     prompt_from_pb,
     run_spec_from_pb,
     run_to_pb,
@@ -230,7 +232,33 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         caller = self._caller(context)
         stats = self.service.stats()
         evals = [result for result in stats.evals if caller.admin or result.owner == caller.name]
-        return stats_to_pb(dataclasses.replace(stats, evals=evals), self._visible(caller))
+        engines = stats.engines if caller.admin else []  # the servers' development endpoints are not for everyone
+        return stats_to_pb(dataclasses.replace(stats, evals=evals, engines=engines), self._visible(caller))
+
+    def _require_admin(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        caller = self._caller(context)
+        if not caller.admin:
+            raise PermissionDenied(f"principal {caller.name!r} may not {what}: set admin for it in security.principals")
+
+    @_edge
+    async def AddEngine(self, request: pb.AddEngineRequest, context) -> pb.AddEngineResponse:  # type: ignore[no-untyped-def]
+        self._require_admin(context, "add vLLM servers to the pool")
+        if not request.url:
+            raise InvalidArgument("url is empty; give the vLLM server's base URL, e.g. http://10.0.0.7:8000")
+        engine = await self.service.require_membership().add(request.url)
+        return pb.AddEngineResponse(engine=engine_state_to_pb(engine))
+
+    @_edge
+    async def RemoveEngine(self, request: pb.RemoveEngineRequest, context) -> pb.RemoveEngineResponse:  # type: ignore[no-untyped-def]
+        self._require_admin(context, "remove vLLM servers from the pool")
+        if not request.url:
+            raise InvalidArgument("url is empty; give the server's base URL as GetStats lists it")
+        membership = self.service.require_membership()
+        if request.HasField("drain_timeout_seconds"):
+            removed = await membership.remove(request.url, request.drain_timeout_seconds)
+        else:
+            removed = await membership.remove(request.url)
+        return engine_removed_to_pb(removed)
 
     def _check_push(self, run_id: str, trainer_address: str, context: grpc.aio.ServicerContext) -> None:
         """Base weights change every full-weight run: only a principal allowed to push them

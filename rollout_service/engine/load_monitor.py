@@ -30,21 +30,42 @@ class LoadMonitor:
         adaptive: AdaptiveInflightSettings | None = None,
         initial_total: int = 64,
     ) -> None:
-        self.clients = clients
+        self.clients = list(clients)
         self.metrics = metrics
         self.interval_s = interval_s
         self.on_capacity: Callable[[int], None] = lambda total: None
         self.limits: dict[str, AdaptiveLimit] = {}
         """Per server URL, when the limit adapts."""
         self._last: dict[str, ServerLoad] = {}
-        if adaptive is not None and adaptive.enabled:
-            first = adaptive.initial_per_server or max(1, initial_total // len(clients))
+        self._adaptive = adaptive if adaptive is not None and adaptive.enabled else None
+        self._first_limit = 0
+        if self._adaptive is not None:
+            self._first_limit = self._adaptive.initial_per_server or max(1, initial_total // len(clients))
             for client in clients:
-                self.limits[client.base_url] = AdaptiveLimit(
-                    first, adaptive.min_per_server, adaptive.max_per_server, adaptive.target_kv_usage, adaptive.band
-                )
-                client.limit = self.limits[client.base_url].limit
-                metrics.server_inflight_limit.labels(client.base_url).set(client.limit)
+                self._start_limit(client)
+
+    def _start_limit(self, client: VLLMServerClient) -> None:
+        adaptive = self._adaptive
+        assert adaptive is not None
+        self.limits[client.base_url] = AdaptiveLimit(
+            self._first_limit, adaptive.min_per_server, adaptive.max_per_server, adaptive.target_kv_usage, adaptive.band
+        )
+        client.limit = self.limits[client.base_url].limit
+        self.metrics.server_inflight_limit.labels(client.base_url).set(client.limit)
+
+    def add(self, client: VLLMServerClient) -> None:
+        """A server joined the pool: read it too, starting it at the first limit."""
+        self.clients.append(client)
+        if self._adaptive is not None:
+            self._start_limit(client)
+            self.on_capacity(self.capacity or 0)
+
+    def remove(self, url: str) -> None:
+        """A server left the pool: its limit leaves the capacity."""
+        self.clients = [client for client in self.clients if client.base_url != url]
+        self._last.pop(url, None)
+        if self.limits.pop(url, None) is not None:
+            self.on_capacity(self.capacity or 0)
 
     @property
     def capacity(self) -> int | None:
@@ -62,9 +83,10 @@ class LoadMonitor:
     async def poll(self) -> None:
         """One reading of every server, then the limits and the exported series."""
         before = self.capacity
-        loads = await asyncio.gather(*(client.server_load() for client in self.clients))
-        for client, load in zip(self.clients, loads, strict=True):
-            if load is not None:
+        clients = list(self.clients)  # a server may join or leave while they answer
+        loads = await asyncio.gather(*(client.server_load() for client in clients))
+        for client, load in zip(clients, loads, strict=True):
+            if load is not None and client in self.clients:
                 self._observe(client, load)
         if (after := self.capacity) is not None and after != before:
             logger.debug("in-flight limits %s (total %d)", {u: lim.limit for u, lim in self.limits.items()}, after)

@@ -19,6 +19,10 @@ requests are abandoned at once instead of at their deadline, and it counts as fa
 A server can also be held out of routing (``hold``): while its managed process restarts,
 and after, while it holds other weights than the runs' policy. Requests then go to the
 others; with every server held they wait for a ``release`` instead of failing.
+
+Servers join and leave while the service runs (``add``, ``remove``; ``PoolMembership``
+decides when). A leaving server is held while its requests drain; a request it abandons
+(the drain timed out, or it failed on the way out) is sent to another server, not failed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Callable
 from rollout_service.engine.load_monitor import LoadMonitor
 from rollout_service.engine.protocol import EPISODE_SEPARATOR
 from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.errors import EngineError
 from rollout_service.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +54,7 @@ class EnginePool:
     ) -> None:
         if not clients:
             raise ValueError("an engine pool needs at least one server")
-        self.clients = clients
+        self.clients = list(clients)
         self.probe_interval_s = probe_interval_s
         self.health_timeout_s = health_timeout_s
         self.sticky = routing == "sticky"
@@ -60,6 +65,10 @@ class EnginePool:
         self.on_usable: Callable[[bool], None] = lambda usable: None
         self.usable = True
         self._affinity: dict[str, VLLMServerClient] = {}
+        self._picks = 0
+        self._last_pick: dict[str, int] = {}
+        """When each server was last picked (a count of picks): among equally loaded servers
+        the least recently picked wins, so light traffic spreads instead of all going to the first."""
         self._prober: asyncio.Task[None] | None = None
         self.held: dict[str, str] = {}
         """Servers (by URL) that take no requests, and why."""
@@ -93,7 +102,7 @@ class EnginePool:
     async def probe(self) -> None:
         """Bring back failed servers that answer /health, give up on busy ones that do not,
         and report whether any server works."""
-        await asyncio.gather(*(self._probe(client) for client in self.clients))
+        await asyncio.gather(*(self._probe(client) for client in list(self.clients)))
         usable = any(c.consecutive_failures == 0 for c in self.clients)
         if usable != self.usable:
             self.usable = usable
@@ -108,6 +117,40 @@ class EnginePool:
                 logger.info("%s answers again; routing requests to it", client.base_url)
         elif client.inflight and not await client.healthy(self.health_timeout_s):
             client.give_up(f"did not answer /health within {self.health_timeout_s:g}s (engine.health_timeout_s)")
+
+    def client(self, url: str) -> VLLMServerClient | None:
+        url = url.rstrip("/")
+        return next((c for c in self.clients if c.base_url == url), None)
+
+    def add(self, client: VLLMServerClient, hold_reason: str | None = None) -> None:
+        """A started client's server joins; held out of routing with ``hold_reason`` if given
+        (in the same step, so no request reaches it in between)."""
+        if self.client(client.base_url) is not None:
+            raise ValueError(f"{client.base_url} is already in the pool")
+        self.clients.append(client)
+        if hold_reason is not None:
+            self.hold(client.base_url, hold_reason)
+        if self.monitor is not None:
+            self.monitor.add(client)
+
+    def remove(self, url: str) -> VLLMServerClient:
+        """Take a server out (drained first: ``PoolMembership``); its client is the caller's to close."""
+        client = self.client(url)
+        if client is None:
+            raise ValueError(f"{url} is not in the pool")
+        if len(self.clients) == 1:
+            raise ValueError(f"{url} is the pool's only server")
+        self.clients.remove(client)
+        self.held.pop(client.base_url, None)
+        self._affinity = {key: chosen for key, chosen in self._affinity.items() if chosen is not client}
+        self._last_pick.pop(client.base_url, None)
+        if self.monitor is not None:
+            self.monitor.remove(client.base_url)
+        if len(self.held) < len(self.clients):
+            self._released.set()
+        else:
+            self._released.clear()
+        return client
 
     def hold(self, url: str, reason: str) -> None:
         """Route nothing to ``url`` until ``release``."""
@@ -137,9 +180,9 @@ class EnginePool:
         servers = servers if servers is not None else self.clients
         healthy = [c for c in servers if c.consecutive_failures == 0] or servers
         roomy = [c for c in healthy if c.has_room(sequences)] or healthy
-        least = min(roomy, key=_load)
+        least = min(roomy, key=lambda c: (_load(c), self._last_pick.get(c.base_url, -1)))
         if not (self.sticky and affinity):
-            return least
+            return self._picked(least)
         preferred = self._affinity.get(affinity)
         group, is_episode, _ = affinity.rpartition(EPISODE_SEPARATOR)
         if preferred is None and is_episode:
@@ -149,7 +192,12 @@ class EnginePool:
         self._affinity[affinity] = chosen
         if is_episode:
             self._affinity.setdefault(group, chosen)
-        return chosen
+        return self._picked(chosen)
+
+    def _picked(self, client: VLLMServerClient) -> VLLMServerClient:
+        self._picks += 1
+        self._last_pick[client.base_url] = self._picks
+        return client
 
     def forget(self, affinity: str) -> None:
         """Drop a finished group's or episode's affinity entry."""
@@ -158,12 +206,22 @@ class EnginePool:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, affinity: str | None = None
     ) -> Completion:
-        return await self.pick(affinity, await self.routable()).generate(prompt_ids, params)
+        return (await self.generate_many(prompt_ids, params, 1, affinity=affinity))[0]
 
     async def generate_many(
         self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
     ) -> list[Completion]:
-        return await self.pick(affinity, await self.routable(), n).generate_many(prompt_ids, params, n)
+        while True:
+            client = self.pick(affinity, await self.routable(), n)
+            try:
+                return await client.generate_many(prompt_ids, params, n)
+            except EngineError as exc:
+                if not client.leaving:
+                    raise
+                # Held now, so the next pick is another server: the request starts over there.
+                logger.info(
+                    "%s left the pool mid-request (%s); sending the request to another server", client.base_url, exc
+                )
 
 
 def _load(client: VLLMServerClient) -> float:

@@ -155,6 +155,11 @@ class VLLMServerClient:
         """Set when the server is found hung: the requests in flight then fail at once. A
         fresh event replaces it, so later requests are not affected."""
         self._given_up_reason = ""
+        self._idle = asyncio.Event()
+        """Set while nothing is in flight: what a server leaving the pool waits for."""
+        self._idle.set()
+        self.leaving = False
+        """Removed from the pool: a request it abandons is sent to another server (``EnginePool``)."""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(
@@ -202,6 +207,7 @@ class VLLMServerClient:
         """``n`` samples of one prompt in one request (vLLM's ``n``); ``inflight`` counts
         sequences, which is what loads a server."""
         self.inflight += n
+        self._idle.clear()
         self.peak_inflight = max(self.peak_inflight, self.inflight)
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         start = time.perf_counter()
@@ -213,6 +219,8 @@ class VLLMServerClient:
             raise
         finally:
             self.inflight -= n
+            if not self.inflight:
+                self._idle.set()
             self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         self.consecutive_failures = 0
         self.metrics.request_latency.labels(self.base_url).observe(time.perf_counter() - start)
@@ -230,6 +238,14 @@ class VLLMServerClient:
         if n > 1:
             body["n"] = n
         return parse_completions(await self._post_within_deadline(COMPLETIONS_PATH, body), self.base_url, n)
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Whether the requests in flight all end within ``timeout_s`` (none: True at once)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def give_up(self, reason: str) -> None:
         """Treat the server as hung: fail the requests in flight now (closing their

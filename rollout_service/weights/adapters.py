@@ -94,7 +94,7 @@ class AdapterPublisher:
         self, root: Path, servers: Sequence[AdapterControl], timeout_s: float, max_rank: int | None = None
     ) -> None:
         self.root = root
-        self.servers = servers
+        self.servers = list(servers)
         self.timeout_s = timeout_s
         self.max_rank = max_rank
         self.runs: dict[str, RunAdapter] = {}
@@ -144,12 +144,22 @@ class AdapterPublisher:
         """A restarted server holds no adapters: load each run's current one on it again (the
         previous one was only kept for requests in flight, which the restart ended)."""
         servers = [server for server in self.servers if server.base_url == url.rstrip("/")]
-        for run_id, state in list(self.runs.items()):
-            if state.name is None:
-                continue
-            for server in servers:
-                await server.load_lora_adapter(state.name, str(state.paths[state.name].resolve()), self.timeout_s)
+        for run_id in list(self.runs):
+            async with self._locks.setdefault(run_id, asyncio.Lock()):  # not under a publish
+                state = self.runs.get(run_id)
+                if state is None or state.name is None:
+                    continue
+                for server in servers:
+                    await server.load_lora_adapter(state.name, str(state.paths[state.name].resolve()), self.timeout_s)
             logger.info("run %s's adapter %s loaded again on %s", run_id, state.name, url)
+
+    async def add_server(self, server: AdapterControl) -> None:
+        """A server joins the pool: it serves every run's current adapter before it takes requests."""
+        self.servers.append(server)
+        await self.reload(server.base_url)
+
+    def remove_server(self, url: str) -> None:
+        self.servers = [server for server in self.servers if server.base_url != url]
 
     async def restore(self, run_id: str) -> int:
         """A restarted service: the run's newest adapter on disk (``<dir>/<run_id>/v<N>/``, the

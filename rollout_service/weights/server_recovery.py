@@ -40,14 +40,24 @@ class ServerRecovery:
             service.weight_sync.server_restarted()
         if service.adapters is not None:
             await service.adapters.reload(url)
+        self.awaiting_weights.add(url)
+        self._wait_for_policy(url, "restarted with the checkpoint's weights")
+
+    def joined(self, url: str) -> None:
+        """A server added to the pool (``PoolMembership``) is now one of the weight-sync
+        servers; called between updates, so no update without it can still commit."""
+        self._wait_for_policy(url, "joined the pool with the checkpoint's weights")
+
+    def _wait_for_policy(self, url: str, why: str) -> None:
+        """Release ``url`` if the checkpoint is the policy (no full-weight push yet), else
+        hold it until the next push commits and ask for that push now."""
+        service = self.service
         version = service.policy_version
         if version == 0:
+            self.awaiting_weights.discard(url)
             self.pool.release(url)
             return
-        reason = (
-            f"{url} restarted with the checkpoint's weights; it takes requests once policy version {version} is pushed"
-        )
-        self.awaiting_weights.add(url)
+        reason = f"{url} {why}; it takes requests once policy version {version} is pushed"
         self.pool.hold(url, reason)
         owner = service.runs.get(service.base_weights_run or "")
         if owner is None:
@@ -57,8 +67,11 @@ class ServerRecovery:
         owner.admission.request_weights(reason)
 
     def version_committed(self, version: int) -> None:
-        """A full-weight push committed: every server, the restarted ones too, holds it."""
+        """A full-weight push committed: every weight-sync server holds it, so the servers
+        that waited for it take requests. One not yet among them (joining) waits on."""
         self.service.set_policy_version(version)
-        for url in self.awaiting_weights:
+        sync = self.service.weight_sync
+        synced = {server.base_url for server in sync.servers} if sync is not None else set(self.awaiting_weights)
+        for url in self.awaiting_weights & synced:
             self.pool.release(url)
-        self.awaiting_weights.clear()
+        self.awaiting_weights -= synced

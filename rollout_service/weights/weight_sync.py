@@ -25,10 +25,11 @@ so users see what a push costs the rollouts and where it goes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,7 @@ class WeightSyncCoordinator:
         clock: Callable[[], float] = time.monotonic,
         holds: VersionHolds | None = None,
     ) -> None:
-        self.servers = servers
+        self.servers = list(servers)
         self.holds = holds or VersionHolds()
         """Evaluations holding the current version: an update waits for them (``version_holds``)."""
         self.pausing_update_pending = False
@@ -91,6 +92,9 @@ class WeightSyncCoordinator:
         self._on_trainer_version = on_trainer_version
         """Told the trainer's version: one ahead of the servers' from a begin, theirs again on an abort."""
         self._current: _Update | None = None
+        self._no_update_running = asyncio.Event()
+        """Set while ``_current`` is None: when the servers may change (``add_server``)."""
+        self._no_update_running.set()
         self._last_aborted: _Update | None = None
         self._group: tuple[str, int] | None = None
         # Numbers the joins: each join's rendezvous keys get their own prefix in the trainer's
@@ -139,6 +143,7 @@ class WeightSyncCoordinator:
             )
             update.pipeline.add_done_callback(lambda task: self._pipeline_done(update, task))
             self._current = update
+            self._no_update_running.clear()
             self._on_trainer_version(self.version + 1)
             self._spawn(self._watchdog(update))
         logger.info(
@@ -293,11 +298,57 @@ class WeightSyncCoordinator:
             self._on_version(new_version)
             await self._resume(update)
             self._current = None
+            self._no_update_running.set()
             self.updates_committed += 1
             self._finished(update, committed=True)
         seconds = self._clock() - update.started
         logger.info("weight update %s committed: policy version %d (%.2fs)", update_id, new_version, seconds)
         return new_version, seconds
+
+    @property
+    def update_in_progress(self) -> bool:
+        """Between a begin and its commit or abort (the servers may hold either version)."""
+        return self._current is not None
+
+    async def add_server(self, server: WeightControl, joined: Callable[[], None] = lambda: None) -> None:
+        """A server joins the pool (``PoolMembership``): from the next update on it is one of
+        the servers, and that update joins a fresh transfer group that includes it. Its world
+        size is asked now, while it takes no requests (a busy server can take seconds).
+        ``joined`` runs in the same step, before any update can begin with the new server."""
+        world_size = await server.world_size(self.settings.control_timeout_s)
+        async with self._between_updates():
+            self.servers.append(server)
+            if self._world_sizes is not None:
+                self._world_sizes.append(world_size)
+            self._group = None
+            joined()
+
+    async def remove_server(self, url: str) -> None:
+        """A drained server leaves: the next update joins a fresh group without it (the old
+        group's broadcasts would wait for it forever)."""
+        async with self._between_updates():
+            index = next((i for i, server in enumerate(self.servers) if server.base_url == url), None)
+            if index is None:
+                return
+            del self.servers[index]
+            if self._world_sizes is not None:
+                del self._world_sizes[index]
+            self._group = None
+
+    @contextlib.asynccontextmanager
+    async def _between_updates(self) -> AsyncIterator[None]:
+        """Hold the lock at a moment no update is in progress: an update's servers must not
+        change between its begin and its commit or abort."""
+        while True:
+            await self._no_update_running.wait()
+            await self._lock.acquire()
+            if self._current is None:
+                break
+            self._lock.release()  # another update began in between: wait for it too
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def server_restarted(self) -> None:
         """A server came back as a new process, outside the transfer group: the next update
@@ -328,6 +379,7 @@ class WeightSyncCoordinator:
             await self._resume(update)
         finally:  # whatever the resume raised, the update is over: later begins must work
             self._current = None
+            self._no_update_running.set()
             self.pausing_update_pending = False  # before the news: an evaluation may start on it
             self._on_trainer_version(self.version)
             self.updates_aborted += 1
@@ -380,7 +432,7 @@ class WeightSyncCoordinator:
 
         async def retry() -> None:
             resumed = False
-            while not resumed:
+            while not resumed and server in self.servers:  # a removed server is no longer ours to resume
                 await asyncio.sleep(8 * self.settings.resume_retry_s)  # a retry period, not synchronisation
                 resumed = await self._resume_server(server, attempts=1)
             self.stuck_paused.discard(server.base_url)

@@ -163,6 +163,13 @@ def test_least_loaded_server_is_picked() -> None:
     assert pool.pick().base_url == "http://s1"
 
 
+def test_equally_loaded_servers_take_turns() -> None:
+    """Light traffic (one group at a time) spreads over the servers, not all to the first."""
+    pool = pool_of([0, 0, 0])
+    assert [pool.pick(f"g{i}").base_url for i in range(4)] == ["http://s0", "http://s1", "http://s2", "http://s0"]
+    assert pool.pick("g2").base_url == "http://s2"  # a group's later requests still stick (s1 was picked longer ago)
+
+
 def test_group_members_stick_to_their_server_within_the_slack() -> None:
     pool = pool_of([0, 0])
     first = pool.pick("g")

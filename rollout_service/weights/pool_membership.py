@@ -1,0 +1,191 @@
+"""vLLM servers join and leave the pool while the service runs (AddEngine, RemoveEngine, DNS).
+
+Why here, beside the weights: a server may take a run's requests only while it holds that
+run's policy, so joining and leaving are steps of the weight plane as much as of routing.
+
+A joining server:
+
+1. is checked (it answers ``/v1/models`` with the pool's model) and added to the pool
+   held, so no request reaches it;
+2. gets every adapter run's current adapter;
+3. becomes one of the weight-sync servers between two updates (never under one), so the
+   next full-weight update joins a fresh transfer group that includes it;
+4. takes requests at once if no full-weight push has committed (the checkpoint it loaded
+   *is* the policy), else after that next push commits, which the base-weights run's
+   trainer is asked for at once (``ServerRecovery``: as for a restarted server).
+
+A leaving server is held (no new requests) and drains: its requests in flight finish,
+within ``drain_timeout_s``; any it then abandons start over on another server
+(``EnginePool``), so no group is lost. It stays in the transfer group while it drains (its
+requests sample from the current policy to the end), then leaves it between updates; the
+next update joins a fresh group without it.
+
+Changes are serialized: one join or leave at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from rollout_service.engine.control import VLLMControlClient, WeightSyncError
+from rollout_service.engine.pool import EnginePool
+from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from rollout_service.service import RolloutService
+from rollout_service.types import EngineRemoved, EngineState
+from rollout_service.weights.server_recovery import ServerRecovery
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_S = 120.0
+
+
+def check_engine_url(url: str) -> str:
+    """``http(s)://host:port`` without a path; the normalized URL."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise InvalidArgument(f"engine url {url!r} is not http(s)://host:port; give the vLLM server's base URL")
+    try:
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError:
+        raise InvalidArgument(f"engine url {url!r} has an invalid port") from None
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class PoolMembership:
+    def __init__(
+        self,
+        service: RolloutService,
+        pool: EnginePool,
+        recovery: ServerRecovery,
+        new_client: Callable[[str], VLLMServerClient],
+        connect_timeout_s: float,
+        managed_urls: frozenset[str] = frozenset(),
+    ) -> None:
+        self.service = service
+        self.pool = pool
+        self.recovery = recovery
+        self.new_client = new_client
+        self.connect_timeout_s = connect_timeout_s
+        self.managed_urls = managed_urls
+        """Servers the service runs itself: they leave only with it."""
+        self.controls: dict[str, VLLMControlClient] = {}
+        """Control clients of the servers added here (the service's first ones are the app's)."""
+        self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        """At shutdown: the control clients of the servers added here (the pool closes its own)."""
+        for control in self.controls.values():
+            await control.close()
+        self.controls.clear()
+
+    def states(self) -> list[EngineState]:
+        return [self._state(client) for client in self.pool.clients]
+
+    def _state(self, client: VLLMServerClient) -> EngineState:
+        reason = self.pool.held.get(client.base_url, "")
+        return EngineState(client.base_url, not reason, reason, client.inflight, client.base_url in self.managed_urls)
+
+    # -- joining -------------------------------------------------------------------------
+    async def add(self, url: str) -> EngineState:
+        url = check_engine_url(url)
+        async with self._lock:
+            if self.pool.client(url) is not None:
+                raise AlreadyExists(f"{url} is already in the pool")
+            await self._check_model(url)
+            client, control = self.new_client(url), VLLMControlClient(url, self.connect_timeout_s)
+            await client.start()
+            await control.start()
+            self.pool.add(client, hold_reason="joining the pool: loading adapters and joining the weight transfer")
+            try:
+                await self._join(url, control)
+            except BaseException:
+                await self._forget(url, client, control)
+                raise
+            self.controls[url] = control
+            self.service.info.engine_urls.append(url)
+            self.service.metrics.engines.set(len(self.pool.clients))
+        logger.info("%s joined the pool (%s)", url, self.pool.held.get(url) or "taking requests")
+        return self._state(client)
+
+    async def _check_model(self, url: str) -> None:
+        model = self.service.info.model
+        timeout = aiohttp.ClientTimeout(total=max(self.connect_timeout_s, 10.0))
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/v1/models") as resp:
+                resp.raise_for_status()
+                served = [entry["id"] for entry in (await resp.json())["data"]]
+        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
+            raise FailedPrecondition(f"{url} does not answer /v1/models ({exc}); is the vLLM server up?") from None
+        if model not in served:
+            raise FailedPrecondition(
+                f"{url} serves {served}, not the pool's model {model!r}; start it with --served-model-name {model}"
+            )
+
+    async def _join(self, url: str, control: VLLMControlClient) -> None:
+        sync, adapters = self.service.weight_sync, self.service.adapters
+        self.recovery.awaiting_weights.add(url)  # before it joins: the next commit including it releases it
+        if adapters is not None:
+            await adapters.add_server(control)
+        if sync is None:
+            self.recovery.awaiting_weights.discard(url)
+            self.pool.release(url)
+            return
+        try:
+            await sync.add_server(control, joined=lambda: self.recovery.joined(url))
+        except WeightSyncError as exc:
+            raise FailedPrecondition(
+                f"{url} has no weight-transfer endpoints ({exc}); start it with VLLM_SERVER_DEV_MODE=1 and "
+                "--weight-transfer-config, as the pool's other servers"
+            ) from None
+
+    # -- leaving -------------------------------------------------------------------------
+    async def remove(self, url: str, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> EngineRemoved:
+        if drain_timeout_s < 0:
+            raise InvalidArgument(f"drain_timeout_s is {drain_timeout_s}; give 0 or more seconds")
+        url = check_engine_url(url)
+        async with self._lock:
+            client = self.pool.client(url)
+            if client is None:
+                listed = ", ".join(c.base_url for c in self.pool.clients)
+                raise NotFound(f"{url} is not in the pool; its servers: {listed}")
+            if url in self.managed_urls:
+                raise FailedPrecondition(f"{url} is the service's managed server; it leaves when the service stops")
+            if len(self.pool.clients) == 1:
+                raise FailedPrecondition(f"{url} is the pool's only server; add another before removing it")
+            started, in_flight = time.monotonic(), client.inflight
+            client.leaving = True
+            self.pool.hold(url, f"leaving the pool: draining {in_flight} sequences in flight")
+            moved = 0
+            if not await client.drained(drain_timeout_s):
+                moved = client.inflight
+                client.give_up(f"left the pool ({drain_timeout_s:g}s drain_timeout_s passed)")
+            await self._forget(url, client, self.controls.pop(url, None))
+        removed = EngineRemoved(url, time.monotonic() - started, in_flight - moved, moved)
+        logger.info(
+            "%s left the pool after %.1fs: %d sequences drained, %d moved to other servers",
+            url, removed.drain_seconds, removed.sequences_drained, removed.sequences_moved,
+        )  # fmt: skip
+        return removed
+
+    async def _forget(self, url: str, client: VLLMServerClient, control: VLLMControlClient | None) -> None:
+        """Out of the weight plane (between updates), the adapters and the pool; clients closed."""
+        if self.service.weight_sync is not None:
+            await self.service.weight_sync.remove_server(url)
+        if self.service.adapters is not None:
+            self.service.adapters.remove_server(url)
+        self.recovery.awaiting_weights.discard(url)
+        if self.pool.client(url) is client:
+            self.pool.remove(url)
+        if url in self.service.info.engine_urls:
+            self.service.info.engine_urls.remove(url)
+        self.service.metrics.engines.set(len(self.pool.clients))
+        await client.close()
+        if control is not None:
+            await control.close()
