@@ -79,7 +79,15 @@ class EngineSettings(Section):
     """How the service talks to vLLM's OpenAI-compatible HTTP API."""
 
     urls: list[str] = Field(default_factory=list)
-    """Base URLs of running vLLM servers (e.g. http://localhost:8000). Empty: use `managed`."""
+    """Base URLs of running vLLM servers (e.g. http://localhost:8000). Empty: use `discover`,
+    else `managed`."""
+    discover: str | None = None
+    """``host:port`` of a DNS name that resolves to every vLLM server (a Kubernetes headless
+    Service), e.g. ``vllm.rl.svc.cluster.local:8000``: each address is a server. Re-resolved
+    every ``discover_interval_s``; servers that appear join the pool and those that vanish
+    leave it (``weights.pool_membership``). Used when `urls` is empty."""
+    discover_interval_s: float = Field(default=10.0, gt=0)
+    """How often `discover` is resolved again."""
     managed: ManagedServerSettings | None = None
     """Launch a local server; used when `urls` is empty."""
     model: str | None = None

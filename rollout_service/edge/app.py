@@ -26,6 +26,7 @@ from rollout_service.edge.openai_api import openai_app
 from rollout_service.edge.security import load_token_table
 from rollout_service.edge.server import set_runs_progressing, set_serving, start_grpc_server
 from rollout_service.engine.control import VLLMControlClient
+from rollout_service.engine.discovery import EngineDiscovery
 from rollout_service.engine.load_monitor import LoadMonitor
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
@@ -112,6 +113,10 @@ async def running_service(
     rewards, tools, environments = _user_registries(settings)  # first: a typo fails before vLLM starts
     async with contextlib.AsyncExitStack() as stack:
         urls, tokenizer_path = list(engine_settings.urls), engine_settings.tokenizer
+        discovery = None
+        if managed is None and not urls and engine_settings.discover:
+            discovery = EngineDiscovery(engine_settings.discover, engine_settings.discover_interval_s)
+            urls = await discovery.initial_urls()
         if managed is None and not urls:
             managed = await _start_managed_server(settings, stack)
         if managed is not None:
@@ -176,6 +181,10 @@ async def running_service(
         stack.push_async_callback(service.membership.close)  # after weight sync's close, which may resume them
         metrics.engines.set(len(pool.clients))
         await _attach_weights(service, recovery, controls, settings, managed, stack)
+        if discovery is not None:
+            membership = service.membership
+            following = asyncio.create_task(discovery.run(membership.add, membership.remove), name="engine-discovery")
+            stack.push_async_callback(_cancelled, following)
         await service.restore_adapters()  # restored serve_adapter runs get their adapters back
 
         metrics_port = None

@@ -28,9 +28,10 @@ from rollout_service.edge.app import RunningService, running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
 from tests.integration.test_shared_capacity import _trained_steps, start, trainer_command
+from tests.integration.test_stream import take_groups
 from tests.integration.test_weight_sync import vllm_completion, vllm_gauge, vllm_matches
 from tests.support import wait_until
-from trainer_client.client import RolloutClient
+from trainer_client.client import RolloutClient, dataset_run_spec
 
 pytestmark = pytest.mark.integration
 
@@ -170,3 +171,18 @@ async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing
     finally:
         await asyncio.gather(starting, return_exceptions=True)
         await asyncio.to_thread(second.stop)
+
+
+async def test_a_service_finds_its_servers_through_dns(vllm_server, tiny_model: Path) -> None:
+    """``engine.discover``: the servers are what a name resolves to (here localhost, as a
+    headless Service's name resolves to its pods)."""
+    port = vllm_server.url.rsplit(":", 1)[1]
+    settings = service_settings([], tiny_model, engine={"discover": f"localhost:{port}", "discover_interval_s": 1})
+    async with running_service(settings) as running, RolloutClient(running.grpc_target, timeout_s=30) as client:
+        assert running.engine_urls == [f"http://127.0.0.1:{port}"]
+        run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+        (group,) = await take_groups(client, run.run_id, 1)
+        assert len(group.samples) == 2
+        stats = await client.stats()
+        assert [(engine.url, engine.routable) for engine in stats.engines] == [(f"http://127.0.0.1:{port}", True)]
+        await client.delete_run(run.run_id)

@@ -175,6 +175,19 @@ async def test_pushes_need_the_base_weights_role_and_the_callers_own_address(pki
         assert own == grpc.StatusCode.FAILED_PRECONDITION
 
 
+async def test_only_admins_change_the_pool_and_see_its_servers(pki) -> None:
+    async with (
+        served(tls_settings(pki)) as (_service, target),
+        client(target, pki, ALICE) as alice,
+        client(target, pki, ADMIN) as ops,
+    ):
+        for call in (alice.add_engine("http://10.0.0.7:8000"), alice.remove_engine("http://10.0.0.7:8000", 1)):
+            assert await status_of(call) == grpc.StatusCode.PERMISSION_DENIED
+        # An admin reaches the pool (none that can change in this scripted service).
+        assert await status_of(ops.add_engine("http://10.0.0.7:8000")) == grpc.StatusCode.FAILED_PRECONDITION
+        assert await status_of(ops.add_engine("")) == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki) -> None:
     async with served(tls_settings(pki, mutual=True)) as (_service, target):
         pem = pki["client"]
