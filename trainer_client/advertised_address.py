@@ -9,7 +9,7 @@ the service sees, and on one host or one container network it is an address vLLM
 
 from __future__ import annotations
 
-import socket
+from vllm_gloo_transfer.groups import local_address_towards
 
 AUTO = "auto"
 
@@ -33,10 +33,7 @@ def advertised_address(trainer_address: str, target: str) -> str:
         return trainer_address
     host, port = service_host_port(target)
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)
-            return probe.getsockname()[0]
+        return local_address_towards(host, port)
     except OSError as exc:
         raise AddressError(
             f"cannot find the local address that reaches the service at {target!r} ({exc}); "

@@ -32,6 +32,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+from vllm_gloo_transfer.groups import gloo_group
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -124,11 +125,9 @@ class GlooWeightSender:
                 multi_tenant=False,
             )
         uri = rendezvous_uri(self.master_address, self.master_port)
-        group = ProcessGroupGloo(
-            PrefixStore(f"{uri}/epoch-{epoch}", self._store), 0, self.world_size, timeout=self.timeout
-        )
-        group._set_sequence_number_for_group()  # the workers wait for rank 0's number
-        self._group = group
+        # The device on the advertised address, which the workers reach (``vllm_gloo_transfer.groups``).
+        prefix = PrefixStore(f"{uri}/epoch-{epoch}", self._store)
+        self._group = gloo_group(prefix, 0, self.world_size, self.timeout, self.master_address)
 
     def broadcast(self, named_tensors: NamedTensors) -> None:
         """Send the tensors from rank 0 in buckets, in order; must match the announced update_info."""

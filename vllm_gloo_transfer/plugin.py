@@ -42,10 +42,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vllm_gloo_transfer.groups import gloo_group, local_address_towards
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
     from vllm.config import ModelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -133,7 +134,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._group: ProcessGroup | None = None
+        self._group: ProcessGroupGloo | None = None
         self._pending: list[tuple[str, torch.Tensor]] = []
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -142,7 +143,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Join the trainer's gloo group; a previous group is shut down first, so a
         trainer that re-joins (after a crash, or with a new port) just calls init again."""
         from torch.distributed import PrefixStore, TCPStore
-        from vllm.distributed.utils import get_tcp_uri, init_gloo_process_group
+        from vllm.distributed.utils import get_tcp_uri
 
         self.shutdown()
         rank = self._worker_rank(init_info.rank_offset)
@@ -159,7 +160,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         host, port = init_info.master_address, init_info.master_port
         store = TCPStore(host, port, init_info.world_size, is_master=False, timeout=timeout)
         prefix_store = PrefixStore(f"{get_tcp_uri(host, port)}/epoch-{init_info.epoch}", store)
-        self._group = init_gloo_process_group(prefix_store, rank, init_info.world_size, timeout)
+        # vLLM's init_gloo_process_group, with the device on the address that reaches the
+        # trainer (``groups``): the default would announce whatever the host name resolves to.
+        local = local_address_towards(host, port)
+        self._group = gloo_group(prefix_store, rank, init_info.world_size, timeout, local)
 
     def _worker_rank(self, rank_offset: int) -> int:
         """Unique rank across data-parallel replicas, after the trainer's ranks."""
@@ -231,7 +235,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _require_group(self) -> ProcessGroup:
+    def _require_group(self) -> ProcessGroupGloo:
         if self._group is None:
             raise RuntimeError("gloo weight transfer is not initialised: call /init_weight_transfer_engine first")
         return self._group
@@ -270,7 +274,7 @@ def refresh_vocab_embeddings(model: torch.nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
-def _destroy_group(group: ProcessGroup) -> None:
+def _destroy_group(group: ProcessGroupGloo) -> None:
     try:
         group.shutdown()
     except Exception:  # a group with a dead peer may not shut down cleanly; it is dropped anyway

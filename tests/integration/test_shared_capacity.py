@@ -98,9 +98,9 @@ def trainer_command(target: str, model: Path, out: Path, *options: str) -> list[
     return command
 
 
-async def start(command: list[str], log: Path) -> asyncio.subprocess.Process:
+async def start(command: list[str], log: Path, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     with log.open("wb") as out:
-        return await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, start_new_session=True)
+        return await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, start_new_session=True, env=env)
 
 
 def records(path: Path) -> list[dict]:
