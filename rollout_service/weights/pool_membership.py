@@ -132,7 +132,13 @@ class PoolMembership:
         sync, adapters = self.service.weight_sync, self.service.adapters
         self.recovery.awaiting_weights.add(url)  # before it joins: the next commit including it releases it
         if adapters is not None:
-            await adapters.add_server(control)
+            try:
+                await adapters.add_server(control)
+            except WeightSyncError as exc:
+                raise FailedPrecondition(
+                    f"{url} could not load the runs' adapters ({exc}); start it with --enable-lora and "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as the pool's other servers"
+                ) from None
         if sync is None:
             self.recovery.awaiting_weights.discard(url)
             self.pool.release(url)

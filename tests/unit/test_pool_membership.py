@@ -19,6 +19,7 @@ from rollout_service.engine.vllm_client import COMPLETIONS_PATH, VLLMServerClien
 from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import SamplingParams
+from rollout_service.weights.adapters import AdapterPublisher, RunAdapter
 from rollout_service.weights.pool_membership import PoolMembership, check_engine_url
 from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
@@ -235,3 +236,15 @@ async def test_removals_that_would_lose_the_pool_are_refused(pool, servers) -> N
         await pool.membership.remove(urls[0])
     with pytest.raises(InvalidArgument, match="drain_timeout_s"):
         await pool.membership.remove(urls[1], drain_timeout_s=-1)
+
+
+async def test_a_server_that_cannot_load_the_runs_adapters_is_refused(pool, servers, tmp_path) -> None:
+    """The stand-in has no /v1/load_lora_adapter, as a server started without --enable-lora."""
+    _, urls = servers
+    adapters = AdapterPublisher(tmp_path, pool.controls, timeout_s=2)
+    adapters.runs["r"] = RunAdapter(version=1, name="r@v1", paths={"r@v1": tmp_path})
+    pool.service.adapters = adapters
+    with pytest.raises(FailedPrecondition, match="--enable-lora"):
+        await pool.membership.add(urls[1])
+    assert [c.base_url for c in pool.pool.clients] == [urls[0]]
+    assert [s.base_url for s in adapters.servers] == [urls[0]]
