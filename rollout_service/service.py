@@ -99,9 +99,9 @@ class ServiceStats:
     weight_update_paused_seconds: float
     last_weight_update: UpdateTimes | None
     evals: list[EvalResult]
+    """The latest evaluation runs' results, oldest first."""
     engines: list[EngineState]
     """The pool's servers now: routable or held, and why."""
-    """The latest evaluation runs' results, oldest first."""
 
 
 class RolloutService:

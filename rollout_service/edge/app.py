@@ -31,7 +31,7 @@ from rollout_service.engine.load_monitor import LoadMonitor
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.supervisor import ServerSupervisor
-from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.engine.vllm_client import VLLMServerClient, served_models
 from rollout_service.errors import StartupError
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.prompts import PromptRenderer
@@ -66,10 +66,7 @@ class RunningService:
 
 async def describe_model(url: str, timeout_s: float = 10.0) -> tuple[str, int | None]:
     """Name and context length of the model a vLLM server serves (GET /v1/models)."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/v1/models") as resp:
-        resp.raise_for_status()
-        model = (await resp.json())["data"][0]
+    model = (await served_models(url, timeout_s))[0]
     return model["id"], model.get("max_model_len")
 
 

@@ -44,6 +44,15 @@ class _NoTokenEndpoint(Exception):
     """The server does not serve ``GENERATE_PATH`` (vLLM before 0.32, or without --enable-scale-out)."""
 
 
+async def served_models(url: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """What a vLLM server serves (GET /v1/models): one entry per model, with ``id`` and
+    ``max_model_len``; raises aiohttp's errors or TimeoutError when it does not answer."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/v1/models") as resp:
+        resp.raise_for_status()
+        return list((await resp.json())["data"])
+
+
 def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """The /v1/completions request for one completion with behaviour logprobs."""
     body: dict[str, Any] = {

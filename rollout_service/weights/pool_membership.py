@@ -35,7 +35,7 @@ import aiohttp
 
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.engine.pool import EnginePool
-from rollout_service.engine.vllm_client import VLLMServerClient
+from rollout_service.engine.vllm_client import VLLMServerClient, served_models
 from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rollout_service.service import RolloutService
 from rollout_service.types import EngineRemoved, EngineState
@@ -116,11 +116,8 @@ class PoolMembership:
 
     async def _check_model(self, url: str) -> None:
         model = self.service.info.model
-        timeout = aiohttp.ClientTimeout(total=max(self.connect_timeout_s, 10.0))
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/v1/models") as resp:
-                resp.raise_for_status()
-                served = [entry["id"] for entry in (await resp.json())["data"]]
+            served = [entry["id"] for entry in await served_models(url, max(self.connect_timeout_s, 10.0))]
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             raise FailedPrecondition(f"{url} does not answer /v1/models ({exc}); is the vLLM server up?") from None
         if model not in served:

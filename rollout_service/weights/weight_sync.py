@@ -142,8 +142,7 @@ class WeightSyncCoordinator:
                 self._receive(update, join, trainer_address, trainer_port, world_sizes, update_info, mode)
             )
             update.pipeline.add_done_callback(lambda task: self._pipeline_done(update, task))
-            self._current = update
-            self._no_update_running.clear()
+            self._set_current(update)
             self._on_trainer_version(self.version + 1)
             self._spawn(self._watchdog(update))
         logger.info(
@@ -297,13 +296,20 @@ class WeightSyncCoordinator:
             self.pausing_update_pending = False  # before the news: an evaluation may start on it
             self._on_version(new_version)
             await self._resume(update)
-            self._current = None
-            self._no_update_running.set()
+            self._set_current(None)
             self.updates_committed += 1
             self._finished(update, committed=True)
         seconds = self._clock() - update.started
         logger.info("weight update %s committed: policy version %d (%.2fs)", update_id, new_version, seconds)
         return new_version, seconds
+
+    def _set_current(self, update: _Update | None) -> None:
+        """The update in progress (None: none), and the event membership changes wait on."""
+        self._current = update
+        if update is None:
+            self._no_update_running.set()
+        else:
+            self._no_update_running.clear()
 
     @property
     def update_in_progress(self) -> bool:
@@ -378,8 +384,7 @@ class WeightSyncCoordinator:
         try:
             await self._resume(update)
         finally:  # whatever the resume raised, the update is over: later begins must work
-            self._current = None
-            self._no_update_running.set()
+            self._set_current(None)
             self.pausing_update_pending = False  # before the news: an evaluation may start on it
             self._on_trainer_version(self.version)
             self.updates_aborted += 1

@@ -167,8 +167,8 @@ async def test_a_join_waits_for_the_update_in_progress_and_the_next_update_joins
     sync._current = object()  # an update in progress: its servers must not change under it
     sync._no_update_running.clear()
     joining = asyncio.ensure_future(pool.membership.add(urls[1]))
-    await asyncio.sleep(0.05)  # a window for a join that does not wait; the assertion is what counts
-    assert not joining.done() and len(sync.servers) == 1
+    done, _ = await asyncio.wait({joining}, timeout=0.05)  # bounded: it must still be waiting
+    assert not done and len(sync.servers) == 1
     sync._current = None
     sync._no_update_running.set()
     await asyncio.wait_for(joining, 5)
@@ -198,8 +198,8 @@ async def test_a_busy_server_drains_before_it_leaves(pool, servers) -> None:
     pool.pool.release(urls[0])
 
     leaving = asyncio.ensure_future(pool.membership.remove(urls[1], drain_timeout_s=30))
-    await asyncio.sleep(0.05)  # a window for a leave that does not drain; the assertions are what count
-    assert not leaving.done() and "leaving the pool" in pool.pool.held[urls[1]]
+    done, _ = await asyncio.wait({leaving}, timeout=0.05)  # bounded: it must still be draining
+    assert not done and "leaving the pool" in pool.pool.held[urls[1]]
     fakes[1].gate.set()
     removed = await asyncio.wait_for(leaving, 5)
     assert (removed.sequences_drained, removed.sequences_moved) == (1, 0)
