@@ -9,9 +9,12 @@ from collections.abc import Awaitable, Callable
 POLL_INTERVAL_S = 0.05
 
 
-async def wait_until(condition: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str) -> None:
+async def wait_until(
+    condition: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str | Callable[[], str]
+) -> None:
     """Wait for a condition that has no event to wait on (a counter behind an RPC), polling
-    it with a deadline; fails with ``what`` in the message when the deadline passes."""
+    it with a deadline; fails with ``what`` in the message when the deadline passes (a
+    callable ``what`` is asked then, so the message can say the state the wait ended in)."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = condition()
@@ -20,5 +23,6 @@ async def wait_until(condition: Callable[[], Awaitable[bool] | bool], timeout_s:
         if result:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            said = what if isinstance(what, str) else what()
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {said}")
         await asyncio.sleep(POLL_INTERVAL_S)  # poll interval, not synchronisation

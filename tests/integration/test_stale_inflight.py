@@ -23,11 +23,13 @@ async def test_a_stale_group_is_aborted_in_vllm_and_counted(
     spec = pb.RunSpec(group_size=G, max_staleness=0, reward_functions=[pb.RewardFunctionSpec(name="char_fraction")])
     spec.prompt_source.submitted.SetInParent()  # exactly GROUPS groups: nothing new starts after the abort
     spec.sampling.max_tokens = MAX_TOKENS
+    spec.sampling.seed = 7  # seeded completions: whether they run long does not depend on luck
     run = await client.create_run(spec)
     await client.submit_prompts(run.run_id, [pb.Prompt(text=f"Count to {n}:") for n in range(GROUPS)])
     counters = service.service.runs[run.run_id].counters
     await wait_until(lambda: counters.slots_busy == GROUPS * G, 30, "both groups to generate")
-    await wait_until(lambda: vllm_gauge(vllm_server.url, "vllm:num_requests_running") > 0, 30, "vLLM to run them")
+    await wait_until(lambda: vllm_gauge(vllm_server.url, "vllm:num_requests_running") > 0, 30,
+                     lambda: f"vLLM to run them ({_state(service, vllm_server, run.run_id)})")  # fmt: skip
 
     service.service.set_trainer_version(1)  # the trainer moved on: version-0 groups can only go stale
     await wait_until(lambda: counters.groups_dropped == GROUPS, 30, "the stale groups to be dropped")
@@ -41,3 +43,14 @@ async def test_a_stale_group_is_aborted_in_vllm_and_counted(
     assert 0 < generated < GROUPS * G * MAX_TOKENS / 2, generated
     assert (await client.get_run(run.run_id)).stats.groups_scored == 0
     await client.delete_run(run.run_id)
+
+
+def _state(service: RunningService, vllm_server: ManagedVLLMServer, run_id: str) -> str:
+    """What a failed wait reports: where the requests are (vLLM's queues, the service's slots
+    and pool), so a timeout says whether vLLM never got them, queued them, or finished them."""
+    counters = service.service.runs[run_id].counters
+    queues = ("num_requests_running", "num_requests_waiting")
+    vllm = {name: vllm_gauge(vllm_server.url, f"vllm:{name}") for name in queues}
+    membership = service.service.require_membership()
+    engines = [(e.url, e.sequences_in_flight, e.held_reason or "routable") for e in membership.states()]
+    return f"vLLM {vllm}, slots busy {counters.slots_busy}, groups scored {counters.groups_scored}, engines {engines}"
