@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.logprobs import chunked_completion_logprobs
+from trainer_client.logprobs import chunked_completion_logprobs, token_logprobs
 from trainer_client.prompt_sharing import prompts_are_shared, shared_prompt_logprobs
 from trainer_client.stream import GroupFeed
 
@@ -129,6 +129,22 @@ def completion_logprobs(
         chunk_size=chunk_size,
         temperature=temperature,
     )
+
+
+def forward_completion_logprobs(
+    model: torch.nn.Module, inputs: dict[str, Any], temperature: float = 1.0
+) -> torch.Tensor:
+    """``completion_logprobs`` with the logits made inside the model's forward, [B, T]: for a
+    sharded model (``fsdp``), whose lm_head weight is whole only there. Costs [B, T, V] logits."""
+    start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
+    outputs = model(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        position_ids=inputs["position_ids"],
+        logits_to_keep=torch.arange(start, start + length, device=inputs["input_ids"].device),
+        use_cache=False,
+    )
+    return token_logprobs(outputs.logits, inputs["completion_ids"], temperature)
 
 
 def output_embedding_weight(model: torch.nn.Module) -> torch.Tensor:

@@ -133,6 +133,13 @@ def main(
     push: Annotated[
         bool, typer.Option(help="Push weights (--no-push: a follower of a run that another trainer pushes for)")
     ] = True,
+    save_model: Annotated[
+        bool,
+        typer.Option(
+            help="At the end, save the trained policy (with the tokenizer) to OUTPUT_DIR/model, "
+            "as vLLM and from_pretrained load it (a LoRA run saves its adapter)"
+        ),
+    ] = False,
     torch_threads: Annotated[
         int,
         typer.Option(
@@ -291,6 +298,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
             lora=lora,
             push=o.push,
             torch_threads=o.torch_threads,
+            save_model=o.save_model,
         )
     except CheckpointError as exc:
         raise typer.BadParameter(str(exc), param_hint="--resume-from-checkpoint") from None

@@ -49,6 +49,18 @@ def _chunk_logprobs(
     return selected - torch.logsumexp(logits, dim=-1)
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[token], logits [B, T, V] and ids [B, T] -> float32 [B, T]:
+    for logits the model made itself (``fsdp``: the lm_head weight is only whole inside the forward)."""
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    if temperature != 1.0:
+        logits = logits / temperature
+    logits = logits.float()
+    selected = torch.gather(logits, dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)
+    return selected - torch.logsumexp(logits, dim=-1)
+
+
 def _check_inputs(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> None:
     if hidden_states.dim() != 3 or token_ids.shape != hidden_states.shape[:2]:
         raise ValueError(

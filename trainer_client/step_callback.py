@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 
+from trainer_client import fsdp
 from trainer_client.policy_weights import policy_weights
 from trainer_client.step_timing import step_seconds
 from trainer_client.weight_push import WeightPusher
@@ -72,7 +73,8 @@ class SyncAndAck(TrainerCallback):
         # vLLM may serve other weights than this trainer's checkpoint (an earlier run, a
         # restarted trainer): push first, so every trained sample comes from this policy's line.
         self._push(state)
-        if self.trainer.pusher is not None and state.is_world_process_zero:
+        if self.trainer.pusher is not None and state.is_world_process_zero and not self.trainer.is_fsdp_enabled:
+            # (a sharded model's push is a collective of all ranks: it waits for the next step's)
             self.trainer.feed.on_weights_wanted = self._push_on_request
         self.trainer.feed.min_version = self.trainer.feed.current_version
         self.trainer.clock.take()  # the first step's clock starts now
@@ -99,7 +101,12 @@ class SyncAndAck(TrainerCallback):
             trainer.feed.current_version = run.policy_version
             return
         version = None
-        if state.is_world_process_zero:
+        if trainer.is_fsdp_enabled:  # every rank gathers its shards; rank 0 receives and pushes them
+            weights = fsdp.gathered_weights(trainer.model)
+            if state.is_world_process_zero:
+                assert isinstance(trainer.pusher, WeightPusher)
+                version = trainer.feed.call(trainer.pusher.push(weights), timeout_s=self._push_timeout_s())
+        elif state.is_world_process_zero:
             model = trainer.accelerator.unwrap_model(trainer.model)
             version = trainer.feed.call(trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s())
         if trainer.args.world_size > 1:

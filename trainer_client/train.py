@@ -28,10 +28,11 @@ from typing import Any, Literal
 
 import torch
 from accelerate.utils import broadcast_object_list
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
+from trainer_client import fsdp
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.evaluator import PinnedEvaluator
@@ -219,6 +220,7 @@ def train(
     lora: LoraOptions | None = None,
     push: bool = True,
     torch_threads: int = 0,
+    save_model: bool = False,
 ) -> dict[str, Any]:
     """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
 
@@ -226,6 +228,7 @@ def train(
     ``push=False`` makes a follower: it trains on its share of the run's groups but another
     trainer of the run pushes weights (its staleness follows the run's version).
     ``torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
+    ``save_model`` writes the trained policy to ``output_dir/model`` at the end (``save_policy``).
     """
     checkpoint = None
     if config.resume_from_checkpoint:
@@ -271,13 +274,16 @@ def train(
         counters = feed.counters
         totals, _ = trainer.over_ranks([counters.received, counters.trained, counters.dropped_stale], [])
     output_dir.mkdir(parents=True, exist_ok=True)
+    if save_model:
+        save_policy(trainer, model_path, output_dir / "model")
     rank_report = {
         "rank": config.process_index,
         "groups_trained": counters.trained,
         "groups_dropped_stale": counters.dropped_stale,
         "groups_duplicate_skipped": counters.duplicates,
         "trained_group_ids": list(counters.trained_group_ids),
-        "weights_fingerprint": weights_fingerprint(model),
+        "weights_fingerprint": weights_fingerprint(trainer.model if trainer.is_fsdp_enabled else model),
+        "sharded": fsdp.is_sharded(trainer.model),
     }
     (output_dir / f"rank{config.process_index}.json").write_text(json.dumps(rank_report))
     if not main:
@@ -334,10 +340,32 @@ def load_policy(model_path: str, lora: LoraOptions | None) -> PreTrainedModel:
     return get_peft_model(model, config)
 
 
+def save_policy(trainer: AsyncGRPOTrainer, model_path: str, directory: Path) -> None:
+    """The trained policy as ``from_pretrained`` and vLLM load it, with the tokenizer it was
+    trained with (every rank must call this: a sharded model is gathered first). A LoRA model
+    saves its adapter, as PEFT does."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    weights = fsdp.gathered_weights(trainer.model) if trainer.is_fsdp_enabled else None
+    if not trainer.is_world_process_zero():
+        return
+    if weights is not None:
+        model.save_pretrained(directory, state_dict=dict(weights))
+    else:
+        model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(directory)
+    logger.info("saved the trained policy to %s", directory)
+
+
 def weights_fingerprint(model: torch.nn.Module) -> float:
-    """Sum of |w| over all trainable weights: equal on every rank iff DDP kept them in step."""
+    """Sum of |w| over all trainable weights: equal on every rank iff DDP kept them in step.
+    A sharded (FSDP) model's is over its whole weights (every rank must call it then)."""
     with torch.no_grad():
-        return float(sum(p.detach().abs().double().sum() for p in model.parameters() if p.requires_grad))
+        return float(sum(_whole(p).detach().abs().double().sum() for p in model.parameters() if p.requires_grad))
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (a DTensor; a collective), else the tensor itself."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained: int, dropped: int) -> dict[str, Any]:

@@ -36,7 +36,14 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, ProgressCallback, Trainer, TrainingArguments
 
-from trainer_client.batches import GroupCollator, StreamDataset, completion_logprobs, output_embedding_weight
+from trainer_client import fsdp
+from trainer_client.batches import (
+    GroupCollator,
+    StreamDataset,
+    completion_logprobs,
+    forward_completion_logprobs,
+    output_embedding_weight,
+)
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.loss_config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
 from trainer_client.losses import compute_loss
@@ -175,6 +182,8 @@ class AsyncGRPOTrainer(Trainer):
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         if pusher is None and args.world_size > 1:
             raise ValueError("every data-parallel rank needs the pusher (rank 0 pushes, the others learn its version)")
+        if args.fsdp:
+            fsdp.check_supported(model)
         super().__init__(
             model=model, args=args, train_dataset=StreamDataset(feed), data_collator=GroupCollator(pad), **kwargs
         )
@@ -195,6 +204,18 @@ class AsyncGRPOTrainer(Trainer):
         if not args.disable_tqdm:
             self.remove_callback(ProgressCallback)
             self.add_callback(StepProgress())
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator, with FSDP turned on for a CPU run too (``fsdp.enable_on_cpu``)."""
+        super().create_accelerator_and_postprocess()
+        if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:
+            self.is_fsdp_enabled = fsdp.enable_on_cpu(self.accelerator, self.args.fsdp_plugin_args)
+        if self.is_fsdp_enabled:
+            logger.info(
+                "FSDP%d: each of %d ranks holds a shard of every weight",
+                self.accelerator.state.fsdp_plugin.fsdp_version,
+                self.args.world_size,
+            )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's log record plus the last step's rollout metrics (reward, policy version,
@@ -302,6 +323,8 @@ class AsyncGRPOTrainer(Trainer):
         return output.loss
 
     def _completion_logprobs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        if self.is_fsdp_enabled and model is not self.ref_model:  # the lm_head weight is a shard out here
+            return forward_completion_logprobs(model, inputs, self.args.temperature)
         head = output_embedding_weight(self.accelerator.unwrap_model(model))
         return completion_logprobs(
             model, inputs, head, self.args.logprob_chunk_size, self.args.temperature, self.shares_prompts

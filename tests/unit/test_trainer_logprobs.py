@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.tiny_model import build_tiny_model
-from trainer_client.batches import GroupCollator
+from trainer_client.batches import GroupCollator, forward_completion_logprobs
 from trainer_client.step_timing import PhaseClock
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -167,3 +167,16 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradient(
     assert gradients[1] and len(gradients[1]) == len(gradients[2])
     for whole, accumulated in zip(gradients[1], gradients[2], strict=True):
         torch.testing.assert_close(accumulated, whole, atol=1e-6, rtol=1e-4)
+
+
+def test_logits_made_inside_the_forward_match_full_logits(tiny_model_dir: Path) -> None:
+    """The FSDP path (``forward_completion_logprobs``: the model makes the completion
+    positions' logits itself) gives the chunked path's log-probs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    inputs = batch(seed=3)
+    with torch.no_grad():
+        logps = forward_completion_logprobs(model, inputs)
+        hotter = forward_completion_logprobs(model, inputs, temperature=0.7)
+    for row, expected in enumerate(unpadded_logprobs(model, inputs)):
+        torch.testing.assert_close(logps[row, : len(expected)], expected, atol=1e-5, rtol=0)
+    assert (hotter - logps).abs().max() > 1e-3  # the temperature is applied
