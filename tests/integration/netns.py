@@ -33,6 +33,8 @@ class Namespaces:
     """Each namespace's system name by its short name."""
     gateway: str
     """The bridge's address: the test's own namespace reaches every namespace through it."""
+    interfaces: dict[str, str]
+    """Each namespace's own network interface by its short name (for GLOO_SOCKET_IFNAME)."""
 
     def prefix(self, name: str) -> list[str]:
         """The command prefix that runs a program inside namespace ``name``."""
@@ -53,7 +55,7 @@ def namespaces(*names: str) -> Iterator[Namespaces]:
         _ip("link", "add", bridge, "type", "bridge")
         _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
-        addresses, system_names = {}, {}
+        addresses, system_names, interfaces = {}, {}, {}
         for index, name in enumerate(names, start=1):
             netns, outer, inner = f"rs-{name}-{tag}", f"rso{index}{tag}", f"rsi{index}{tag}"
             _ip("netns", "add", netns)
@@ -65,8 +67,8 @@ def namespaces(*names: str) -> Iterator[Namespaces]:
             _ip("-n", netns, "link", "set", inner, "up")
             _ip("-n", netns, "link", "set", "lo", "up")
             _ip("-n", netns, "route", "add", "default", "via", f"{subnet}.254")
-            addresses[name], system_names[name] = f"{subnet}.{index}", netns
-        yield Namespaces(addresses, system_names, f"{subnet}.254")
+            addresses[name], system_names[name], interfaces[name] = f"{subnet}.{index}", netns, inner
+        yield Namespaces(addresses, system_names, f"{subnet}.254", interfaces)
     finally:
         for netns in created:  # its veth end goes with it, and the pair with that
             subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=30)

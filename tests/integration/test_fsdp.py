@@ -3,10 +3,7 @@ every weight, every push gathers them, and vLLM then serves exactly the gathered
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +13,7 @@ from transformers import Qwen2ForCausalLM
 
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, serving
+from tests.integration.test_training import run_to_end
 from tests.integration.test_weight_sync import vllm_matches
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
@@ -42,16 +40,8 @@ async def test_fsdp_ranks_train_shards_and_push_the_gathered_weights(
     command += ["--config", str(config), "--target", service_process, "--model", str(tiny_model)]
     command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "1", "--max-tokens", "16"]
     command += ["--max-buffered-groups", "4", "--output-dir", str(out), "--save-model"]
-    trainer = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        output, _ = await asyncio.wait_for(trainer.communicate(), 300)
-    finally:
-        if trainer.returncode is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
-    log = output.decode()
-    assert trainer.returncode == 0, log[-3000:]
+    returncode, output = await run_to_end(command, 300)
+    assert returncode == 0, output[-3000:]
 
     summary = json.loads((out / "summary.json").read_text())
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

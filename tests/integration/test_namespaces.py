@@ -5,11 +5,13 @@ trainer's rendezvous across the bridge, and vLLM then serves exactly the pushed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from rollout_service.config import ManagedServerSettings
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import serving
 from tests.integration.netns import Namespaces, namespaces, unavailable
+from tests.integration.test_fsdp import FSDP_CONFIG
 from tests.integration.test_shared_capacity import start
 from tests.integration.test_weight_sync import perturbed, vllm_matches
 from tests.support import wait_until
@@ -28,6 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(bool(unavailable()), r
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PORT, SERVICE_PORT = 8000, 50051
+FSDP_STEPS = 2
 
 
 class NamespacedVLLM(ManagedVLLMServer):
@@ -45,32 +49,43 @@ class NamespacedVLLM(ManagedVLLMServer):
         return self.net.prefix("vllm") + command
 
 
+@contextlib.asynccontextmanager
+async def serving_stack(net: Namespaces, tiny_model: Path, tmp_path: Path) -> AsyncIterator[tuple[NamespacedVLLM, str]]:
+    """vLLM in namespace ``vllm`` and ``rollout-service serve`` in ``service``: (vLLM, the service's target)."""
+    vllm = NamespacedVLLM(
+        net,
+        ManagedServerSettings(
+            model=tiny_model, max_model_len=1024, log_file=tmp_path / "vllm.log", pin_processes=False
+        ),
+    )
+    await asyncio.to_thread(vllm.start)
+    service = None
+    try:
+        target = f"{net.addresses['service']}:{SERVICE_PORT}"
+        env = dict(
+            os.environ,
+            ROLLOUT_HOST=net.addresses["service"],
+            ROLLOUT_SECURITY__ALLOW_INSECURE="true",  # a private bridge; TLS is tested elsewhere
+            ROLLOUT_ENGINE__TOKENIZER=str(tiny_model),
+            ROLLOUT_ENGINE__MODEL="tiny",
+            ROLLOUT_ADAPTERS__DIR=str(tmp_path / "adapters"),
+        )
+        command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--vllm-url", vllm.url]
+        command += ["--port", str(SERVICE_PORT), "--metrics-port", "0"]
+        service = await start([*net.prefix("service"), *command], tmp_path / "service.log", env)
+        await wait_until(lambda: serving(target), 90, "the service in its namespace to serve")
+        yield vllm, target
+    finally:
+        if service is not None:
+            os.killpg(service.pid, signal.SIGTERM)
+            await asyncio.wait_for(service.wait(), 30)
+        await asyncio.to_thread(vllm.stop)
+
+
 @pytest.mark.timeout(420)
 async def test_a_push_crosses_three_namespaces(tiny_model: Path, tmp_path: Path) -> None:
     with namespaces("vllm", "service", "trainer") as net:
-        vllm = NamespacedVLLM(
-            net,
-            ManagedServerSettings(
-                model=tiny_model, max_model_len=1024, log_file=tmp_path / "vllm.log", pin_processes=False
-            ),
-        )
-        await asyncio.to_thread(vllm.start)
-        service = None
-        try:
-            target = f"{net.addresses['service']}:{SERVICE_PORT}"
-            env = dict(
-                os.environ,
-                ROLLOUT_HOST=net.addresses["service"],
-                ROLLOUT_SECURITY__ALLOW_INSECURE="true",  # a private bridge; TLS is tested elsewhere
-                ROLLOUT_ENGINE__TOKENIZER=str(tiny_model),
-                ROLLOUT_ENGINE__MODEL="tiny",
-                ROLLOUT_ADAPTERS__DIR=str(tmp_path / "adapters"),
-            )
-            command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--vllm-url", vllm.url]
-            command += ["--port", str(SERVICE_PORT), "--metrics-port", "0"]
-            service = await start([*net.prefix("service"), *command], tmp_path / "service.log", env)
-            await wait_until(lambda: serving(target), 90, "the service in its namespace to serve")
-
+        async with serving_stack(net, tiny_model, tmp_path) as (vllm, target):
             pusher = [*net.prefix("trainer"), sys.executable, "-m", "tests.integration.netns_pusher"]
             pusher += ["--target", target, "--model", str(tiny_model), "--seed", "5"]
             done = await asyncio.to_thread(
@@ -83,8 +98,42 @@ async def test_a_push_crosses_three_namespaces(tiny_model: Path, tmp_path: Path)
             # ... and vLLM, two namespaces away, serves exactly what it pushed.
             base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
             assert await vllm_matches(vllm.url, perturbed(base, 5), cache_salt="pushed") <= 1e-4
-        finally:
-            if service is not None:
-                os.killpg(service.pid, signal.SIGTERM)
-                await asyncio.wait_for(service.wait(), 30)
-            await asyncio.to_thread(vllm.stop)
+
+
+@pytest.mark.timeout(480)
+async def test_an_fsdp_trainer_on_two_nodes_pushes_the_gathered_weights(tiny_model: Path, tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --nproc-per-node 1``, one node per namespace, FSDP2 on gloo: the
+    ranks meet across the bridge (each binds gloo to its own interface, GLOO_SOCKET_IFNAME),
+    rank 0 gathers the shards and pushes, and vLLM, in a third namespace, serves exactly the
+    gathered weights."""
+    with namespaces("vllm", "service", "node0", "node1") as net:
+        async with serving_stack(net, tiny_model, tmp_path) as (vllm, target):
+            config = tmp_path / "fsdp.yaml"
+            config.write_text(FSDP_CONFIG)
+            out = tmp_path / "train"
+            nodes = []
+            try:
+                for rank, node in enumerate(("node0", "node1")):
+                    command = [*net.prefix(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+                    command += ["--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr"]
+                    command += [net.addresses["node0"], "--master-port", "29511", "-m", "trainer_client.cli"]
+                    command += ["--config", str(config), "--target", target, "--model", str(tiny_model)]
+                    command += ["--max-steps", str(FSDP_STEPS), "--group-size", "4", "--groups-per-step", "1"]
+                    command += ["--max-tokens", "16", "--output-dir", str(out), "--save-model"]
+                    env = dict(os.environ, GLOO_SOCKET_IFNAME=net.interfaces[node], OMP_NUM_THREADS="1")
+                    nodes.append(await start(command, tmp_path / f"{node}.log", env))
+                for node, process in zip(("node0", "node1"), nodes, strict=True):
+                    await asyncio.wait_for(process.wait(), 300)
+                    assert process.returncode == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
+            finally:
+                for process in nodes:
+                    if process.returncode is None:
+                        os.killpg(process.pid, signal.SIGKILL)
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+            assert [rank["sharded"] for rank in ranks] == [True, True]
+            ids = [rank["trained_group_ids"] for rank in ranks]
+            assert [len(i) for i in ids] == [FSDP_STEPS, FSDP_STEPS] and not set(ids[0]) & set(ids[1])
+            trained = Qwen2ForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+            base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+            assert await vllm_matches(vllm.url, trained) <= 1e-4
+            assert await vllm_matches(vllm.url, base) > 1e-3

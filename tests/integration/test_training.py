@@ -105,6 +105,21 @@ def cpu_list(text: str) -> frozenset[int]:
     return frozenset(cores)
 
 
+async def run_to_end(command: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run ``command`` (a torchrun and its ranks: one process group) to its end, or kill the
+    group at the timeout; its exit code and output."""
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), timeout_s)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode is not None
+    return process.returncode, output.decode()
+
+
 async def test_data_parallel_ranks_train_disjoint_groups_in_step(
     service_process: str, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -115,15 +130,8 @@ async def test_data_parallel_ranks_train_disjoint_groups_in_step(
     command += ["--target", service_process, "--model", str(tiny_model), "--max-steps", str(STEPS)]
     command += ["--group-size", "4", "--groups-per-step", "1", "--max-tokens", "16", "--max-buffered-groups", "4"]
     command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out)]
-    trainer = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        output, _ = await asyncio.wait_for(trainer.communicate(), 240)
-    finally:
-        if trainer.returncode is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
-    assert trainer.returncode == 0, output.decode()[-3000:]
+    returncode, output = await run_to_end(command, 240)
+    assert returncode == 0, output[-3000:]
 
     summary = json.loads((out / "summary.json").read_text())
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
