@@ -35,7 +35,7 @@ GRPC_EDGE = (
 reflection, the trainer's client and the live view built on it, and the demo that starts
 both. Everything else works with plain Python types and errors."""
 
-CLIENT_COMMANDS = {"rollout_service.edge.cli": ("trainer_client.top",)}
+CLIENT_COMMANDS = {"rollout_service.edge.cli": ("trainer_client.top", "trainer_client.client")}
 """Service CLI modules that may import a client-side module for a command that is a client
 of the service (``rollout-service top``), imported inside the command only."""
 

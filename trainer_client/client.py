@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api import rollout_pb2_grpc as pb_grpc
@@ -67,6 +68,25 @@ class ClientSecurity:
 
     def metadata(self) -> Metadata:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+async def health_status(target: str, timeout_s: float = 5.0, security: ClientSecurity | None = None) -> str:
+    """The service's gRPC health status (``SERVING``, ``NOT_SERVING``, ...) over the same TLS
+    as every client (ROLLOUT_TLS_CA ...); health needs no token. For probes that cannot do TLS
+    themselves (a Kubernetes ``grpc`` probe): ``rollout-service health``. Raises
+    ``HealthCheckFailed`` when the service gives no answer within ``timeout_s``."""
+    security = security if security is not None else ClientSecurity.from_env()
+    try:
+        async with security.channel(target, []) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise HealthCheckFailed(f"{exc.code().name}: {exc.details()}") from None
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class HealthCheckFailed(Exception):
+    """The service gave no health answer (unreachable, TLS refused, timed out)."""
 
 
 def unavailable(exc: BaseException) -> bool:

@@ -200,6 +200,24 @@ def dev_credentials_command(
 
 
 @app.command()
+def health(
+    target: Annotated[str, typer.Option(help="The service, host:port")] = "127.0.0.1:50051",
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the answer")] = 5.0,
+) -> None:
+    """Exit 0 if the service answers SERVING to gRPC health, else 1 with the reason: a
+    readiness probe (Kubernetes' own gRPC probe cannot do TLS). TLS from ROLLOUT_TLS_CA."""
+    from trainer_client.client import HealthCheckFailed, health_status  # a client: see CLIENT_COMMANDS
+
+    try:
+        status = asyncio.run(health_status(target, timeout))
+    except (HealthCheckFailed, OSError, ValueError) as exc:  # OSError, ValueError: unreadable or missing TLS files
+        _fail(f"{target}: {exc}")
+    if status != "SERVING":
+        _fail(f"{target}: {status}")
+    typer.echo(f"{target}: SERVING")
+
+
+@app.command()
 def top(
     target: Annotated[str, typer.Option(help="The service, host:port")] = "127.0.0.1:50051",
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes")] = 2.0,

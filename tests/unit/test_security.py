@@ -4,6 +4,7 @@ on localhost (certificates made in the test); the engine behind it is scripted, 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -12,9 +13,11 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typer.testing import CliRunner, Result
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.config import SecuritySettings
+from rollout_service.edge.cli import app as cli_app
 from rollout_service.edge.dev_credentials import CertificateAuthority
 from rollout_service.edge.security import TokenTable, check_bind, load_token_table
 from rollout_service.edge.server import start_grpc_server
@@ -218,3 +221,20 @@ def test_tokens_come_from_a_file_and_are_matched_whole(tmp_path: Path) -> None:
     assert TokenTable({}).authenticate([]) is not None  # no principals: authentication is off
     with pytest.raises(StartupError, match="share a token"):
         load_token_table(SecuritySettings(tokens_file=tokens_file, principals={"eve": {"token": ALICE}}))  # type: ignore[dict-item]
+
+
+async def test_the_health_command_answers_over_tls_without_a_token_and_says_why_not(pki) -> None:
+    """``rollout-service health``: the readiness probe of deploy/k8s (Kubernetes' own gRPC
+    probe cannot do TLS). Exit 0 on SERVING; 2 with a one-line reason otherwise."""
+
+    def health(target: str, **env: str) -> Result:
+        return CliRunner().invoke(cli_app, ["health", "--target", target, "--timeout", "2"], env=env)
+
+    async with served(tls_settings(pki)) as (_service, target):
+        ok = await asyncio.to_thread(health, target, ROLLOUT_TLS_CA=str(pki["ca"].cert))
+        assert ok.exit_code == 0 and f"{target}: SERVING" in ok.output
+        # TLS with the wrong CA: refused, and said so in one line.
+        wrong = await asyncio.to_thread(health, target, ROLLOUT_TLS_CA=str(pki["other_ca"].cert))
+        assert wrong.exit_code == 2 and "UNAVAILABLE" in wrong.output and "Traceback" not in wrong.output
+    gone = await asyncio.to_thread(health, target, ROLLOUT_TLS_CA=str(pki["ca"].cert))
+    assert gone.exit_code == 2 and f"error: {target}: UNAVAILABLE" in gone.output
