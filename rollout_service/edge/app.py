@@ -112,7 +112,9 @@ async def running_service(
         urls, tokenizer_path = list(engine_settings.urls), engine_settings.tokenizer
         discovery = None
         if managed is None and not urls and engine_settings.discover:
-            discovery = EngineDiscovery(engine_settings.discover, engine_settings.discover_interval_s)
+            discovery = EngineDiscovery(
+                engine_settings.discover, engine_settings.discover_interval_s, wait_s=engine_settings.discover_wait_s
+            )
             urls = await discovery.initial_urls()
         if managed is None and not urls:
             managed = await _start_managed_server(settings, stack)

@@ -48,20 +48,31 @@ def server_url(address: str, port: int) -> str:
 
 
 class EngineDiscovery:
-    def __init__(self, discover: str, interval_s: float, resolver: Resolver = resolve_addresses) -> None:
+    def __init__(
+        self, discover: str, interval_s: float, resolver: Resolver = resolve_addresses, wait_s: float = 0.0
+    ) -> None:
         self.host, self.port = split_name(discover)
         self.interval_s = interval_s
+        self.wait_s = wait_s
+        """How long start-up waits for the name to resolve (``engine.discover_wait_s``)."""
         self._resolver = resolver
         self.found: set[str] = set()
         """Servers in the pool because the name resolved to them."""
 
     async def initial_urls(self) -> list[str]:
-        """At start-up: the servers the name resolves to now (they become the first pool)."""
-        urls = await self._resolve()
-        if not urls:
-            raise StartupError(
-                f"engine.discover {self.host}:{self.port} resolves to no address; are the vLLM pods ready?"
-            )
+        """At start-up: the servers the name resolves to (they become the first pool),
+        resolving every ``interval_s`` for up to ``wait_s``: a headless Service lists only
+        ready pods, and vLLM takes minutes to be ready, so the service started beside it waits."""
+        deadline = asyncio.get_running_loop().time() + self.wait_s
+        while not (urls := await self._resolve()):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise StartupError(
+                    f"engine.discover {self.host}:{self.port} resolves to no address after {self.wait_s:g}s "
+                    "(engine.discover_wait_s); are the vLLM pods ready?"
+                )
+            logger.info("waiting for engine.discover %s:%d to resolve (%.0fs left)", self.host, self.port, left)
+            await asyncio.sleep(min(self.interval_s, left))  # the resolution period, not synchronisation
         self.found = set(urls)
         return urls
 

@@ -81,7 +81,7 @@ async def test_a_server_that_cannot_join_is_tried_again_and_admin_changes_are_le
 
 
 async def test_a_name_that_resolves_to_nothing_stops_the_start_with_a_reason() -> None:
-    with pytest.raises(StartupError, match="resolves to no address"):
+    with pytest.raises(StartupError, match="resolves to no address after 0s"):
         await EngineDiscovery("vllm.rl.svc:8000", 10, Dns()).initial_urls()
     with pytest.raises(StartupError, match="not host:port"):
         split_name("vllm.rl.svc")
@@ -91,3 +91,24 @@ async def test_real_names_resolve_to_urls() -> None:
     assert "127.0.0.1" in await resolve_addresses("localhost", 8000)
     assert split_name("[fd00::1]:8000") == ("fd00::1", 8000)
     assert server_url("fd00::1", 8000) == "http://[fd00::1]:8000"
+
+
+async def test_start_up_waits_for_the_first_ready_server() -> None:
+    """A headless Service resolves to nothing (or fails) until a vLLM pod is ready: start-up
+    resolves again every interval, within ``wait_s``, and takes the servers found then."""
+
+    class Later(Dns):
+        def __init__(self) -> None:
+            super().__init__()
+            self.answers: list[list[str] | None] = [None, [], ["10.0.0.7"]]  # failed, empty, ready
+
+        async def __call__(self, host: str, port: int) -> list[str]:
+            self.addresses = self.answers.pop(0)
+            return await super().__call__(host, port)
+
+    dns = Later()
+    discovery = EngineDiscovery("vllm.rl.svc:8000", 0.01, dns, wait_s=30)
+    assert await discovery.initial_urls() == ["http://10.0.0.7:8000"]
+    assert dns.answers == [] and discovery.found == {"http://10.0.0.7:8000"}
+    with pytest.raises(StartupError, match=r"after 0\.05s"):
+        await EngineDiscovery("vllm.rl.svc:8000", 0.01, Dns(), wait_s=0.05).initial_urls()
