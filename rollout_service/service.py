@@ -169,6 +169,9 @@ class RolloutService:
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
         self.membership: PoolMembership | None = None
         """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
+        self.added_engines: list[str] = []
+        """Servers AddEngine added and RemoveEngine has not removed, kept across restarts
+        (``PoolMembership.rejoin``)."""
 
     def set_policy_version(self, version: int) -> None:
         """The servers now hold base weights of this version. Runs on the base weights share
@@ -235,6 +238,7 @@ class RolloutService:
         stored, meta = await asyncio.to_thread(self.store.load)
         self.set_policy_version(int(meta.get("policy_version", 0)))
         self.base_weights_run = meta.get("base_weights_run")
+        self.added_engines = list(meta.get("added_engines", []))
         for saved in stored:
             try:
                 run = await self._new_run(saved.spec, saved.owner, saved.run_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 from collections.abc import AsyncIterator, Coroutine
@@ -180,10 +181,17 @@ async def running_service(
         stack.push_async_callback(service.membership.close)  # after weight sync's close, which may resume them
         metrics.engines.set(len(pool.clients))
         await _attach_weights(service, recovery, controls, settings, managed, stack)
+        membership = service.membership
         if discovery is not None:
-            membership = service.membership
-            following = asyncio.create_task(discovery.run(membership.add, membership.remove), name="engine-discovery")
+            found = functools.partial(membership.add, remember=False)  # discovery finds them again after a restart
+            following = asyncio.create_task(discovery.run(found, membership.remove), name="engine-discovery")
             stack.push_async_callback(_cancelled, following)
+        if service.added_engines:
+            logger.info("adding again the servers AddEngine added before the restart: %s", service.added_engines)
+            rejoining = asyncio.create_task(
+                membership.rejoin(service.added_engines, engine_settings.discover_interval_s), name="engine-rejoin"
+            )
+            stack.push_async_callback(_cancelled, rejoining)
         await service.restore_adapters()  # restored serve_adapter runs get their adapters back
 
         metrics_port = None

@@ -21,6 +21,11 @@ requests sample from the current policy to the end), then leaves it between upda
 next update joins a fresh group without it.
 
 Changes are serialized: one join or leave at a time.
+
+Servers added by AddEngine are the admin's: the state store keeps their URLs, and a
+restarted service adds them again (``rejoin``), retrying one that cannot join yet until it
+does or RemoveEngine names it. Servers that DNS discovery found are not kept: it finds them
+again.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import aiohttp
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient, served_models
-from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError
 from rollout_service.service import RolloutService
 from rollout_service.types import EngineRemoved, EngineState
 from rollout_service.weights.server_recovery import ServerRecovery
@@ -77,6 +82,8 @@ class PoolMembership:
         """Servers the service runs itself: they leave only with it."""
         self.controls: dict[str, VLLMControlClient] = {}
         """Control clients of the servers added here (the service's first ones are the app's)."""
+        self.pending: set[str] = set()
+        """Servers added before a restart that have not joined again yet (``rejoin``)."""
         self._lock = asyncio.Lock()
 
     async def close(self) -> None:
@@ -93,7 +100,8 @@ class PoolMembership:
         return EngineState(client.base_url, not reason, reason, client.inflight, client.base_url in self.managed_urls)
 
     # -- joining -------------------------------------------------------------------------
-    async def add(self, url: str) -> EngineState:
+    async def add(self, url: str, remember: bool = True) -> EngineState:
+        """Join ``url``; ``remember``: keep it across restarts (AddEngine; not discovery)."""
         url = check_engine_url(url)
         async with self._lock:
             if self.pool.client(url) is not None:
@@ -111,8 +119,35 @@ class PoolMembership:
             self.controls[url] = control
             self.service.info.engine_urls.append(url)
             self.service.metrics.engines.set(len(self.pool.clients))
+            if remember:
+                self._remember(url, True)
         logger.info("%s joined the pool (%s)", url, self.pool.held.get(url) or "taking requests")
         return self._state(client)
+
+    async def rejoin(self, urls: list[str], retry_interval_s: float) -> None:
+        """After a restart: add again the servers AddEngine had added, retrying each that
+        cannot join yet (its vLLM is still starting, say) every ``retry_interval_s`` until it
+        joins or RemoveEngine names it (``pending``)."""
+        self.pending.update(urls)
+        while self.pending:
+            for url in sorted(self.pending):
+                try:
+                    await self.add(url, remember=False)
+                except AlreadyExists:
+                    pass  # DNS discovery or an admin added it meanwhile
+                except (ServiceError, OSError, aiohttp.ClientError) as exc:
+                    logger.warning("%s, added before the restart, cannot join yet (%s); retrying", url, exc)
+                    continue
+                self.pending.discard(url)
+            if self.pending:
+                await asyncio.sleep(retry_interval_s)  # a retry period, not synchronisation
+
+    def _remember(self, url: str, added: bool) -> None:
+        """Keep (or stop keeping) ``url`` among the servers a restarted service adds again."""
+        engines = [u for u in self.service.added_engines if u != url] + ([url] if added else [])
+        if engines != self.service.added_engines:
+            self.service.added_engines = engines
+            self.service.store.set_meta("added_engines", engines)
 
     async def _check_model(self, url: str) -> None:
         model = self.service.info.model
@@ -155,6 +190,11 @@ class PoolMembership:
         url = check_engine_url(url)
         async with self._lock:
             client = self.pool.client(url)
+            if client is None and url in self.pending:  # added before a restart, never back: stop trying
+                self.pending.discard(url)
+                self._remember(url, False)
+                logger.info("%s will not be added again (it had not joined since the restart)", url)
+                return EngineRemoved(url, 0.0, 0, 0)
             if client is None:
                 listed = ", ".join(c.base_url for c in self.pool.clients)
                 raise NotFound(f"{url} is not in the pool; its servers: {listed}")
@@ -170,6 +210,7 @@ class PoolMembership:
                 moved = client.inflight
                 client.give_up(f"left the pool ({drain_timeout_s:g}s drain_timeout_s passed)")
             await self._forget(url, client, self.controls.pop(url, None))
+            self._remember(url, False)
         removed = EngineRemoved(url, time.monotonic() - started, in_flight - moved, moved)
         logger.info(
             "%s left the pool after %.1fs: %d sequences drained, %d moved to other servers",

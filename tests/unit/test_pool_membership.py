@@ -13,6 +13,8 @@ import pytest
 from aiohttp import web
 
 from rollout_service.config import EngineSettings, WeightSyncSettings
+from rollout_service.delivery.state_store import SqliteStore
+from rollout_service.edge.group_wire import WireCodec
 from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import COMPLETIONS_PATH, VLLMServerClient
@@ -23,6 +25,7 @@ from rollout_service.weights.adapters import AdapterPublisher, RunAdapter
 from rollout_service.weights.pool_membership import PoolMembership, check_engine_url
 from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
+from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_engine import OK_BODY, serving
 from tests.unit.test_service_limits import spec
@@ -248,3 +251,36 @@ async def test_a_server_that_cannot_load_the_runs_adapters_is_refused(pool, serv
         await pool.membership.add(urls[1])
     assert [c.base_url for c in pool.pool.clients] == [urls[0]]
     assert [s.base_url for s in adapters.servers] == [urls[0]]
+
+
+async def test_added_servers_are_added_again_after_a_restart(servers, tmp_path) -> None:
+    """AddEngine's servers are kept in the state store (discovery's are not: it finds them
+    again); a restarted service adds them again, retrying one that cannot join yet until it
+    joins or RemoveEngine names it."""
+    _, urls = servers
+    down = "http://127.0.0.1:9"  # nothing listens: it cannot join (yet)
+    async with AsyncExitStack() as stack:
+        first = await Pool(stack, urls[0]).start()
+        first.service.store = SqliteStore(tmp_path / "state.db", WireCodec())
+        await first.membership.add(urls[1])
+        await first.membership.add(urls[1].replace("127.0.0.1", "localhost"), remember=False)  # as discovery does
+        assert first.service.added_engines == [urls[1]]  # not the one discovery found
+        first.service.store.set_meta("added_engines", [urls[1], down])  # as if `down` had joined then died
+        first.service.store.close()
+
+    async with AsyncExitStack() as stack:
+        second = await Pool(stack, urls[0]).start()
+        second.service.store = SqliteStore(tmp_path / "state.db", WireCodec())
+        stack.callback(second.service.store.close)
+        await second.service.restore()
+        assert second.service.added_engines == [urls[1], down]
+        rejoining = asyncio.ensure_future(second.membership.rejoin(second.service.added_engines, 0.01))
+        await wait_until(lambda: second.pool.client(urls[1]) is not None, 10, "the kept server to join again")
+        assert second.membership.pending == {down}  # retried meanwhile
+        removed = await second.membership.remove(down)
+        assert (removed.url, removed.sequences_drained, removed.sequences_moved) == (down, 0, 0)
+        await asyncio.wait_for(rejoining, 10)  # nothing left to add: done
+        assert second.service.added_engines == [urls[1]]
+        await second.membership.remove(urls[1])
+        assert second.service.added_engines == []
+    assert SqliteStore(tmp_path / "state.db", WireCodec()).load()[1]["added_engines"] == []
