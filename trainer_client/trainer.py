@@ -73,12 +73,12 @@ class AsyncGRPOConfig(TrainingArguments):
     temperature: float = 1.0
     """Sampling temperature of the run: log-probs are computed on logits / temperature, as vLLM's."""
     logprob_chunk_size: int = 1024
+    """Positions per chunk of the log-prob computation (bounds the [chunk, vocab] logits)."""
     share_prompt_forward: bool = True
     """Run each distinct prompt of a batch through the model once and the completions on its
     cache (``prompt_sharing``): same log-probs and gradients, a step of the benchmark model
     290 -> 175 ms. Off, or under gradient checkpointing or data parallelism, every sample
     runs its own prompt."""
-    """Positions per chunk of the log-prob computation (bounds the [chunk, vocab] logits)."""
     stream_credits: int = 0
     """Groups the service may send ahead of acks; 0 means one step's worth (groups are fetched
     when the step starts and acked when it ends; the next step's arrive during the push). More
