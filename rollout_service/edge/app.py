@@ -313,6 +313,8 @@ async def _serve_grpc(
         service.engines_usable(usable)
 
     pool.on_usable = engines_usable
+    if not pool.usable:  # no server answered at start-up (``EnginePool.start``)
+        engines_usable(False)
     service.watchdog.on_stalled = lambda stalled: _schedule_health(set_runs_progressing(health, not stalled))
 
     async def stop_grpc() -> None:

@@ -78,6 +78,7 @@ class EnginePool:
     async def start(self) -> None:
         for client in self.clients:
             await client.start()
+        await self._check_answering()
         self._prober = asyncio.create_task(self._probe_forever(), name="engine-probe")
         if self.monitor is not None:
             self._monitor_task = asyncio.create_task(self.monitor.run(), name="engine-load")
@@ -90,6 +91,17 @@ class EnginePool:
                     await task
         for client in self.clients:
             await client.close()
+
+    async def _check_answering(self) -> None:
+        """At start-up, a server that does not answer /health counts as failed (the probes
+        bring it back once it does), so ``usable`` starts as what the servers say, not as a
+        guess: a service started before its vLLM servers reports NOT_SERVING until one answers."""
+        answers = await asyncio.gather(*(client.healthy(self.health_timeout_s) for client in self.clients))
+        for client, answered in zip(self.clients, answers, strict=True):
+            if not answered:
+                client.consecutive_failures = max(client.consecutive_failures, 1)
+                logger.warning("%s does not answer /health yet; it takes requests once it does", client.base_url)
+        self.usable = any(c.consecutive_failures == 0 for c in self.clients)
 
     async def _probe_forever(self) -> None:
         while True:

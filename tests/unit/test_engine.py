@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from rollout_service.config import EngineSettings
+from rollout_service.engine.managed import free_port
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import episode_affinity
 from rollout_service.engine.vllm_client import VLLMServerClient
@@ -247,3 +248,29 @@ async def test_a_held_server_is_not_routed_to_while_another_is_free() -> None:
     assert pool.pick(servers=free).base_url == "http://s1"  # though s0 is the less loaded
     pool.release("http://s0")
     assert pool.pick(servers=await pool.routable()).base_url == "http://s0"
+
+
+async def test_a_pool_started_before_its_server_is_unusable_until_the_server_answers() -> None:
+    """The service's gRPC health follows ``usable``: started before vLLM (Kubernetes starts
+    pods in any order), it says NOT_SERVING until a server answers, not SERVING on a guess."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    client = VLLMServerClient(url, "m", EngineSettings(urls=[url]), ServiceMetrics(), max_connections=4)
+    pool = EnginePool([client], probe_interval_s=3600)  # probed by hand below
+    told: list[bool] = []
+    pool.on_usable = told.append
+    await pool.start()
+    try:
+        assert not pool.usable and client.consecutive_failures == 1
+        app = web.Application()
+        app.router.add_get("/health", lambda request: web.Response())
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            await pool.probe()  # the server answers now
+            assert pool.usable and told == [True] and client.consecutive_failures == 0
+        finally:
+            await runner.cleanup()
+    finally:
+        await pool.close()
