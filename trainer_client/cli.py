@@ -133,6 +133,14 @@ def main(
     push: Annotated[
         bool, typer.Option(help="Push weights (--no-push: a follower of a run that another trainer pushes for)")
     ] = True,
+    wait_for_service: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds to wait at start for the service to say SERVING (it does once a vLLM server "
+            "answers); 0: do not wait",
+        ),
+    ] = 600.0,
     save_model: Annotated[
         bool,
         typer.Option(
@@ -201,6 +209,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
     """The command's work, on its options after the config file (``o``)."""
     from trainer_client.advertised_address import AddressError, advertised_address
     from trainer_client.checkpoints import CheckpointError
+    from trainer_client.client import ServiceNotServing
     from trainer_client.step_timing import format_split
     from trainer_client.stream import RunStalled
     from trainer_client.train import ADMISSION_MODES, SCALE_REWARDS, LoraOptions, RunOptions, cpu_training_config, train
@@ -299,10 +308,11 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
             push=o.push,
             torch_threads=o.torch_threads,
             save_model=o.save_model,
+            wait_for_service_s=o.wait_for_service,
         )
     except CheckpointError as exc:
         raise typer.BadParameter(str(exc), param_hint="--resume-from-checkpoint") from None
-    except RunStalled as exc:
+    except (RunStalled, ServiceNotServing) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     if config.process_index == 0:

@@ -89,6 +89,36 @@ class HealthCheckFailed(Exception):
     """The service gave no health answer (unreachable, TLS refused, timed out)."""
 
 
+class ServiceNotServing(Exception):
+    """The service did not say SERVING within the wait (``wait_until_serving``)."""
+
+
+async def wait_until_serving(target: str, timeout_s: float, poll_s: float = 2.0) -> None:
+    """Until the service answers SERVING, which it does once start-up is done and a vLLM
+    server answers: a trainer started beside a service and servers that are still coming up
+    (containers, Kubernetes) waits for them instead of failing its first push. Raises
+    ``ServiceNotServing`` with the last answer after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    logged_at = None
+    while True:
+        try:
+            status = await health_status(target, timeout_s=min(5.0, max(timeout_s, 0.1)))
+        except HealthCheckFailed as exc:
+            status = str(exc)
+        if status == "SERVING":
+            return
+        now = asyncio.get_running_loop().time()
+        if now >= deadline:
+            raise ServiceNotServing(
+                f"the rollout service at {target} did not say SERVING within {timeout_s:g}s (last: {status}); "
+                "is it up, and does one of its vLLM servers answer? (--wait-for-service sets the wait)"
+            )
+        if logged_at is None or now - logged_at >= 30:
+            logger.info("waiting for the rollout service at %s to serve (now: %s)", target, status)
+            logged_at = now
+        await asyncio.sleep(min(poll_s, deadline - now))  # polling another process's health, not synchronisation
+
+
 def unavailable(exc: BaseException) -> bool:
     """The service could not be reached (it is down or restarting), as opposed to an answer."""
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE

@@ -34,7 +34,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from trainer_client import fsdp
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
-from trainer_client.client import RolloutClient, dataset_run_spec
+from trainer_client.client import RolloutClient, dataset_run_spec, wait_until_serving
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.prompt_feeder import feed_prompts, fits_inline
 from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
@@ -221,6 +221,7 @@ def train(
     push: bool = True,
     torch_threads: int = 0,
     save_model: bool = False,
+    wait_for_service_s: float = 0.0,
 ) -> dict[str, Any]:
     """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
 
@@ -229,6 +230,7 @@ def train(
     trainer of the run pushes weights (its staleness follows the run's version).
     ``torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
     ``save_model`` writes the trained policy to ``output_dir/model`` at the end (``save_policy``).
+    ``wait_for_service_s``: how long rank 0 first waits for the service to say SERVING.
     """
     checkpoint = None
     if config.resume_from_checkpoint:
@@ -240,6 +242,8 @@ def train(
     if torch_threads == 0 and (cores := pin_local_trainer(target)):
         logger.info("trainer pinned to cores %s, the CPU budget's share beside a local vLLM", list(cores))
     main = config.process_index == 0
+    if main and wait_for_service_s > 0:
+        asyncio.run(wait_until_serving(target, wait_for_service_s))
     if run_id is None and main:
         serve_adapter = lora is not None and lora.serving == "adapter"
         run_id = asyncio.run(_create_run(target, config, options, serve_adapter, pushes=push))

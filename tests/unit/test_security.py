@@ -20,11 +20,11 @@ from rollout_service.config import SecuritySettings
 from rollout_service.edge.cli import app as cli_app
 from rollout_service.edge.dev_credentials import CertificateAuthority
 from rollout_service.edge.security import TokenTable, check_bind, load_token_table
-from rollout_service.edge.server import start_grpc_server
+from rollout_service.edge.server import set_serving, start_grpc_server
 from rollout_service.errors import StartupError
 from tests.tls_certs import LOCAL_HOSTS
 from tests.unit.scripted import ScriptedEngine, make_service
-from trainer_client.client import ClientSecurity, RolloutClient
+from trainer_client.client import ClientSecurity, RolloutClient, ServiceNotServing, wait_until_serving
 
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789ab", "admin-token-0123456789"
 PRINCIPALS = {
@@ -238,3 +238,31 @@ async def test_the_health_command_answers_over_tls_without_a_token_and_says_why_
         assert wrong.exit_code == 2 and "UNAVAILABLE" in wrong.output and "Traceback" not in wrong.output
     gone = await asyncio.to_thread(health, target, ROLLOUT_TLS_CA=str(pki["ca"].cert))
     assert gone.exit_code == 2 and f"error: {target}: UNAVAILABLE" in gone.output
+
+
+async def test_a_trainer_waits_for_serving_and_says_why_when_it_never_comes(pki) -> None:
+    """``rollout-trainer --wait-for-service``: a service whose vLLM servers do not answer
+    yet says NOT_SERVING; the trainer waits for SERVING instead of failing its first push,
+    and gives up after the wait with the last answer."""
+    service = make_service(ScriptedEngine())
+    server, port, health = await start_grpc_server(service, "127.0.0.1", 0, tls_settings(pki))
+    target = f"localhost:{port}"
+    security = {"ROLLOUT_TLS_CA": str(pki["ca"].cert)}
+    try:
+        await set_serving(health, False)  # as while no vLLM server answers
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in security.items():
+                env.setenv(name, value)
+            waiting = asyncio.ensure_future(wait_until_serving(target, 30, poll_s=0.05))
+            done, _ = await asyncio.wait({waiting}, timeout=0.3)  # several NOT_SERVING answers go by
+            assert not done  # still waiting
+            await set_serving(health, True)  # a server answers
+            await asyncio.wait_for(waiting, 10)
+            await set_serving(health, False)
+            with pytest.raises(ServiceNotServing, match=r"did not say SERVING within 0\.2s \(last: NOT_SERVING\)"):
+                await wait_until_serving(target, 0.2, poll_s=0.05)
+        with pytest.raises(ServiceNotServing, match="UNAVAILABLE"):  # without the CA: TLS fails, said so
+            await wait_until_serving(target, 0.2, poll_s=0.05)
+    finally:
+        await server.stop(None)
+        await service.close()
