@@ -262,8 +262,12 @@ async def test_a_pool_started_before_its_server_is_unusable_until_the_server_ans
     await pool.start()
     try:
         assert not pool.usable and client.consecutive_failures == 1
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response()
+
         app = web.Application()
-        app.router.add_get("/health", lambda request: web.Response())
+        app.router.add_get("/health", health)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
