@@ -112,16 +112,8 @@ def completion_logprobs(
     """
     if share_prompts and prompts_are_shared(inputs):
         return shared_prompt_logprobs(model, inputs, lm_head_weight, chunk_size, temperature)
-    outputs = model(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        position_ids=inputs["position_ids"],
-        output_hidden_states=True,
-        logits_to_keep=1,
-        use_cache=False,
-    )
-    hidden = outputs.hidden_states[-1]
-    start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
+    hidden = _forward(model, inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    start, length = _completion_span(inputs)
     return chunked_completion_logprobs(
         hidden[:, start : start + length],
         lm_head_weight,
@@ -136,15 +128,25 @@ def forward_completion_logprobs(
 ) -> torch.Tensor:
     """``completion_logprobs`` with the logits made inside the model's forward, [B, T]: for a
     sharded model (``fsdp``), whose lm_head weight is whole only there. Costs [B, T, V] logits."""
-    start, length = inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
-    outputs = model(
+    start, length = _completion_span(inputs)
+    keep = torch.arange(start, start + length, device=inputs["input_ids"].device)
+    return token_logprobs(_forward(model, inputs, logits_to_keep=keep).logits, inputs["completion_ids"], temperature)
+
+
+def _forward(model: torch.nn.Module, inputs: dict[str, Any], **outputs: Any) -> Any:
+    """The collated batch through ``model``'s own forward (wrapped or not), no KV cache."""
+    return model(
         input_ids=inputs["input_ids"],
         attention_mask=inputs["attention_mask"],
         position_ids=inputs["position_ids"],
-        logits_to_keep=torch.arange(start, start + length, device=inputs["input_ids"].device),
         use_cache=False,
+        **outputs,
     )
-    return token_logprobs(outputs.logits, inputs["completion_ids"], temperature)
+
+
+def _completion_span(inputs: dict[str, Any]) -> tuple[int, int]:
+    """(first position whose output predicts a completion token, completion length)."""
+    return inputs["prompt_length"] - 1, inputs["completion_ids"].shape[1]
 
 
 def output_embedding_weight(model: torch.nn.Module) -> torch.Tensor:

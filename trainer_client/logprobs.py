@@ -34,19 +34,27 @@ def _logits(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, temperatu
     The matmul runs in the inputs' dtype; log-softmax runs in float32 because logsumexp over a large vocabulary
     in bf16 loses the small log-probs that importance ratios depend on.
     """
-    logits = hidden_states @ lm_head_weight.T
+    return _scaled(hidden_states @ lm_head_weight.T, temperature)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits divided by the sampling temperature (in their dtype), as float32."""
     if temperature != 1.0:
         logits = logits / temperature
     return logits.float()
 
 
+def _selected_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] as gathered logit - logsumexp: logits [..., V], ids [...] -> [...]."""
+    selected = torch.gather(logits, dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)
+    return selected - torch.logsumexp(logits, dim=-1)
+
+
 def _chunk_logprobs(
     hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """log softmax(logits)[token] for one chunk: hidden [N, H], ids [N] -> [N], as gathered logit - logsumexp."""
-    logits = _logits(hidden_states, lm_head_weight, temperature)
-    selected = torch.gather(logits, dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)
-    return selected - torch.logsumexp(logits, dim=-1)
+    """log softmax(logits)[token] for one chunk: hidden [N, H], ids [N] -> [N]."""
+    return _selected_logprobs(_logits(hidden_states, lm_head_weight, temperature), token_ids)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -54,11 +62,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     for logits the model made itself (``fsdp``: the lm_head weight is only whole inside the forward)."""
     if temperature <= 0:
         raise ValueError("temperature must be positive")
-    if temperature != 1.0:
-        logits = logits / temperature
-    logits = logits.float()
-    selected = torch.gather(logits, dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)
-    return selected - torch.logsumexp(logits, dim=-1)
+    return _selected_logprobs(_scaled(logits, temperature), token_ids)
 
 
 def _check_inputs(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> None:
