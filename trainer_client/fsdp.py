@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from trainer_client.policy_weights import NamedTensors, is_peft_model
 
@@ -70,4 +71,9 @@ def gathered_weights(model: torch.nn.Module) -> NamedTensors:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def whole_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank must call it), else the tensor itself."""
+    return param.full_tensor() if isinstance(param, DTensor) else param

@@ -364,12 +364,8 @@ def weights_fingerprint(model: torch.nn.Module) -> float:
     """Sum of |w| over all trainable weights: equal on every rank iff DDP kept them in step.
     A sharded (FSDP) model's is over its whole weights (every rank must call it then)."""
     with torch.no_grad():
-        return float(sum(_whole(p).detach().abs().double().sum() for p in model.parameters() if p.requires_grad))
-
-
-def _whole(param: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP shard (a DTensor; a collective), else the tensor itself."""
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
+        weights = (fsdp.whole_tensor(p) for p in model.parameters() if p.requires_grad)
+        return float(sum(w.detach().abs().double().sum() for w in weights))
 
 
 def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained: int, dropped: int) -> dict[str, Any]:
