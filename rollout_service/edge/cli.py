@@ -204,7 +204,7 @@ def health(
     target: Annotated[str, typer.Option(help="The service, host:port")] = "127.0.0.1:50051",
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the answer")] = 5.0,
 ) -> None:
-    """Exit 0 if the service answers SERVING to gRPC health, else 1 with the reason: a
+    """Exit 0 if the service answers SERVING to gRPC health, else 2 with the reason: a
     readiness probe (Kubernetes' own gRPC probe cannot do TLS). TLS from ROLLOUT_TLS_CA."""
     from trainer_client.client import HealthCheckFailed, health_status  # a client: see CLIENT_COMMANDS
 
