@@ -203,6 +203,40 @@ def busy_core_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def core_seconds_by_process(service_pid: int) -> dict[str, float]:
+    """CPU seconds each running process has used (``/proc/PID/stat``), summed by its part in
+    generation: vLLM's worker, engine core and API server, the service, this consumer. Says
+    which part of generation's core-seconds is the model and which is serving overhead."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                text = stat.read()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended while we looked
+            continue
+        comm, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        pid = int(entry.name)
+        if comm.startswith("VLLM::Worker"):
+            part = "vLLM worker"
+        elif comm.startswith("VLLM::EngineCor"):  # comm is cut at 15 characters
+            part = "vLLM engine core"
+        elif "vllm.entrypoints" in command:
+            part = "vLLM API server"
+        elif pid == service_pid:
+            part = "service"
+        elif pid == os.getpid():
+            part = "consumer"
+        else:
+            part = "other"
+        totals[part] = totals.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return totals
+
+
 def train_alone_worker(args: argparse.Namespace) -> None:
     """Seconds of one optimizer step of the project's trainer math (collate, log-probs and loss,
     backward, AdamW) on a step's worth of samples, with nothing else running; JSON to stdout."""
@@ -276,13 +310,16 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
             groups += 1
             if started is None and groups == 2 * args.prompts_per_step:  # warmed up: start the clock
                 started, busy, groups = time.perf_counter(), busy_core_seconds(), 0
+                by_process = core_seconds_by_process(os.getppid())  # the service runs in the parent
             elif started is not None and time.perf_counter() - started >= seconds:
                 break
         elapsed, core_s = time.perf_counter() - started, busy_core_seconds() - busy
+        after = core_seconds_by_process(os.getppid())
         await stream.aclose()
         await client.delete_run(run.run_id)
     steps = groups / args.prompts_per_step
-    return {"generate_step_s": elapsed / steps, "generate_core_s": core_s / steps}
+    parts = {part: (after[part] - by_process.get(part, 0.0)) / steps for part in after}
+    return {"generate_step_s": elapsed / steps, "generate_core_s": core_s / steps, "generate_core_s_by_process": parts}
 
 
 async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, float]:
@@ -469,6 +506,9 @@ def report(results: list[RunResult], target: float, alone: dict[str, float]) -> 
             f"{alone['generate_core_s']:.3f} -> on {os.cpu_count()} cores at most {bound:.2f} steps/s; "
             f"project achieved {achieved / bound:.2f}x of that"
         )
+    if parts := alone.get("generate_core_s_by_process"):
+        split = ", ".join(f"{part} {seconds:.3f}" for part, seconds in sorted(parts.items(), key=lambda p: -p[1]))
+        console.print(f"generation's core-seconds per step alone, by process: {split}")
     return summary
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -223,8 +224,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if not pending:
             logger.warning("finish_weight_update with no received weights: nothing to apply")
             return
+        started = time.perf_counter()
         apply_weights(self.model, self.model_config, pending)
-        logger.info("applied %d weight tensors", len(pending))
+        logger.info("applied %d weight tensors in %.1f ms", len(pending), 1e3 * (time.perf_counter() - started))
 
     def shutdown(self) -> None:
         """Destroy the group (if any) and drop any buffered update."""
