@@ -259,6 +259,11 @@ class WeightSyncSettings(Section):
     refuses the reset while any request runs (with pause_mode none or keep it always does).
     The call cost 4 ms of a 36 ms push of the tiny model (benchmarks/bench_weight_push.py).
     On: the old blocks are freed at once when nothing runs (pause_mode abort or wait)."""
+    partitions: bool = False
+    """Split the servers among the full-weight runs, in proportion to their weight, each run
+    pushing into and sampling from its own servers (``weights.partitions``): several
+    full-weight trainers on one pool. Off: one full-weight run pushes the pool's base weights
+    at a time. Adapter and evaluation runs are refused while it is on."""
 
 
 class PrincipalSettings(Section):

@@ -49,6 +49,7 @@ from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
 if TYPE_CHECKING:  # it drives this class: imported for the annotation only
+    from rollout_service.weights.partitions import PoolPartitions
     from rollout_service.weights.pool_membership import PoolMembership
 
 DELETED_RUNS_KEPT = 256
@@ -168,6 +169,9 @@ class RolloutService:
         self.adapters: AdapterPublisher | None = None
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
         self.membership: PoolMembership | None = None
+        self.partitions: PoolPartitions | None = None
+        """With ``weight_sync.partitions``: the servers split among full-weight runs, each
+        with its own weight sync and policy version (``weights.partitions``)."""
         """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
         self.added_engines: list[str] = []
         """Servers AddEngine added and RemoveEngine has not removed, kept across restarts
@@ -273,6 +277,12 @@ class RolloutService:
 
     async def _new_run(self, spec: RunSpec, owner: str, run_id: str) -> Run:
         spec.validate()
+        if self.partitions is not None and (spec.serve_adapter or spec.eval is not None):
+            kind = "an adapter (serve_adapter) run" if spec.serve_adapter else "an evaluation run"
+            raise FailedPrecondition(
+                f"this service splits its servers among full-weight runs (weight_sync.partitions), which "
+                f"{kind} cannot use yet: each server holds one run's weights. Run it on a service without partitions"
+            )
         if len(self.runs) >= self.settings.max_runs:
             raise ResourceExhausted(
                 f"the service holds {len(self.runs)} runs, its limit (scheduler.max_runs); delete finished runs"
@@ -307,6 +317,8 @@ class RolloutService:
     def _start_run(self, run: Run) -> None:
         self.runs[run.run_id] = run
         self.scheduler.start_run(run)
+        if self.partitions is not None:
+            self.partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
         spec = run.spec
         logger.info("created run %s (%s, G=%d)", run.run_id, spec.display_name or spec.source_kind, spec.group_size)
 
@@ -406,6 +418,8 @@ class RolloutService:
         await self.scheduler.stop_run(run)
         if self.adapters is not None:
             await self.adapters.forget(run_id)
+        if self.partitions is not None:
+            self.partitions.remove_run(run_id)
         freed = run.broker.discard_all()
         self.store.delete_run(run_id)
         run.source.discard()
@@ -491,6 +505,11 @@ class RolloutService:
         )
 
     def require_membership(self) -> PoolMembership:
+        if self.partitions is not None:
+            raise FailedPrecondition(
+                "AddEngine and RemoveEngine do not work with weight_sync.partitions yet; restart the service "
+                "with the new list of servers"
+            )
         if self.membership is None:
             raise FailedPrecondition("this service's pool cannot change while it runs")
         return self.membership
@@ -510,10 +529,38 @@ class RolloutService:
                     f"run {run_id} serves its own LoRA adapter (serve_adapter); push the adapter with PushAdapter, "
                     "not base weights, which every run shares"
                 )
+            if self.partitions is not None:
+                return self.partitions.coordinator(run_id)
             self._claim_base_weights(run_id)
         if self.weight_sync is None:
             raise FailedPrecondition("this service was started without weight sync")
         return self.weight_sync
+
+    def weight_sync_of_update(self, update_id: str) -> WeightSyncCoordinator:
+        """The coordinator an update was begun on (with partitions, its run's)."""
+        if self.partitions is None:
+            return self.require_weight_sync()
+        sync = self.partitions.coordinator_of_update(update_id)
+        if sync is None:
+            raise FailedPrecondition(
+                f"weight update {update_id!r} is not in progress (it was committed, aborted or never begun); "
+                "call BeginWeightUpdate again"
+            )
+        return sync
+
+    # -- pool partitions' callbacks: one run's weights, not the pool's -----------------------
+    def run_version_committed(self, run_id: str, version: int) -> None:
+        if (run := self.runs.get(run_id)) is not None:
+            run.admission.set_policy_version(version)
+            self.store.save_run_state(run_id, run_state(run))
+
+    def run_trainer_version(self, run_id: str, version: int) -> None:
+        if (run := self.runs.get(run_id)) is not None:
+            run.admission.set_trainer_version(version)
+
+    def request_run_weights(self, run_id: str, reason: str) -> None:
+        if (run := self.runs.get(run_id)) is not None:
+            run.admission.request_weights(reason)
 
     def _claim_base_weights(self, run_id: str) -> None:
         """One full-weight run pushes to a pool at a time. The servers hold one set of base

@@ -182,6 +182,8 @@ class EngineState:
     """Why it takes no requests now (joining, restarting, leaving); empty when routable."""
     sequences_in_flight: int
     managed: bool
+    partition_run_id: str = ""
+    """With pool partitions: the run it serves (empty: none)."""
 
 
 @dataclass(frozen=True)

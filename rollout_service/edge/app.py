@@ -41,6 +41,7 @@ from rollout_service.metrics import ServiceMetrics, start_metrics_server
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.weights.adapters import AdapterPublisher
+from rollout_service.weights.partitions import PoolPartitions
 from rollout_service.weights.pool_membership import PoolMembership
 from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
@@ -274,19 +275,22 @@ async def _attach_weights(
 ) -> None:
     """Weight sync, adapters, and (for a managed server) the supervisor that restarts it and
     holds it out of routing until it holds the runs' policy again (``recovery``)."""
-    service.weight_sync = WeightSyncCoordinator(
-        controls,
-        settings.weight_sync,
-        recovery.version_committed,
-        version=service.policy_version,  # a restarted service goes on from its stored version
-        metrics=service.metrics,
-        on_trainer_version=service.set_trainer_version,
-        holds=service.holds,
-    )
+    if settings.weight_sync.partitions:
+        _attach_partitions(service, recovery, controls, settings, stack)
+    else:
+        service.weight_sync = WeightSyncCoordinator(
+            controls,
+            settings.weight_sync,
+            recovery.version_committed,
+            version=service.policy_version,  # a restarted service goes on from its stored version
+            metrics=service.metrics,
+            on_trainer_version=service.set_trainer_version,
+            holds=service.holds,
+        )
+        stack.push_async_callback(service.weight_sync.close)
     service.adapters = AdapterPublisher(
         settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(settings.engine)
     )
-    stack.push_async_callback(service.weight_sync.close)
     if managed is not None:
         supervisor = ServerSupervisor(
             managed,
@@ -297,8 +301,38 @@ async def _attach_weights(
         )
         supervisor.start()
         stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
-    await service.weight_sync.prefetch_world_sizes()
-    await service.weight_sync.resume_left_paused()
+    if service.weight_sync is not None:
+        await service.weight_sync.prefetch_world_sizes()
+        await service.weight_sync.resume_left_paused()
+
+
+def _attach_partitions(
+    service: RolloutService,
+    recovery: ServerRecovery,
+    controls: list[VLLMControlClient],
+    settings: ServiceSettings,
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    """``weight_sync.partitions``: a weight sync per full-weight run over its own servers."""
+    if settings.engine.discover:
+        raise StartupError(
+            "weight_sync.partitions works with a fixed list of servers (engine.urls or a managed server), not "
+            "engine.discover yet: list the servers, or turn partitions off"
+        )
+    service.partitions = PoolPartitions(
+        recovery.pool,
+        controls,
+        settings.weight_sync,
+        service.run_version_committed,
+        service.run_trainer_version,
+        service.request_run_weights,
+        service.metrics,
+    )
+    service.scheduler.partitions = service.partitions
+    stack.push_async_callback(service.partitions.close)
+    for run in service.runs.values():  # restored from the state store
+        if not run.spec.serve_adapter and run.spec.eval is None:
+            service.partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
 
 
 async def _serve_grpc(

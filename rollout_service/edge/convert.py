@@ -269,6 +269,7 @@ def engine_state_to_pb(engine: EngineState) -> pb.EngineState:
         held_reason=engine.held_reason,
         sequences_in_flight=engine.sequences_in_flight,
         managed=engine.managed,
+        partition_run_id=engine.partition_run_id,
     )
 
 

@@ -281,7 +281,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             )
 
     def _check_update(self, update_id: str, context: grpc.aio.ServicerContext) -> None:
-        run_id = self.service.require_weight_sync().run_of(update_id)
+        run_id = self.service.weight_sync_of_update(update_id).run_of(update_id)
         if run_id is not None:
             self._run(run_id, self._caller(context))
 
@@ -310,13 +310,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @_edge
     async def CommitWeightUpdate(self, request: pb.CommitWeightUpdateRequest, context) -> pb.CommitWeightUpdateResponse:  # type: ignore[no-untyped-def]
         self._check_update(request.update_id, context)
-        version, seconds = await self.service.require_weight_sync().commit(request.update_id)
+        version, seconds = await self.service.weight_sync_of_update(request.update_id).commit(request.update_id)
         return pb.CommitWeightUpdateResponse(policy_version=version, seconds=seconds)
 
     @_edge
     async def AbortWeightUpdate(self, request: pb.AbortWeightUpdateRequest, context) -> pb.AbortWeightUpdateResponse:  # type: ignore[no-untyped-def]
         self._check_update(request.update_id, context)
-        version = await self.service.require_weight_sync().abort(request.update_id, request.reason)
+        version = await self.service.weight_sync_of_update(request.update_id).abort(request.update_id, request.reason)
         return pb.AbortWeightUpdateResponse(policy_version=version)
 
     @_edge

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from rollout_service.engine.load_monitor import LoadMonitor
 from rollout_service.engine.protocol import EPISODE_SEPARATOR
@@ -72,8 +72,8 @@ class EnginePool:
         self._prober: asyncio.Task[None] | None = None
         self.held: dict[str, str] = {}
         """Servers (by URL) that take no requests, and why."""
-        self._released = asyncio.Event()
-        self._released.set()
+        self._changed = asyncio.Event()
+        """Set (then replaced) when a server may have become routable: ``routable`` waits on it."""
 
     async def start(self) -> None:
         for client in self.clients:
@@ -144,6 +144,7 @@ class EnginePool:
             self.hold(client.base_url, hold_reason)
         if self.monitor is not None:
             self.monitor.add(client)
+        self.notify_changed()
 
     def remove(self, url: str) -> VLLMServerClient:
         """Take a server out (drained first: ``PoolMembership``); its client is the caller's to close."""
@@ -158,10 +159,7 @@ class EnginePool:
         self._last_pick.pop(client.base_url, None)
         if self.monitor is not None:
             self.monitor.remove(client.base_url)
-        if len(self.held) < len(self.clients):
-            self._released.set()
-        else:
-            self._released.clear()
+        self.notify_changed()
         return client
 
     def hold(self, url: str, reason: str) -> None:
@@ -170,19 +168,26 @@ class EnginePool:
         if url not in self.held:
             logger.warning("holding %s out of routing: %s", url, reason)
         self.held[url] = reason
-        if len(self.held) == len(self.clients):
-            self._released.clear()
 
     def release(self, url: str) -> None:
         if self.held.pop(url.rstrip("/"), None) is not None:
             logger.info("%s takes requests again", url)
-            self._released.set()
+            self.notify_changed()
 
-    async def routable(self) -> list[VLLMServerClient]:
-        """The servers not held; while every one is held, wait for a release."""
-        while not (free := [c for c in self.clients if c.base_url not in self.held]):
-            await self._released.wait()
-        return free
+    def notify_changed(self) -> None:
+        """A server may have become routable (released, or given to a run's partition)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def routable(self, allowed: Callable[[], Collection[str]] | None = None) -> list[VLLMServerClient]:
+        """The servers not held (and in ``allowed``, when given); while there is none, wait
+        for a change."""
+        while True:
+            names = allowed() if allowed is not None else None
+            free = [c for c in self.clients if c.base_url not in self.held and (names is None or c.base_url in names)]
+            if free:
+                return free
+            await self._changed.wait()
 
     def pick(
         self, affinity: str | None = None, servers: list[VLLMServerClient] | None = None, sequences: int = 1
@@ -221,10 +226,17 @@ class EnginePool:
         return (await self.generate_many(prompt_ids, params, 1, affinity=affinity))[0]
 
     async def generate_many(
-        self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int,
+        *,
+        affinity: str | None = None,
+        allowed: Callable[[], Collection[str]] | None = None,
     ) -> list[Completion]:
+        """``allowed``: the servers this request may go to (a run's partition); default all."""
         while True:
-            client = self.pick(affinity, await self.routable(), n)
+            client = self.pick(affinity, await self.routable(allowed), n)
             try:
                 return await client.generate_many(prompt_ids, params, n)
             except EngineError as exc:

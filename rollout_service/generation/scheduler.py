@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinity, samples_groups_at_once
 from rollout_service.errors import EngineError, EnvironmentFailure, RewardError
 from rollout_service.evaluation import Evaluations
@@ -48,6 +49,7 @@ from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.scoring.score import GroupScorer
 from rollout_service.types import EpisodeResult, PromptItem, SamplingParams
 from rollout_service.weights.adapters import AdapterRouting
+from rollout_service.weights.partitions import PartitionRouting, PoolPartitions
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,8 @@ class Scheduler:
         self._fed: set[str] = set()
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self.evaluations: Evaluations | None = None
+        self.partitions: PoolPartitions | None = None
+        """Set when full-weight runs each sample their own servers (``weights.partitions``)."""
         """Told of evaluation runs' scored groups and of their end (set by the service)."""
         metrics.slots_total.set(max_inflight)
 
@@ -307,10 +311,16 @@ class Scheduler:
             task.exception()
 
     def _engine_for(self, run: Run) -> Engine:
-        """Runs that serve their own LoRA adapter name it in every request."""
-        if not run.spec.serve_adapter:
-            return self.engine
-        return AdapterRouting(self.engine, lambda: run.adapter)
+        """Runs that serve their own LoRA adapter name it in every request; with pool
+        partitions, a full-weight run's requests go to its own servers only."""
+        if run.spec.serve_adapter:
+            return AdapterRouting(self.engine, lambda: run.adapter)
+        if self.partitions is not None:
+            partitions = self.partitions
+            return PartitionRouting(
+                cast(EnginePool, self.engine), run.run_id, lambda: partitions.servers_for(run.run_id)
+            )
+        return self.engine
 
     async def _run_member(
         self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str, index: int

@@ -96,8 +96,12 @@ class PoolMembership:
         return [self._state(client) for client in self.pool.clients]
 
     def _state(self, client: VLLMServerClient) -> EngineState:
-        reason = self.pool.held.get(client.base_url, "")
-        return EngineState(client.base_url, not reason, reason, client.inflight, client.base_url in self.managed_urls)
+        url = client.base_url
+        reason, owner = self.pool.held.get(url, ""), ""
+        if (partitions := self.service.partitions) is not None:
+            owner = partitions.owner.get(url) or ""
+            reason = reason or partitions.unready_reason(url)
+        return EngineState(url, not reason, reason, client.inflight, url in self.managed_urls, owner)
 
     # -- joining -------------------------------------------------------------------------
     async def add(self, url: str, remember: bool = True) -> EngineState:

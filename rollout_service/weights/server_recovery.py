@@ -36,6 +36,10 @@ class ServerRecovery:
 
     async def server_restarted(self, url: str) -> None:
         service = self.service
+        if service.partitions is not None:  # its run's partition brings it back
+            service.partitions.server_restarted(url)
+            self.pool.release(url)
+            return
         if service.weight_sync is not None:
             service.weight_sync.server_restarted()
         if service.adapters is not None:

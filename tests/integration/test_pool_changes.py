@@ -23,10 +23,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
-from rollout_service.config import ManagedServerSettings
 from rollout_service.edge.app import RunningService, running_service
-from rollout_service.engine.managed import ManagedVLLMServer
-from tests.integration.conftest import restore_base_weights, service_settings
+from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings
 from tests.integration.test_shared_capacity import _trained_steps, start, trainer_command
 from tests.integration.test_stream import take_groups
 from tests.integration.test_weight_sync import vllm_completion, vllm_gauge, vllm_matches
@@ -83,12 +81,7 @@ async def logprobs_at_one_version(running: RunningService, first: str, second: s
 async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing_lost(
     vllm_server, tiny_model: Path, tmp_path: Path
 ) -> None:
-    second = ManagedVLLMServer(
-        ManagedServerSettings(
-            model=tiny_model, max_model_len=1024, log_file=tmp_path / "second.log", pin_processes=False
-        ),
-        served_model_name="tiny",
-    )
+    second = second_vllm_server(tiny_model, tmp_path / "second.log")
     starting = asyncio.ensure_future(asyncio.to_thread(second.start))  # while the service starts
     settings = service_settings([vllm_server.url], tiny_model, scheduler={"max_inflight": 8})
     try:
