@@ -263,7 +263,8 @@ class WeightSyncSettings(Section):
     """Split the servers among the full-weight runs, in proportion to their weight, each run
     pushing into and sampling from its own servers (``weights.partitions``): several
     full-weight trainers on one pool. Off: one full-weight run pushes the pool's base weights
-    at a time. Adapter and evaluation runs are refused while it is on."""
+    at a time. Adapter runs still share every server; evaluation runs are refused while it
+    is on."""
 
 
 class PrincipalSettings(Section):

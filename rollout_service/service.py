@@ -277,11 +277,10 @@ class RolloutService:
 
     async def _new_run(self, spec: RunSpec, owner: str, run_id: str) -> Run:
         spec.validate()
-        if self.partitions is not None and (spec.serve_adapter or spec.eval is not None):
-            kind = "an adapter (serve_adapter) run" if spec.serve_adapter else "an evaluation run"
+        if self.partitions is not None and spec.eval is not None:
             raise FailedPrecondition(
-                f"this service splits its servers among full-weight runs (weight_sync.partitions), which "
-                f"{kind} cannot use yet: each server holds one run's weights. Run it on a service without partitions"
+                "this service splits its servers among full-weight runs (weight_sync.partitions), and an "
+                "evaluation run cannot say whose weights it evaluates yet; run it on a service without partitions"
             )
         if len(self.runs) >= self.settings.max_runs:
             raise ResourceExhausted(
@@ -317,7 +316,7 @@ class RolloutService:
     def _start_run(self, run: Run) -> None:
         self.runs[run.run_id] = run
         self.scheduler.start_run(run)
-        if self.partitions is not None:
+        if self.partitions is not None and not run.spec.serve_adapter:  # adapter runs share every server
             self.partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
         spec = run.spec
         logger.info("created run %s (%s, G=%d)", run.run_id, spec.display_name or spec.source_kind, spec.group_size)

@@ -20,7 +20,8 @@ A server changes hands only when it is safe:
    (WeightsWanted), as after a server restart.
 
 A run with no server (more full-weight runs than servers) waits: its groups start once a
-server is assigned to it. Runs come and go through ``add_run`` and ``remove_run``.
+server is assigned to it. Runs come and go through ``add_run`` and ``remove_run``. Adapter
+runs are not partitioned: they share every server, as without partitions.
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ from rollout_service.config import EngineSettings, WeightSyncSettings
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.errors import FailedPrecondition
+from rollout_service.evaluation import EvalSpec
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.service import RolloutService
 from rollout_service.types import SamplingParams
+from rollout_service.weights.adapters import AdapterRouting
 from rollout_service.weights.partitions import PartitionRouting, PoolPartitions, plan_partitions
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec as run_spec
@@ -167,8 +169,13 @@ async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_s
         with pytest.raises(FailedPrecondition, match="not in progress"):
             service.weight_sync_of_update(ticket.update_id)
 
-        with pytest.raises(FailedPrecondition, match=r"weight_sync\.partitions.*adapter"):
-            await service.create_run(replace(run_spec(), serve_adapter=True))
+        with pytest.raises(FailedPrecondition, match=r"weight_sync\.partitions.*evaluation run"):
+            await service.create_run(replace(run_spec(), eval=EvalSpec()))
+        adapter_run = await service.create_run(replace(run_spec(), serve_adapter=True))
+        await partitions.settled()
+        assert adapter_run.run_id not in partitions.partitions  # it shares every server
+        assert isinstance(service.scheduler._engine_for(adapter_run), AdapterRouting)
+        await service.delete_run(adapter_run.run_id)
         with pytest.raises(FailedPrecondition, match="AddEngine and RemoveEngine do not work"):
             service.require_membership()
 
