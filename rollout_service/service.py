@@ -504,11 +504,6 @@ class RolloutService:
         )
 
     def require_membership(self) -> PoolMembership:
-        if self.partitions is not None:
-            raise FailedPrecondition(
-                "AddEngine and RemoveEngine do not work with weight_sync.partitions yet; restart the service "
-                "with the new list of servers"
-            )
         if self.membership is None:
             raise FailedPrecondition("this service's pool cannot change while it runs")
         return self.membership

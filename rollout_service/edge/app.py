@@ -314,11 +314,6 @@ def _attach_partitions(
     stack: contextlib.AsyncExitStack,
 ) -> None:
     """``weight_sync.partitions``: a weight sync per full-weight run over its own servers."""
-    if settings.engine.discover:
-        raise StartupError(
-            "weight_sync.partitions works with a fixed list of servers (engine.urls or a managed server), not "
-            "engine.discover yet: list the servers, or turn partitions off"
-        )
     service.partitions = PoolPartitions(
         recovery.pool,
         controls,

@@ -20,8 +20,9 @@ A server changes hands only when it is safe:
    (WeightsWanted), as after a server restart.
 
 A run with no server (more full-weight runs than servers) waits: its groups start once a
-server is assigned to it. Runs come and go through ``add_run`` and ``remove_run``. Adapter
-runs are not partitioned: they share every server, as without partitions.
+server is assigned to it. Runs come and go through ``add_run`` and ``remove_run``; servers
+through ``add_server`` and ``remove_server`` (``PoolMembership``). Adapter runs are not
+partitioned: they share every server, as without partitions.
 """
 
 from __future__ import annotations
@@ -176,6 +177,28 @@ class PoolPartitions:
         if partition is not None and not partition.removed:
             partition.removed = True
             self._rebalance_soon()
+
+    # -- servers coming and going (``PoolMembership``: AddEngine, RemoveEngine, discovery) ----
+    def add_server(self, control: WeightControl) -> None:
+        """A server joined the pool holding the checkpoint: a run gets it (in the background)."""
+        url = control.base_url
+        self.controls[url] = control
+        self.owner[url] = None
+        self.holds_weights_of[url] = None
+        self._rebalance_soon()
+
+    async def remove_server(self, url: str) -> None:
+        """A server leaves the pool, drained by the caller: it leaves its run's transfer group
+        between two of its pushes, and the other servers are shared again."""
+        async with self._lock:
+            owner = self.owner.pop(url, None)
+            if owner is not None:
+                partition = self.partitions[owner]
+                partition.ready.discard(url)
+                await partition.coordinator.remove_server(url)
+            self.controls.pop(url, None)
+            self.holds_weights_of.pop(url, None)
+        self._rebalance_soon()
 
     async def settled(self) -> None:
         """Wait until every rebalance asked for so far is done."""

@@ -175,6 +175,11 @@ class PoolMembership:
                     f"{url} could not load the runs' adapters ({exc}); start it with --enable-lora and "
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as the pool's other servers"
                 ) from None
+        if self.service.partitions is not None:  # a run's partition takes it and brings it to its policy
+            self.service.partitions.add_server(control)
+            self.recovery.awaiting_weights.discard(url)
+            self.pool.release(url)
+            return
         if sync is None:
             self.recovery.awaiting_weights.discard(url)
             self.pool.release(url)
@@ -226,6 +231,8 @@ class PoolMembership:
         """Out of the weight plane (between updates), the adapters and the pool; clients closed."""
         if self.service.weight_sync is not None:
             await self.service.weight_sync.remove_server(url)
+        if self.service.partitions is not None:
+            await self.service.partitions.remove_server(url)
         if self.service.adapters is not None:
             self.service.adapters.remove_server(url)
         self.recovery.awaiting_weights.discard(url)

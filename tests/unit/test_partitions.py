@@ -176,8 +176,6 @@ async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_s
         assert adapter_run.run_id not in partitions.partitions  # it shares every server
         assert isinstance(service.scheduler._engine_for(adapter_run), AdapterRouting)
         await service.delete_run(adapter_run.run_id)
-        with pytest.raises(FailedPrecondition, match="AddEngine and RemoveEngine do not work"):
-            service.require_membership()
 
         await service.delete_run(one.run_id)
         await partitions.settled()
@@ -197,3 +195,31 @@ async def test_a_runs_requests_go_to_its_servers_with_a_cache_salt_naming_it() -
     routing = PartitionRouting(pool, "run-1", lambda: {A})  # type: ignore[arg-type]
     await routing.generate([1], SamplingParams(max_tokens=1, cache_salt="v3"))
     assert pool.seen == ("run-1:v3", {A})  # vLLM refuses '/' in a salt
+
+
+@pytest.mark.timeout(30)
+async def test_servers_that_join_or_leave_the_pool_are_shared_again() -> None:
+    partitions, _, wanted = partitions_over([A])
+    try:
+        partitions.add_run("first", 1.0, 0)
+        partitions.add_run("second", 1.0, 0)
+        await partitions.settled()
+        assert partitions.assignment() == {A: "first"}  # the second run waits for a server
+        assert await push(partitions, "first") == 1
+
+        partitions.pool.add(VLLMServerClient(B, "tiny", EngineSettings(urls=[B], model="tiny"), ServiceMetrics(), 4))
+        partitions.add_server(Server(B))  # as PoolMembership does once B holds the checkpoint
+        await partitions.settled()
+        assert partitions.assignment() == {A: "first", B: "second"}
+        assert set(partitions.servers_for("second")) == {B}  # the checkpoint is its policy
+
+        await partitions.remove_server(A)
+        await partitions.settled()
+        assert partitions.assignment() == {B: "first"}  # the oldest run keeps a server
+        assert not partitions.servers_for("first")  # B holds the checkpoint, not the first run's push
+        assert B in wanted["first"][-1]
+        assert await push(partitions, "first") == 2
+        assert set(partitions.servers_for("first")) == {B}
+        assert not partitions.servers_for("second")
+    finally:
+        await partitions.close()

@@ -22,6 +22,7 @@ from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArg
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import SamplingParams
 from rollout_service.weights.adapters import AdapterPublisher, RunAdapter
+from rollout_service.weights.partitions import PoolPartitions
 from rollout_service.weights.pool_membership import PoolMembership, check_engine_url
 from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
@@ -284,3 +285,40 @@ async def test_added_servers_are_added_again_after_a_restart(servers, tmp_path) 
         await second.membership.remove(urls[1])
         assert second.service.added_engines == []
     assert SqliteStore(tmp_path / "state.db", WireCodec()).load()[1]["added_engines"] == []
+
+
+async def test_with_partitions_a_joining_server_goes_to_the_run_that_has_none(servers) -> None:
+    """weight_sync.partitions: AddEngine gives the new server to a waiting run; RemoveEngine
+    takes it from its run's transfer group and shares the rest again."""
+    _, urls = servers
+    async with AsyncExitStack() as stack:
+        pool = await Pool(stack, urls[0]).start()
+        service = pool.service
+        service.weight_sync = None
+        service.partitions = PoolPartitions(
+            pool.pool,
+            pool.controls,
+            WeightSyncSettings(),
+            service.run_version_committed,
+            service.run_trainer_version,
+            service.request_run_weights,
+        )
+        stack.push_async_callback(service.partitions.close)
+        first, second = await service.create_run(spec()), await service.create_run(spec())
+        await service.partitions.settled()
+        assert service.partitions.assignment() == {urls[0]: first.run_id}
+
+        state = await pool.membership.add(urls[1])
+        await service.partitions.settled()
+        assert service.partitions.assignment() == {urls[0]: first.run_id, urls[1]: second.run_id}
+        states = {s.url: s for s in pool.membership.states()}
+        assert not state.routable and states[urls[1]].routable  # its run's once the plan gave it
+        assert states[urls[1]].partition_run_id == second.run_id
+        assert [s.base_url for s in service.partitions.coordinator(second.run_id).servers] == [urls[1]]
+
+        await pool.membership.remove(urls[1])
+        await service.partitions.settled()
+        assert service.partitions.assignment() == {urls[0]: first.run_id}
+        assert not service.partitions.coordinator(second.run_id).servers
+        for run in (first, second):
+            await service.delete_run(run.run_id)
