@@ -530,6 +530,14 @@ class RolloutService:
             raise FailedPrecondition("this service was started without weight sync")
         return self.weight_sync
 
+    async def weight_sync_for_push(self, run_id: str) -> WeightSyncCoordinator:
+        """The coordinator a push of ``run_id`` begins on; with partitions, once the run has
+        servers (a rebalance in progress may be bringing them)."""
+        sync = self.require_weight_sync(run_id)
+        if self.partitions is not None:
+            await self.partitions.await_servers(run_id, sync.settings.transfer_timeout_s)
+        return sync
+
     def weight_sync_of_update(self, update_id: str) -> WeightSyncCoordinator:
         """The coordinator an update was begun on (with partitions, its run's)."""
         if self.partitions is None:

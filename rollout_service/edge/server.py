@@ -288,7 +288,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @_edge
     async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:  # type: ignore[no-untyped-def]
         self._check_push(request.run_id, request.trainer_address, context)
-        sync = self.service.require_weight_sync(request.run_id)
+        sync = await self.service.weight_sync_for_push(request.run_id)
         if request.pause_mode == pb.PAUSE_MODE_UNSPECIFIED:
             mode = sync.settings.pause_mode
         elif request.pause_mode in PAUSE_MODE_FROM_PB:

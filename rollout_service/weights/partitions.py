@@ -28,6 +28,7 @@ partitioned: they share every server, as without partitions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -201,9 +202,22 @@ class PoolPartitions:
         self._rebalance_soon()
 
     async def settled(self) -> None:
-        """Wait until every rebalance asked for so far is done."""
+        """Wait until every rebalance asked for so far is done (a waiter cancelled meanwhile
+        leaves the rebalances running)."""
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.wait(list(self._tasks))
+
+    async def await_servers(self, run_id: str, timeout_s: float) -> None:
+        """Before a push: wait (up to ``timeout_s``) for the rebalances in progress, which may
+        be bringing the run its servers; a run that then has none cannot push yet."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.settled(), timeout_s)
+        if not self.coordinator(run_id).servers:
+            raise FailedPrecondition(
+                f"run {run_id} has no vLLM server to push into yet: the pool's {len(self.controls)} servers go to "
+                f"{len(self.partitions)} full-weight runs, heavier or older runs first (weight_sync.partitions). "
+                "Add a server (AddEngine), give this run a larger weight, or delete a run, then push again"
+            )
 
     async def close(self) -> None:
         for task in list(self._tasks):

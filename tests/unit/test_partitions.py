@@ -205,6 +205,9 @@ async def test_servers_that_join_or_leave_the_pool_are_shared_again() -> None:
         partitions.add_run("second", 1.0, 0)
         await partitions.settled()
         assert partitions.assignment() == {A: "first"}  # the second run waits for a server
+        await partitions.await_servers("first", 5)
+        with pytest.raises(FailedPrecondition, match="no vLLM server to push into yet"):
+            await partitions.await_servers("second", 5)
         assert await push(partitions, "first") == 1
 
         partitions.pool.add(VLLMServerClient(B, "tiny", EngineSettings(urls=[B], model="tiny"), ServiceMetrics(), 4))
