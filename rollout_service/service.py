@@ -169,10 +169,10 @@ class RolloutService:
         self.adapters: AdapterPublisher | None = None
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
         self.membership: PoolMembership | None = None
+        """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
         self.partitions: PoolPartitions | None = None
         """With ``weight_sync.partitions``: the servers split among full-weight runs, each
         with its own weight sync and policy version (``weights.partitions``)."""
-        """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
         self.added_engines: list[str] = []
         """Servers AddEngine added and RemoveEngine has not removed, kept across restarts
         (``PoolMembership.rejoin``)."""

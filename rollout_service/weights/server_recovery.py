@@ -12,6 +12,9 @@ on-policy that are not. So it stays held out of routing until it holds what the 
   it. The run that pushes the base weights is asked for that push at once (a WeightsWanted
   message on its streams): with one server, the trainer is waiting for groups that no
   server may generate, and would otherwise never push.
+
+With pool partitions the same rule holds per run: the server's run asks its own trainer
+(``PoolPartitions.server_restarted``).
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ class ServerRecovery:
 
     async def server_restarted(self, url: str) -> None:
         service = self.service
-        if service.partitions is not None:  # its run's partition brings it back
+        if service.partitions is not None:
             service.partitions.server_restarted(url)
-            self.pool.release(url)
-            return
-        if service.weight_sync is not None:
+        elif service.weight_sync is not None:
             service.weight_sync.server_restarted()
         if service.adapters is not None:
             await service.adapters.reload(url)
+        if service.partitions is not None:  # its run routes to it once it holds the run's policy
+            self.pool.release(url)
+            return
         self.awaiting_weights.add(url)
         self._wait_for_policy(url, "restarted with the checkpoint's weights")
 
