@@ -159,7 +159,6 @@ class EnginePool:
         self._last_pick.pop(client.base_url, None)
         if self.monitor is not None:
             self.monitor.remove(client.base_url)
-        self.notify_changed()
         return client
 
     def hold(self, url: str, reason: str) -> None:

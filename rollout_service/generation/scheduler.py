@@ -105,9 +105,9 @@ class Scheduler:
         self._fed: set[str] = set()
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self.evaluations: Evaluations | None = None
+        """Told of evaluation runs' scored groups and of their end (set by the service)."""
         self.partitions: PoolPartitions | None = None
         """Set when full-weight runs each sample their own servers (``weights.partitions``)."""
-        """Told of evaluation runs' scored groups and of their end (set by the service)."""
         metrics.slots_total.set(max_inflight)
 
     # -- lifecycle -----------------------------------------------------------------------

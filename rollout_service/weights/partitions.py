@@ -330,6 +330,3 @@ class PartitionRouting:
         if params.cache_salt is not None:
             params = replace(params, cache_salt=f"{self.run_id}:{params.cache_salt}")
         return await self.pool.generate_many(prompt_ids, params, n, affinity=affinity, allowed=self.servers)
-
-    def forget(self, affinity: str) -> None:
-        self.pool.forget(affinity)
