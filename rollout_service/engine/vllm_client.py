@@ -256,6 +256,16 @@ class VLLMServerClient:
             return False
         return True
 
+    async def drain_or_give_up(self, timeout_s: float, reason: str) -> int:
+        """Let the requests in flight finish within ``timeout_s``, then give up on the rest
+        (``give_up``: they start over on another server when ``leaving`` is set). Returns how
+        many sequences were given up."""
+        if await self.drained(timeout_s):
+            return 0
+        abandoned = self.inflight
+        self.give_up(reason)
+        return abandoned
+
     def give_up(self, reason: str) -> None:
         """Treat the server as hung: fail the requests in flight now (closing their
         connections, so vLLM aborts them) and route nothing to it until it answers a probe."""

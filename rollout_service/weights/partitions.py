@@ -262,8 +262,9 @@ class PoolPartitions:
         if client is not None:
             client.leaving = True  # a request failed by give_up starts over elsewhere
             try:
-                if not await client.drained(self.drain_timeout_s):
-                    client.give_up(f"changed partitions ({self.drain_timeout_s:g}s drain timeout passed)")
+                await client.drain_or_give_up(
+                    self.drain_timeout_s, f"changed partitions ({self.drain_timeout_s:g}s drain timeout passed)"
+                )
             finally:
                 client.leaving = False
         await partition.coordinator.remove_server(url)

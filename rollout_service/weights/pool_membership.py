@@ -214,10 +214,9 @@ class PoolMembership:
             started, in_flight = time.monotonic(), client.inflight
             client.leaving = True
             self.pool.hold(url, f"leaving the pool: draining {in_flight} sequences in flight")
-            moved = 0
-            if not await client.drained(drain_timeout_s):
-                moved = client.inflight
-                client.give_up(f"left the pool ({drain_timeout_s:g}s drain_timeout_s passed)")
+            moved = await client.drain_or_give_up(
+                drain_timeout_s, f"left the pool ({drain_timeout_s:g}s drain_timeout_s passed)"
+            )
             await self._forget(url, client, self.controls.pop(url, None))
             self._remember(url, False)
         removed = EngineRemoved(url, time.monotonic() - started, in_flight - moved, moved)
