@@ -46,7 +46,7 @@ from rollout_service.types import EngineState
 from rollout_service.weights.adapters import AdapterPublisher
 from rollout_service.weights.update_messages import UpdateTimes
 from rollout_service.weights.version_holds import VersionHolds
-from rollout_service.weights.weight_sync import WeightSyncCoordinator
+from rollout_service.weights.weight_sync import WeightSyncCoordinator, not_in_progress
 
 if TYPE_CHECKING:  # it drives this class: imported for the annotation only
     from rollout_service.weights.partitions import PoolPartitions
@@ -316,7 +316,7 @@ class RolloutService:
     def _start_run(self, run: Run) -> None:
         self.runs[run.run_id] = run
         self.scheduler.start_run(run)
-        if self.partitions is not None and not run.spec.serve_adapter:  # adapter runs share every server
+        if self.partitions is not None and _partitioned(run):
             self.partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
         spec = run.spec
         logger.info("created run %s (%s, G=%d)", run.run_id, spec.display_name or spec.source_kind, spec.group_size)
@@ -530,6 +530,15 @@ class RolloutService:
             raise FailedPrecondition("this service was started without weight sync")
         return self.weight_sync
 
+    def use_partitions(self, partitions: PoolPartitions) -> None:
+        """``weight_sync.partitions``: each full-weight run, those restored from the state
+        store included, gets its own servers and weight sync, and routing follows."""
+        self.partitions = partitions
+        self.scheduler.partitions = partitions
+        for run in self.runs.values():
+            if _partitioned(run):
+                partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
+
     async def weight_sync_for_push(self, run_id: str) -> WeightSyncCoordinator:
         """The coordinator a push of ``run_id`` begins on; with partitions, once the run has
         servers (a rebalance in progress may be bringing them)."""
@@ -544,10 +553,7 @@ class RolloutService:
             return self.require_weight_sync()
         sync = self.partitions.coordinator_of_update(update_id)
         if sync is None:
-            raise FailedPrecondition(
-                f"weight update {update_id!r} is not in progress (it was committed, aborted or never begun); "
-                "call BeginWeightUpdate again"
-            )
+            raise not_in_progress(update_id)
         return sync
 
     # -- pool partitions' callbacks: one run's weights, not the pool's -----------------------
@@ -607,3 +613,9 @@ class RolloutService:
         self.scheduler.close()
         # Not waiting, as the scheduler does not for its reward threads.
         self.environment_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _partitioned(run: Run) -> bool:
+    """Runs that get servers of their own under pool partitions: the full-weight ones that
+    train. Adapter runs share every server; evaluation runs are refused there."""
+    return not run.spec.serve_adapter and run.spec.eval is None

@@ -314,7 +314,7 @@ def _attach_partitions(
     stack: contextlib.AsyncExitStack,
 ) -> None:
     """``weight_sync.partitions``: a weight sync per full-weight run over its own servers."""
-    service.partitions = PoolPartitions(
+    partitions = PoolPartitions(
         recovery.pool,
         controls,
         settings.weight_sync,
@@ -323,11 +323,8 @@ def _attach_partitions(
         service.request_run_weights,
         service.metrics,
     )
-    service.scheduler.partitions = service.partitions
-    stack.push_async_callback(service.partitions.close)
-    for run in service.runs.values():  # restored from the state store
-        if not run.spec.serve_adapter and run.spec.eval is None:
-            service.partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
+    stack.push_async_callback(partitions.close)
+    service.use_partitions(partitions)
 
 
 async def _serve_grpc(

@@ -61,6 +61,14 @@ class _Update:
     last_step: str = "begin"
 
 
+def not_in_progress(update_id: str) -> FailedPrecondition:
+    """The error for a commit or abort of an update no coordinator has in progress."""
+    return FailedPrecondition(
+        f"weight update {update_id!r} is not in progress (it was committed, aborted or never begun); "
+        "call BeginWeightUpdate again"
+    )
+
+
 class WeightSyncCoordinator:
     def __init__(
         self,
@@ -488,10 +496,7 @@ class WeightSyncCoordinator:
         if self._last_aborted is not None and self._last_aborted.update_id == update_id:
             raise FailedPrecondition(self._aborted_message(self._last_aborted))
         if current is None or current.update_id != update_id:
-            raise FailedPrecondition(
-                f"weight update {update_id!r} is not in progress (it was committed, aborted or never begun); "
-                "call BeginWeightUpdate again"
-            )
+            raise not_in_progress(update_id)
         return current
 
     def _aborted_message(self, update: _Update) -> str:
