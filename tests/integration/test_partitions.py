@@ -20,6 +20,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_service.weights.partitions import PoolPartitions
 from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings, service_with_client
 from tests.integration.test_weight_sync import perturbed
+from tests.integration.test_weight_transfer import hf_logprobs
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.weight_push import WeightPusher
 
@@ -28,16 +29,13 @@ pytestmark = pytest.mark.integration
 GROUPS_CHECKED = 2
 
 
-@torch.no_grad()
 def policy_gap(model: Qwen2ForCausalLM, groups: list[pb.Group]) -> float:
     """Max |behaviour logprob - model's logprob| over the groups' generated tokens."""
     gap = 0.0
     for group in groups:
         prompt = list(group.prompt_token_ids)
         for sample in group.samples:
-            completion = list(sample.completion_token_ids)
-            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
-            mine = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            mine = hf_logprobs(model, prompt, list(sample.completion_token_ids))
             for behaviour, own, generated in zip(
                 sample.completion_logprobs, mine.tolist(), sample.completion_mask, strict=True
             ):
