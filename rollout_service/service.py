@@ -183,9 +183,13 @@ class RolloutService:
         self.policy_version = version
         self.store.set_meta("policy_version", version)
         for run in self._runs_on_base_weights():
-            run.admission.set_policy_version(version)
-            self.store.save_run_state(run.run_id, run_state(run))
+            self._set_run_version(run, version)
         self.evaluations.version_changed(version)
+
+    def _set_run_version(self, run: Run, version: int) -> None:
+        """The servers the run samples hold its policy at ``version``: admission and store follow."""
+        run.admission.set_policy_version(version)
+        self.store.save_run_state(run.run_id, run_state(run))
 
     def set_trainer_version(self, version: int) -> None:
         """A push of base weights began (version: the servers' plus one) or was aborted
@@ -559,8 +563,7 @@ class RolloutService:
     # -- pool partitions' callbacks: one run's weights, not the pool's -----------------------
     def run_version_committed(self, run_id: str, version: int) -> None:
         if (run := self.runs.get(run_id)) is not None:
-            run.admission.set_policy_version(version)
-            self.store.save_run_state(run_id, run_state(run))
+            self._set_run_version(run, version)
 
     def run_trainer_version(self, run_id: str, version: int) -> None:
         if (run := self.runs.get(run_id)) is not None:

@@ -177,10 +177,7 @@ class PoolMembership:
                 ) from None
         if self.service.partitions is not None:  # a run's partition takes it and brings it to its policy
             self.service.partitions.add_server(control)
-            self.recovery.awaiting_weights.discard(url)
-            self.pool.release(url)
-            return
-        if sync is None:
+        if self.service.partitions is not None or sync is None:
             self.recovery.awaiting_weights.discard(url)
             self.pool.release(url)
             return
