@@ -81,8 +81,12 @@ def main(
     max_steps: Annotated[int, typer.Option(help="Optimizer steps")] = 60,
     learning_rate: Annotated[float, typer.Option()] = 5e-3,
     max_staleness: Annotated[
-        int, typer.Option(help="Drop groups older than this many versions (1 reached the target fastest)")
-    ] = 1,
+        int,
+        typer.Option(
+            help="Drop groups older than this many versions (2 reached the target fastest: generation never "
+            "waits for a push; 1 trains a step fresher but waits for each push)"
+        ),
+    ] = 2,
     weight_sync_steps: Annotated[int, typer.Option(help="Push weights every this many steps")] = 1,
     loss_type: Annotated[str, typer.Option(help="grpo, bnpo, dr_grpo, dapo, cispo, sapo, ...")] = "dapo",
     beta: Annotated[float, typer.Option(help="KL coefficient to the starting policy (0: no reference model)")] = 0.0,

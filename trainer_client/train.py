@@ -123,7 +123,7 @@ def cpu_training_config(
     group_size: int = 8,
     groups_per_step: int = 8,
     learning_rate: float = 5e-3,
-    max_staleness: int = 1,
+    max_staleness: int = 2,
     weight_sync_steps: int = 1,
     loss_type: str = "dapo",
     max_tokens: int = 32,

@@ -61,8 +61,11 @@ class AsyncGRPOConfig(TrainingArguments):
 
     group_size: int = 8
     """Completions per prompt (G); the per-device batch must hold whole groups."""
-    max_staleness: int = 1
-    """Groups whose oldest token is more than this many policy versions old are dropped."""
+    max_staleness: int = 2
+    """Groups whose oldest token is more than this many policy versions old are dropped. At 2
+    (also prime-rl's default ``async_level``, for the same reason) the groups of the step
+    after next start before the current push commits, so a push never holds generation up;
+    at 1 they wait for it, and at most one step's groups generate at once (README, speed)."""
     weight_sync_steps: int = 1
     """Push weights into vLLM after every this many optimizer steps."""
     background_push: bool = True
