@@ -303,13 +303,12 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
     from rollout_api import rollout_pb2 as pb
     from trainer_client.client import RolloutClient, dataset_run_spec
 
-    step_groups = args.prompts_per_step
     async with RolloutClient(target) as client:
         spec = dataset_run_spec(args.dataset, {"vowel_share": 1.0}, group_size=args.group_size)
         spec.sampling.max_tokens = args.max_tokens
         spec.admission = pb.ADMISSION_MODE_BUFFER
         if args.one_step_in_flight:
-            spec.max_inflight = step_groups * args.group_size  # episodes: one per sample
+            spec.max_inflight = args.prompts_per_step * args.group_size  # episodes: one per sample
         run = await client.create_run(spec)
         stream = client.stream(run.run_id, "generate-alone", credits=64)
         groups, started = 0, None
@@ -531,10 +530,11 @@ def report(results: list[RunResult], target: float, alone: dict[str, float]) -> 
             f"project achieved {achieved / bound:.2f}x of that"
         )
     if one_step := alone.get("generate_one_step_in_flight_s"):
+        slowest_one_step = max(one_step, alone["train_step_s"])
         console.print(
             f"T_generate with at most one step's groups in flight (as max_staleness 1 runs): {one_step:.3f}s "
-            f"-> {1 / max(one_step, alone['train_step_s']):.2f} steps/s at most; project achieved "
-            f"{achieved * max(one_step, alone['train_step_s']):.2f}x of that"
+            f"-> {1 / slowest_one_step:.2f} steps/s at most; "
+            f"project achieved {achieved * slowest_one_step:.2f}x of that"
         )
     if parts := alone.get("generate_core_s_by_process"):
         split = ", ".join(f"{part} {seconds:.3f}" for part, seconds in sorted(parts.items(), key=lambda p: -p[1]))
