@@ -11,8 +11,8 @@ Both sides derive their share from the same function of the cores this process m
 
 - the service sets ``VLLM_CPU_OMP_THREADS_BIND`` for its managed CPU server to the first
   ``vllm_cores`` cores (``engine.managed.cpu_cores``; a value already in the environment
-  wins), pins the server's engine and worker processes to them, and its API server process
-  to the others (``front_end_cores``);
+  wins), pins the server's engine and worker processes to them, and lets its API server
+  process run on every core (``front_end_cores``);
 - a trainer whose service runs on the same host (a loopback target) sets torch's threads to
   the remaining cores (``rollout-trainer --torch-threads``); a trainer on another host keeps
   every core.
@@ -69,12 +69,16 @@ class CpuBudget:
 
     @property
     def front_end_cores(self) -> tuple[int, ...]:
-        """Cores for vLLM's API server process (HTTP, tokenizing, output processing): the
-        trainer's, not the worker's. It needs about a fifth of a core at full generation, and
-        on the worker's core it delayed every decode step. On the trainer's (which waits on
-        generation anyway), a 2-core run went from 1.86 to 2.29 steps/s (small model, 3 seeds,
-        benchmarks/bench_vs_trl.py)."""
-        return self.trainer_cores
+        """Cores for vLLM's API server process (HTTP, output processing): all of them, so the
+        kernel runs it on whichever core is idle at the moment.
+
+        It needs 0.09-0.13 core-seconds per step of 32 samples of the small model. Pinned to
+        the worker's cores it delays every decode step; pinned to the trainer's, it takes a
+        quarter of the trainer's core once the trainer is the bottleneck. Per-run medians over
+        two sittings (small model, 2 cores, ``max_staleness`` 2, benchmarks/bench_vs_trl.py):
+        on the worker's core 1.72 steps/s and 12.3 s to the target (4 runs), on the trainer's
+        1.87 and 11.1 s (12 runs), on either 2.00 and 10.3 s (10 runs)."""
+        return tuple(sorted(set(self.vllm_cores) | set(self.trainer_cores)))
 
     def vllm_bind(self) -> str:
         """vLLM's OpenMP binding for one worker, e.g. ``"0"`` or ``"0,1,2,3"``."""

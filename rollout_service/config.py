@@ -49,10 +49,10 @@ class ManagedServerSettings(Section):
     of this process's; None: half of them, leaving the rest to a trainer on this host
     (``rollout_common.cpu_budget``). A binding already in the environment wins."""
     pin_processes: bool = True
-    """Pin every process of the CPU server to fixed cores, not only the worker's OpenMP
-    threads: the engine core and worker to the worker's cores, the API server to the others
-    (``cpu_budget.CpuBudget.front_end_cores``). Unpinned, the API server and engine core took
-    about one core beside the worker's, on the cores left to the trainer."""
+    """Pin the CPU server's processes, not only the worker's OpenMP threads: the engine core
+    and worker to the worker's cores, while the API server may use every core once the server
+    is healthy (``cpu_budget.CpuBudget.front_end_cores``). With nothing pinned, the API server
+    and engine core took about one core beside the worker's, on the cores left to the trainer."""
     dtype: str = "float32"
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
     block_size: int | None = Field(default=None, ge=1)

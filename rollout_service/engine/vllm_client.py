@@ -3,7 +3,7 @@
 Requests go to vLLM's token-in, token-out endpoint (``/inference/v1/generate``, served with
 ``--enable-scale-out``, vLLM >= 0.32) with detokenization off: the service decodes the ids
 itself, so vLLM's incremental detokenizer and its OpenAI response were work for nothing, done
-in the API server process, which on a CPU host shares the trainer's cores (measured: about
+in the API server process, which on a CPU host may run on the trainer's cores (measured: about
 30% of that process's CPU per step). A server without the endpoint (403 or 404), and a
 request with stop strings (which need vLLM's text), use ``/v1/completions``.
 

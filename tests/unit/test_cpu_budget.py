@@ -130,7 +130,7 @@ class StandInServer(ManagedVLLMServer):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
-def test_the_managed_server_starts_on_the_vllm_cores_and_its_api_process_moves_to_the_others(
+def test_the_managed_server_starts_on_the_vllm_cores_and_its_api_process_is_then_freed_to_all(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
@@ -146,8 +146,8 @@ def test_the_managed_server_starts_on_the_vllm_cores_and_its_api_process_moves_t
     assert sorted(os.sched_getaffinity(0)) == list(available_cores())  # the launching process keeps all its cores
 
 
-def test_the_front_end_shares_the_trainers_cores_and_is_never_left_without_one() -> None:
-    assert CpuBudget.split((0, 1)).front_end_cores == (1,)
-    assert CpuBudget.split((0, 1, 2, 3)).front_end_cores == (2, 3)
-    assert CpuBudget.split((5,)).front_end_cores == (5,)  # one core: everything shares it
+def test_the_front_end_may_use_every_core_of_the_budget_once() -> None:
+    assert CpuBudget.split((0, 1)).front_end_cores == (0, 1)
+    assert CpuBudget.split((0, 1, 2, 3), vllm_cores=1).front_end_cores == (0, 1, 2, 3)
+    assert CpuBudget.split((5,)).front_end_cores == (5,)  # one core: everything shares it, listed once
     assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).front_end_cores() is None
