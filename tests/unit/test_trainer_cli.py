@@ -1,13 +1,15 @@
 """The trainer CLI refuses bad options with one line that says what to change."""
 
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from trainer_client.cli import app
+from trainer_client.cli import app, main
 from trainer_client.train import cpu_training_config
+from trainer_client.trainer import AsyncGRPOConfig
 
 
 @pytest.mark.parametrize(
@@ -30,6 +32,13 @@ def test_options_that_cannot_work_together_are_refused_before_anything_starts(
     assert result.exit_code == 2
     text = " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())  # rich wraps it in a box
     assert message in text
+
+
+def test_the_cli_the_demo_and_the_config_class_default_to_the_same_staleness(tmp_path: Path) -> None:
+    """The CLI keeps its own literal (importing the trainer would slow ``--help``), so a
+    change of the default must reach all three places."""
+    cli_default = inspect.signature(main).parameters["max_staleness"].default
+    assert cli_default == cpu_training_config(tmp_path, 1).max_staleness == AsyncGRPOConfig.max_staleness == 2
 
 
 def test_none_turns_the_correction_off(tmp_path: Path) -> None:
