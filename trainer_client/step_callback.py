@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from trainer_client import fsdp
 from trainer_client.policy_weights import policy_weights
-from trainer_client.step_timing import step_seconds
+from trainer_client.step_timing import COMPUTE_CPU, step_seconds
 from trainer_client.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,12 @@ class SyncAndAck(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._optimizer_started = time.perf_counter()
+        self._optimizer_cpu_started = time.thread_time()
         return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.trainer.clock.add("optimizer", time.perf_counter() - self._optimizer_started)
+        self.trainer.clock.add(COMPUTE_CPU, time.thread_time() - self._optimizer_cpu_started)
         return control
 
     def _push(self, state) -> None:  # type: ignore[no-untyped-def]
@@ -216,7 +218,9 @@ class SyncAndAck(TrainerCallback):
         if due and background:
             self._push_in_background()
         now = time.perf_counter()
-        record["seconds"] = step_seconds(trainer.clock.take(), now - self._step_started, not background)
+        phases = trainer.clock.take()
+        record["seconds"] = step_seconds(phases, now - self._step_started, not background)
+        record["compute_cpu_seconds"] = round(phases.get(COMPUTE_CPU, 0.0), 6)
         self._step_started = now
         trainer.step_metrics = scalar_metrics(record)
         if state.is_world_process_zero:

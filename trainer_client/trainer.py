@@ -254,7 +254,8 @@ class AsyncGRPOTrainer(Trainer):
         """Trainer's step (forward via ``compute_loss``, then backward), timed phase by phase."""
         start = time.perf_counter()
         self._forward_s = 0.0
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with self.clock.measure_compute_cpu():
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self.clock.add("backward", time.perf_counter() - start - self._forward_s)
         return loss
 

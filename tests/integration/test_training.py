@@ -53,9 +53,12 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         assert seconds["step"] > 0 and seconds["forward"] > 0 and seconds["backward"] > 0
         assert sum(seconds[p] for p in ON_STEP_PATH) + seconds["other"] == pytest.approx(seconds["step"], abs=1e-3)
         assert r["step"] == 1 or seconds["push_snapshot"] > 0  # the previous step started a background push
+        compute_wall = seconds["forward"] + seconds["backward"] + seconds["optimizer"]
+        assert 0 < r["compute_cpu_seconds"] <= compute_wall + 1e-3  # one thread's CPU time within its wall time
     split = summary["time_split"]
     assert split["steps"] == STEPS - 1 and split["bound"] in ("training", "generation")
     assert sum(split["fraction"][p] for p in (*ON_STEP_PATH, "other")) == pytest.approx(1.0, abs=0.01)
+    assert 0 < split["compute_cpu_share"] <= 1
 
     async with RolloutClient(service_process) as client:
         run = await client.get_run(summary["run_id"])

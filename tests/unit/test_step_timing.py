@@ -6,7 +6,14 @@ import threading
 
 import pytest
 
-from trainer_client.step_timing import PHASES, PhaseClock, format_split, step_seconds, summarize_seconds
+from trainer_client.step_timing import (
+    COMPUTE_CPU,
+    PHASES,
+    PhaseClock,
+    format_split,
+    step_seconds,
+    summarize_seconds,
+)
 
 
 def test_clock_accumulates_phases_from_several_threads_and_starts_afresh() -> None:
@@ -51,3 +58,27 @@ def test_summary_skips_the_first_step_and_names_the_bound() -> None:
     assert summarize_seconds([record(0.38, 0.62)] * 3)["bound"] == "generation"
     assert "training-bound" in format_split(split) and "forward 92%" in format_split(split)
     assert summarize_seconds([]) == {}
+
+
+def test_compute_cpu_counts_the_training_threads_cpu_not_its_waits() -> None:
+    clock = PhaseClock()
+    done = threading.Event()
+    with clock.measure_compute_cpu():
+        done.wait(timeout=0.2)  # blocked: wall time, no CPU
+        sum(i * i for i in range(200_000))  # on the CPU
+    seconds = clock.take()
+    assert 0 < seconds[COMPUTE_CPU] < 0.2
+    assert not set(seconds) & set(PHASES)  # not a phase: it overlaps forward/backward/optimizer
+
+
+def test_summary_reports_the_share_of_compute_time_the_training_thread_was_on_a_cpu() -> None:
+    def shared(cpu: float) -> dict:
+        phases = {"forward": 0.1, "backward": 0.2, "optimizer": 0.1}
+        return {"seconds": step_seconds(phases, 0.5, False), "compute_cpu_seconds": cpu}
+
+    split = summarize_seconds([shared(0.1)] + [shared(0.3)] * 4)  # 0.3 of every 0.4 s of compute
+    assert split["compute_cpu_share"] == pytest.approx(0.75)
+    assert "on a CPU 75% of its forward/backward/optimizer time" in format_split(split)
+    # Records without the field (a trainer before it) leave the share out, not 0%.
+    old = summarize_seconds([record(0.02, 0.23)] * 3)
+    assert old["compute_cpu_share"] is None and "on a CPU" not in format_split(old)
