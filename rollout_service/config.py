@@ -53,6 +53,13 @@ class ManagedServerSettings(Section):
     and worker to the worker's cores, while the API server may use every core once the server
     is healthy (``cpu_budget.CpuBudget.front_end_cores``). With nothing pinned, the API server
     and engine core took about one core beside the worker's, on the cores left to the trainer."""
+    nice: int = Field(default=10, ge=0, le=19)
+    """Scheduling niceness of the pinned CPU server's processes and of their session's
+    autogroup (what the kernel weighs against other sessions when autogroup is on), so that a
+    trainer on a core it shares with the API server runs first. Unpinned servers keep their
+    priority. At 0 the trainer's thread was on a CPU 85% of its forward/backward time, at 10
+    97%; runs made 4.46-4.80 steps/s at 0 and 4.94-5.57 at 10 (small model, 2 cores,
+    benchmarks/bench_vs_trl.py, interleaved sittings). 0 leaves priority as is."""
     dtype: str = "float32"
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
     block_size: int | None = Field(default=None, ge=1)

