@@ -57,8 +57,8 @@ class ManagedServerSettings(Section):
     """Scheduling niceness of the pinned CPU server's processes and of their session's
     autogroup (what the kernel weighs against other sessions when autogroup is on), so that a
     trainer on a core it shares with the API server runs first. Unpinned servers keep their
-    priority. At 0 the trainer's thread was on a CPU 85% of its forward/backward time, at 10
-    97%; runs made 4.46-4.80 steps/s at 0 and 4.94-5.57 at 10 (small model, 2 cores,
+    priority. At 0 the trainer's thread was on a CPU 74-91% of its forward/backward time, at
+    10 97-98%; runs made 4.46-4.80 steps/s at 0 and 4.94-5.57 at 10 (small model, 2 cores,
     benchmarks/bench_vs_trl.py, interleaved sittings). 0 leaves priority as is."""
     dtype: str = "float32"
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""

@@ -105,16 +105,15 @@ def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dic
     The first ``skip_first`` steps are left out of the split: they hold one-off costs
     (the first groups' generation after the first push) that say nothing of the steady state.
     """
-    steady = [r["seconds"] for r in records[skip_first:] if "seconds" in r] or [
-        r["seconds"] for r in records if "seconds" in r
-    ]
-    if not steady:
+    timed = [r for r in records[skip_first:] if "seconds" in r] or [r for r in records if "seconds" in r]
+    if not timed:
         return {}
+    steady = [r["seconds"] for r in timed]
     wall = sum(s["step"] for s in steady)
     totals = {phase: sum(s.get(phase, 0.0) for s in steady) for phase in (*PHASES, "other")}
     fractions = {phase: (seconds / wall if wall else 0.0) for phase, seconds in totals.items()}
     compute_wall = sum(totals[phase] for phase in COMPUTE_PHASES)
-    compute_cpu = sum(r.get("compute_cpu_seconds", 0.0) for r in records[skip_first:] if "seconds" in r)
+    compute_cpu = sum(r.get("compute_cpu_seconds", 0.0) for r in timed)
     return {
         "steps": len(steady),
         "wall_seconds": round(wall, 3),

@@ -79,6 +79,8 @@ def test_summary_reports_the_share_of_compute_time_the_training_thread_was_on_a_
     split = summarize_seconds([shared(0.1)] + [shared(0.3)] * 4)  # 0.3 of every 0.4 s of compute
     assert split["compute_cpu_share"] == pytest.approx(0.75)
     assert "on a CPU 75% of its forward/backward/optimizer time" in format_split(split)
+    # A run of one step (no steady state) reads its share from that step, like its phases.
+    assert summarize_seconds([shared(0.2)])["compute_cpu_share"] == pytest.approx(0.5)
     # Records without the field (a trainer before it) leave the share out, not 0%.
     old = summarize_seconds([record(0.02, 0.23)] * 3)
     assert old["compute_cpu_share"] is None and "on a CPU" not in format_split(old)
