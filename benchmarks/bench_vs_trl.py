@@ -23,12 +23,14 @@ checkpointing, made its step 4x slower on this CPU), the built-in ``letters`` pr
 step, max tokens, learning rate, loss type (dapo), temperature 1, no KL. Time runs from the
 start of training (after model loading and, for the project, after its first weight push).
 
-Before the runs it measures each side alone with the trainer's thread budget: T_train (the
-trainer's math on one step's samples) and T_generate (one step's groups through the service,
-a consumer acking at once), and reports the project's steps/s against 1 / max of the two.
+Before each seed's runs it measures each side alone with the trainer's thread budget: T_train
+(the trainer's math on one step's samples) and T_generate (one step's groups through the
+service, a consumer acking at once), and reports the project's steps/s against 1 / max of the
+two, each run against the round just before it (this machine's speed drifts between sittings).
 Because both sides share the machine's cores, it also reports the bound that sharing sets:
 each side's busy core-seconds per step alone (``/proc/stat``, every process counted), and
-cores / (their sum) steps/s.
+cores / (their sum) steps/s; and, from the project's runs, each process's core-seconds per step
+while training, next to generation's alone, which shows what running together adds.
 
 It prints, per contender, the median time to target (first wall second at which the
 rolling mean of 5 steps reaches ``--target``), steps to target, steps/s, generated tokens/s
@@ -48,11 +50,14 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shlex
 import statistics
 import sys
 import tempfile
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,9 +210,9 @@ def busy_core_seconds() -> float:
 
 
 def core_seconds_by_process(service_pid: int) -> dict[str, float]:
-    """CPU seconds each running process has used (``/proc/PID/stat``), summed by its part in
-    generation: vLLM's worker, engine core and API server, the service, this consumer. Says
-    which part of generation's core-seconds is the model and which is serving overhead."""
+    """CPU seconds each running process has used (``/proc/PID/stat``), summed by its part:
+    vLLM's worker, engine core and API server, the service, a project trainer, this consumer.
+    Says which part of generation's core-seconds is the model and which is serving overhead."""
     tick = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
     for entry in os.scandir("/proc"):
@@ -228,6 +233,8 @@ def core_seconds_by_process(service_pid: int) -> dict[str, float]:
             part = "vLLM engine core"
         elif "vllm.entrypoints" in command:
             part = "vLLM API server"
+        elif "trainer_client.cli" in command:
+            part = "trainer"
         elif pid == service_pid:
             part = "service"
         elif pid == os.getpid():
@@ -331,13 +338,15 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
     return {"generate_step_s": elapsed / steps, "generate_core_s": core_s / steps, "generate_core_s_by_process": parts}
 
 
-async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, float]:
+async def measure_alone(args: argparse.Namespace, target: str, one_step: bool) -> dict[str, Any]:
+    """Each side alone, with the trainer's thread budget; ``one_step``: also generation with at
+    most one step's groups in flight."""
     from rollout_common.cpu_budget import CpuBudget
 
     threads = CpuBudget.split().trainer_threads
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    measured = {}
-    modes = (["train-alone"], ["generate-alone"], ["generate-alone", "--one-step-in-flight"])
+    measured: dict[str, Any] = {}
+    modes = [["train-alone"], ["generate-alone"]] + ([["generate-alone", "--one-step-in-flight"]] if one_step else [])
     for mode in modes:  # each in its own process, like the trainer
         command = [sys.executable, __file__, *mode, "--threads", str(threads), "--service", target, *shared_flags(args)]
         process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
@@ -351,7 +360,47 @@ async def measure_alone(args: argparse.Namespace, target: str) -> dict[str, floa
     return {**measured, "ideal_steps_per_s": 1 / slowest, "core_bound_steps_per_s": core_bound}
 
 
+def median_alone(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds' medians, key by key (and part by part for the split by process)."""
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys(k for r in rounds for k in r):
+        values = [r[key] for r in rounds if key in r]
+        if isinstance(values[0], dict):
+            merged[key] = {part: statistics.median(v.get(part, 0.0) for v in values) for part in values[0]}
+        else:
+            merged[key] = statistics.median(values)
+    return merged
+
+
 # -- the project: a rollout-trainer process per run against one service ---------------------------
+
+
+class CpuWhileTraining:
+    """Core-seconds per step each process used from the trainer's first step to its last, taken
+    when its log says those steps ended: what generation costs inside a run, to set against what
+    it costs alone (the difference is what sharing the cores and receiving pushes add)."""
+
+    STEP_LINE = re.compile(r"\bstep (\d+): reward ")
+    """The trainer's INFO line at the end of each step (``step_callback``)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.first: dict[str, float] | None = None
+        self.last: dict[str, float] | None = None
+
+    def on_line(self, line: str) -> None:
+        if not (match := self.STEP_LINE.search(line)):
+            return
+        step = int(match.group(1))
+        if step == 1:
+            self.first = core_seconds_by_process(os.getpid())  # the service runs in this process
+        elif step == self.steps:
+            self.last = core_seconds_by_process(os.getpid())
+
+    def per_step(self) -> dict[str, float] | None:
+        if self.first is None or self.last is None:
+            return None
+        return {part: (self.last[part] - self.first.get(part, 0.0)) / (self.steps - 1) for part in self.last}
 
 
 async def run_project(args: argparse.Namespace, target: str, name: str, flags: list[str], seed: int, work: Path):
@@ -363,10 +412,11 @@ async def run_project(args: argparse.Namespace, target: str, name: str, flags: l
     command += ["--groups-per-step", str(args.prompts_per_step), "--max-tokens", str(args.max_tokens)]
     command += ["--learning-rate", str(args.learning_rate), "--loss-type", "dapo", "--max-steps", str(args.steps)]
     env_settings, flags = leading_env_settings(flags)
-    command += ["--output-dir", str(out), "--log-level", "WARNING", *flags]
+    command += ["--output-dir", str(out), "--log-level", "INFO", *flags]  # INFO: a line per step (CpuWhileTraining)
     async with RolloutClient(target) as client:
         before = await client.stats()
-        await run_subprocess(command, {**os.environ, **env_settings}, args.timeout_s, name)
+        cpu = CpuWhileTraining(args.steps)
+        await run_subprocess(command, {**os.environ, **env_settings}, args.timeout_s, name, cpu.on_line)
         after = await client.stats()
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((out / "summary.json").read_text())
@@ -399,6 +449,7 @@ async def run_project(args: argparse.Namespace, target: str, name: str, flags: l
             "time_split": summary["time_split"],
             "dropped_stale": summary["groups_dropped_stale"],
             "service": service,
+            "core_s_per_step_by_process": cpu.per_step(),
         },
     )
 
@@ -415,17 +466,35 @@ def leading_env_settings(words: list[str]) -> tuple[dict[str, str], list[str]]:
     return settings, []
 
 
-async def run_subprocess(command: list[str], env: dict[str, str], timeout_s: float, name: str) -> None:
+async def run_subprocess(
+    command: list[str],
+    env: dict[str, str],
+    timeout_s: float,
+    name: str,
+    on_line: Callable[[str], None] = lambda line: None,
+) -> None:
+    """Run ``command`` to its end, handing each line of its output (stdout and stderr) to
+    ``on_line`` as it comes; a failure raises with the output's tail."""
     process = await asyncio.create_subprocess_exec(
         *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
+    tail: deque[str] = deque(maxlen=100)
+
+    async def read() -> None:
+        assert process.stdout is not None
+        async for raw in process.stdout:
+            line = raw.decode(errors="replace")
+            tail.append(line)
+            on_line(line)
+        await process.wait()
+
     try:
-        output, _ = await asyncio.wait_for(process.communicate(), timeout_s)
+        await asyncio.wait_for(read(), timeout_s)
     except TimeoutError:
         process.kill()
         raise RuntimeError(f"{name} did not finish within {timeout_s:.0f}s") from None
     if process.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {process.returncode}):\n{output.decode()[-4000:]}")
+        raise RuntimeError(f"{name} failed (exit {process.returncode}):\n{''.join(tail)[-4000:]}")
 
 
 def shared_flags(args: argparse.Namespace) -> list[str]:
@@ -436,7 +505,7 @@ def shared_flags(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], dict[str, float]]:
+async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dict[str, Any]]]:
     from rich.progress import Progress
 
     from rollout_service.config import load_settings
@@ -451,12 +520,17 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], dict[str
     variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
     contenders = [f"trl-{t}t" for t in args.trl_threads] + list(variants)
     results: list[RunResult] = []
+    alone_rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         async with running_service(settings) as service:
-            alone = await measure_alone(args, service.grpc_target)
             with Progress() as progress:
                 task = progress.add_task("runs", total=args.seeds * len(contenders))
                 for seed in range(args.seeds):
+                    # Each side alone, again before every round: this machine's speed drifts
+                    # by 10-20% between sittings, and a ratio to an ideal measured minutes
+                    # earlier carries that drift.
+                    progress.update(task, description=f"seed {seed}: each side alone")
+                    alone_rounds.append(await measure_alone(args, service.grpc_target, one_step=seed == 0))
                     shift = seed % len(contenders)
                     for name in contenders[shift:] + contenders[:shift]:  # rotate: no contender always first
                         progress.update(task, description=f"seed {seed}: {name}")
@@ -464,13 +538,14 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], dict[str
                             result = await run_trl(args, int(name[4:-1]), seed, Path(tmp))
                         else:
                             result = await run_project(args, service.grpc_target, name, variants[name], seed, Path(tmp))
+                            result.extra["alone_round"] = seed
                         results.append(result)
                         logging.info("%s seed %d: %.1f steps/s", name, seed, result.steps_per_s)
                         progress.advance(task)
-    return results, alone
+    return results, alone_rounds
 
 
-def report(results: list[RunResult], target: float, alone: dict[str, float]) -> dict[str, dict[str, Any]]:
+def report(results: list[RunResult], target: float, alone_rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     from rich.console import Console
     from rich.table import Table
 
@@ -517,29 +592,55 @@ def report(results: list[RunResult], target: float, alone: dict[str, float]) -> 
     project = summary.get("project", {}).get("time_to_target_s")
     if trl and project:
         console.print(f"project time to target / fastest TRL setting: {project / min(trl):.2f}")
-    ideal, achieved = alone["ideal_steps_per_s"], summary["project"]["steps_per_s"]
+    report_alone(console, results, alone_rounds)
+    return summary
+
+
+def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict[str, Any]]) -> None:
+    """The project's steps/s against each side alone. Each run is set against the round
+    measured just before it (``alone_round``), and the ratio is the median of those."""
+    alone = median_alone(alone_rounds)
+    project = [r for r in results if r.contender == "project"]
+    if not project:
+        return
+
+    def ratio(key: str) -> float:
+        return statistics.median(r.steps_per_s / alone_rounds[r.extra["alone_round"]][key] for r in project)
+
+    per_round = ", ".join(f"{r['ideal_steps_per_s']:.2f}" for r in alone_rounds)
     console.print(
-        f"alone, same thread split: T_train {alone['train_step_s']:.3f}s, T_generate {alone['generate_step_s']:.3f}s "
-        f"per step -> ideal {ideal:.2f} steps/s; project achieved {achieved / ideal:.2f}x"
+        f"alone, same thread split (median of {len(alone_rounds)} rounds, one before each seed's runs): "
+        f"T_train {alone['train_step_s']:.3f}s, T_generate {alone['generate_step_s']:.3f}s per step -> ideal "
+        f"{per_round} steps/s by round; project achieved {ratio('ideal_steps_per_s'):.2f}x (median over runs, "
+        "each against its round)"
     )
-    if "core_bound_steps_per_s" in alone:
-        bound = alone["core_bound_steps_per_s"]
-        console.print(
-            f"busy core-seconds per step alone: training {alone['train_core_s']:.3f}, generation "
-            f"{alone['generate_core_s']:.3f} -> on {os.cpu_count()} cores at most {bound:.2f} steps/s; "
-            f"project achieved {achieved / bound:.2f}x of that"
-        )
+    console.print(
+        f"busy core-seconds per step alone: training {alone['train_core_s']:.3f}, generation "
+        f"{alone['generate_core_s']:.3f} -> on {os.cpu_count()} cores at most {alone['core_bound_steps_per_s']:.2f} "
+        f"steps/s; project achieved {ratio('core_bound_steps_per_s'):.2f}x of that"
+    )
     if one_step := alone.get("generate_one_step_in_flight_s"):
         slowest_one_step = max(one_step, alone["train_step_s"])
+        achieved = statistics.median(r.steps_per_s for r in project)
         console.print(
             f"T_generate with at most one step's groups in flight (as max_staleness 1 runs): {one_step:.3f}s "
             f"-> {1 / slowest_one_step:.2f} steps/s at most; "
             f"project achieved {achieved * slowest_one_step:.2f}x of that"
         )
-    if parts := alone.get("generate_core_s_by_process"):
-        split = ", ".join(f"{part} {seconds:.3f}" for part, seconds in sorted(parts.items(), key=lambda p: -p[1]))
-        console.print(f"generation's core-seconds per step alone, by process: {split}")
-    return summary
+    alone_parts = alone["generate_core_s_by_process"]
+    in_runs = [parts for r in project if (parts := r.extra.get("core_s_per_step_by_process"))]
+    if not in_runs:
+        return
+    in_run = {part: statistics.median(p.get(part, 0.0) for p in in_runs) for part in in_runs[0]}
+    shown = sorted(in_run, key=lambda part: -in_run[part])
+    console.print(
+        "core-seconds per step by process, in the project's runs (median) against generation alone: "
+        + ", ".join(
+            f"{part} {in_run[part]:.3f}" + (f" (alone {alone_parts[part]:.3f})" if part in alone_parts else "")
+            for part in shown
+            if in_run[part] >= 0.001
+        )
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -599,10 +700,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.model_dir is None:
         path, spec = MODEL_SIZES[args.model_size]
         args.model_dir = build_tiny_model(Path(path), TinyModelSpec(**spec))
-    results, alone = asyncio.run(benchmark(args))
-    summary = report(results, args.target, alone)
+    results, alone_rounds = asyncio.run(benchmark(args))
+    summary = report(results, args.target, alone_rounds)
     args.output.mkdir(parents=True, exist_ok=True)
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "alone": alone}
+    payload = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "summary": summary,
+        "alone": median_alone(alone_rounds),
+        "alone_rounds": alone_rounds,
+    }
     payload["runs"] = [{**asdict(r), "steps_per_s": r.steps_per_s} for r in results]
     (args.output / "results.json").write_text(json.dumps(payload, indent=2))
     curves = {f"{r.contender}#{r.seed}": list(zip(r.wall_s, r.rewards, strict=True)) for r in results}
