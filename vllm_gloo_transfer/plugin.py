@@ -137,6 +137,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self._group: ProcessGroupGloo | None = None
         self._pending: list[tuple[str, torch.Tensor]] = []
+        self._received = _Cost()
+        """What receiving the pending update took, logged with its apply."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -174,6 +176,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def start_weight_update(self) -> None:
         """Nothing is applied until finish: just forget any stale buffer."""
         self._pending = []
+        self._received = _Cost()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Overrides the base, whose ``torch.accelerator.synchronize()`` raises on CPU;
@@ -184,6 +187,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Receive the announced tensors, bucket by bucket as the trainer packs them
         (``vllm_gloo_transfer.packing.broadcast_buckets``), and keep them for finish."""
         group = self._require_group()
+        cost = _Cost.start()
         specs = update_info.specs()
         numels = [math.prod(shape) for _, _, shape in specs]
         received: list[tuple[str, torch.Tensor]] = []
@@ -216,6 +220,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 "before the next update."
             ) from exc
         self._pending.extend(received)
+        self._received += cost.stop()
 
     def finish_weight_update(self) -> None:
         """Apply every buffered tensor with vLLM's layerwise reload, then repair the
@@ -224,9 +229,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if not pending:
             logger.warning("finish_weight_update with no received weights: nothing to apply")
             return
-        started = time.perf_counter()
+        cost = _Cost.start()
         apply_weights(self.model, self.model_config, pending)
-        logger.info("applied %d weight tensors in %.1f ms", len(pending), 1e3 * (time.perf_counter() - started))
+        applied, received, self._received = cost.stop(), self._received, _Cost()
+        logger.info(
+            "applied %d weight tensors in %s, received them in %s",
+            len(pending),
+            applied.describe(),
+            received.describe(),
+        )
 
     def shutdown(self) -> None:
         """Destroy the group (if any) and drop any buffered update."""
@@ -247,6 +258,31 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         sides are out of step): dropping it makes the next update fail fast instead of
         reading misaligned bytes."""
         self.shutdown()
+
+
+@dataclass
+class _Cost:
+    """Wall and CPU seconds of a piece of the worker's push work. CPU is the whole process's
+    (``time.process_time``): gloo receives on its own threads while the worker's main thread
+    waits, and nothing else runs in the worker during a weight RPC. On a CPU server that CPU is
+    taken from generation, so the log line says what each push costs the rollouts."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    @classmethod
+    def start(cls) -> _Cost:
+        """A running measurement: ``stop`` turns it into the elapsed cost."""
+        return cls(-time.perf_counter(), -time.process_time())
+
+    def stop(self) -> _Cost:
+        return _Cost(self.wall_s + time.perf_counter(), self.cpu_s + time.process_time())
+
+    def __add__(self, other: _Cost) -> _Cost:
+        return _Cost(self.wall_s + other.wall_s, self.cpu_s + other.cpu_s)
+
+    def describe(self) -> str:
+        return f"{1e3 * self.wall_s:.1f} ms ({1e3 * self.cpu_s:.1f} ms CPU)"
 
 
 def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: list[tuple[str, torch.Tensor]]) -> None:
