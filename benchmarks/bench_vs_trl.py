@@ -245,6 +245,11 @@ def core_seconds_by_process(service_pid: int) -> dict[str, float]:
     return totals
 
 
+def core_seconds_per_step(before: dict[str, float], after: dict[str, float], steps: float) -> dict[str, float]:
+    """Each part's core-seconds per step between two ``core_seconds_by_process`` readings."""
+    return {part: (after[part] - before.get(part, 0.0)) / steps for part in after}
+
+
 def train_alone_worker(args: argparse.Namespace) -> None:
     """Seconds of one optimizer step of the project's trainer math (collate, log-probs and loss,
     backward, AdamW) on a step's worth of samples, with nothing else running; JSON to stdout."""
@@ -332,7 +337,7 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
         await stream.aclose()
         await client.delete_run(run.run_id)
     steps = groups / args.prompts_per_step
-    parts = {part: (after[part] - by_process.get(part, 0.0)) / steps for part in after}
+    parts = core_seconds_per_step(by_process, after, steps)
     if args.one_step_in_flight:
         return {"generate_one_step_in_flight_s": elapsed / steps}
     return {"generate_step_s": elapsed / steps, "generate_core_s": core_s / steps, "generate_core_s_by_process": parts}
@@ -400,7 +405,7 @@ class CpuWhileTraining:
     def per_step(self) -> dict[str, float] | None:
         if self.first is None or self.last is None:
             return None
-        return {part: (self.last[part] - self.first.get(part, 0.0)) / (self.steps - 1) for part in self.last}
+        return core_seconds_per_step(self.first, self.last, self.steps - 1)
 
 
 async def run_project(args: argparse.Namespace, target: str, name: str, flags: list[str], seed: int, work: Path):
@@ -526,9 +531,9 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
             with Progress() as progress:
                 task = progress.add_task("runs", total=args.seeds * len(contenders))
                 for seed in range(args.seeds):
-                    # Each side alone, again before every round: this machine's speed drifts
-                    # by 10-20% between sittings, and a ratio to an ideal measured minutes
-                    # earlier carries that drift.
+                    # Each side alone, again before every seed's runs (round i before seed i):
+                    # this machine's speed drifts by 10-20% between sittings, and a ratio to an
+                    # ideal measured minutes earlier carries that drift.
                     progress.update(task, description=f"seed {seed}: each side alone")
                     alone_rounds.append(await measure_alone(args, service.grpc_target, one_step=seed == 0))
                     shift = seed % len(contenders)
@@ -538,7 +543,6 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
                             result = await run_trl(args, int(name[4:-1]), seed, Path(tmp))
                         else:
                             result = await run_project(args, service.grpc_target, name, variants[name], seed, Path(tmp))
-                            result.extra["alone_round"] = seed
                         results.append(result)
                         logging.info("%s seed %d: %.1f steps/s", name, seed, result.steps_per_s)
                         progress.advance(task)
@@ -598,14 +602,14 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
 
 def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict[str, Any]]) -> None:
     """The project's steps/s against each side alone. Each run is set against the round
-    measured just before it (``alone_round``), and the ratio is the median of those."""
+    measured just before it (round i before seed i), and the ratio is the median of those."""
     alone = median_alone(alone_rounds)
     project = [r for r in results if r.contender == "project"]
     if not project:
         return
 
     def ratio(key: str) -> float:
-        return statistics.median(r.steps_per_s / alone_rounds[r.extra["alone_round"]][key] for r in project)
+        return statistics.median(r.steps_per_s / alone_rounds[r.seed][key] for r in project)
 
     per_round = ", ".join(f"{r['ideal_steps_per_s']:.2f}" for r in alone_rounds)
     console.print(
@@ -629,7 +633,9 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
         )
     alone_parts = alone["generate_core_s_by_process"]
     in_runs = [parts for r in project if (parts := r.extra.get("core_s_per_step_by_process"))]
-    if not in_runs:
+    if not in_runs:  # no run logged its first and last step: generation alone, as before
+        split = ", ".join(f"{part} {seconds:.3f}" for part, seconds in sorted(alone_parts.items(), key=lambda p: -p[1]))
+        console.print(f"generation's core-seconds per step alone, by process: {split}")
         return
     in_run = {part: statistics.median(p.get(part, 0.0) for p in in_runs) for part in in_runs[0]}
     shown = sorted(in_run, key=lambda part: -in_run[part])
