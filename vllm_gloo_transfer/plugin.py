@@ -187,7 +187,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Receive the announced tensors, bucket by bucket as the trainer packs them
         (``vllm_gloo_transfer.packing.broadcast_buckets``), and keep them for finish."""
         group = self._require_group()
-        cost = _Cost.start()
+        watch = _Stopwatch()
         specs = update_info.specs()
         numels = [math.prod(shape) for _, _, shape in specs]
         received: list[tuple[str, torch.Tensor]] = []
@@ -220,7 +220,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 "before the next update."
             ) from exc
         self._pending.extend(received)
-        self._received += cost.stop()
+        self._received += watch.elapsed()
 
     def finish_weight_update(self) -> None:
         """Apply every buffered tensor with vLLM's layerwise reload, then repair the
@@ -229,9 +229,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if not pending:
             logger.warning("finish_weight_update with no received weights: nothing to apply")
             return
-        cost = _Cost.start()
+        watch = _Stopwatch()
         apply_weights(self.model, self.model_config, pending)
-        applied, received, self._received = cost.stop(), self._received, _Cost()
+        applied, received, self._received = watch.elapsed(), self._received, _Cost()
         logger.info(
             "applied %d weight tensors in %s, received them in %s",
             len(pending),
@@ -270,19 +270,21 @@ class _Cost:
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
-    @classmethod
-    def start(cls) -> _Cost:
-        """A running measurement: ``stop`` turns it into the elapsed cost."""
-        return cls(-time.perf_counter(), -time.process_time())
-
-    def stop(self) -> _Cost:
-        return _Cost(self.wall_s + time.perf_counter(), self.cpu_s + time.process_time())
-
     def __add__(self, other: _Cost) -> _Cost:
         return _Cost(self.wall_s + other.wall_s, self.cpu_s + other.cpu_s)
 
     def describe(self) -> str:
         return f"{1e3 * self.wall_s:.1f} ms ({1e3 * self.cpu_s:.1f} ms CPU)"
+
+
+class _Stopwatch:
+    """Started when made; ``elapsed`` is the ``_Cost`` since."""
+
+    def __init__(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def elapsed(self) -> _Cost:
+        return _Cost(time.perf_counter() - self._wall, time.process_time() - self._cpu)
 
 
 def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: list[tuple[str, torch.Tensor]]) -> None:
