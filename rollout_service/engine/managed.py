@@ -8,7 +8,6 @@ worker processes too, and nothing else.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import json
 import logging
@@ -25,22 +24,10 @@ from pathlib import Path
 
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget
 from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
+from rollout_service.engine import place_and_exec
 from rollout_service.errors import StartupError
 
 logger = logging.getLogger(__name__)
-
-
-def _place_child(cores: tuple[int, ...] | None, nice: int) -> None:
-    """In the server's child process, after it started its session and before exec: pin it
-    to ``cores`` and lower its priority by ``nice``, for the process and for its session's
-    autogroup (with the kernel's autogroup on, sessions share a core by the autogroup's
-    niceness, whatever their threads' own)."""
-    if cores:
-        os.sched_setaffinity(0, cores)
-    if nice:
-        os.nice(nice)
-        with contextlib.suppress(OSError):  # no autogroup in this kernel
-            Path("/proc/self/autogroup").write_text(str(nice))
 
 
 CPU_BLOCK_SIZE = 32
@@ -164,20 +151,20 @@ class ManagedVLLMServer:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # Set in the child before exec, so vLLM's engine and worker processes inherit both.
-        place = functools.partial(_place_child, self.pinned_cores(), self.niceness())
+        command, cores, nice = self.command(), self.pinned_cores(), self.niceness()
+        if cores or nice:  # placed before vLLM starts, so its engine and worker processes inherit both
+            command = place_and_exec.launcher(cores, nice, command)
         logger.info("starting vLLM on %s serving %s (log: %s)", self.url, self.settings.model, self.log_path)
         with open(self.log_path, "ab") as log:
             # A neutral working directory: a folder named like a vLLM plugin package in the
             # cwd would shadow the installed one.
             self._process = subprocess.Popen(
-                self.command(),
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 cwd=tempfile.gettempdir(),
                 start_new_session=True,
-                preexec_fn=place,
             )
         try:
             self._wait_healthy()
