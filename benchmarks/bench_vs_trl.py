@@ -250,6 +250,31 @@ def core_seconds_per_step(before: dict[str, float], after: dict[str, float], ste
     return {part: (after[part] - before.get(part, 0.0)) / steps for part in after}
 
 
+async def engine_steps(url: str) -> tuple[float, float]:
+    """(engine steps, tokens they scheduled) a vLLM server has run so far, from its
+    ``vllm:iteration_tokens_total`` histogram: tokens per engine step is the decode batch, and
+    engine steps per training step say how often the engine core, the worker and the API server
+    pay their fixed cost of a step."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    totals = {"_count": 0.0, "_sum": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for suffix in totals:
+            if name.startswith("vllm:iteration_tokens_total" + suffix):
+                totals[suffix] += float(value.split()[0])
+    return totals["_count"], totals["_sum"]
+
+
+def engine_steps_per_step(before: tuple[float, float], after: tuple[float, float], steps: float) -> dict[str, float]:
+    """Engine steps per training step, and tokens per engine step, between two ``engine_steps``."""
+    count, tokens = after[0] - before[0], after[1] - before[1]
+    return {"engine_steps_per_step": count / steps, "tokens_per_engine_step": tokens / count if count else 0.0}
+
+
 def train_alone_worker(args: argparse.Namespace) -> None:
     """Seconds of one optimizer step of the project's trainer math (collate, log-probs and loss,
     backward, AdamW) on a step's worth of samples, with nothing else running; JSON to stdout."""
@@ -330,20 +355,27 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
             if started is None and groups == 2 * args.prompts_per_step:  # warmed up: start the clock
                 started, busy, groups = time.perf_counter(), busy_core_seconds(), 0
                 by_process = core_seconds_by_process(os.getppid())  # the service runs in the parent
+                engine_before = await engine_steps(args.engine_url)
             elif started is not None and time.perf_counter() - started >= seconds:
                 break
         elapsed, core_s = time.perf_counter() - started, busy_core_seconds() - busy
         after = core_seconds_by_process(os.getppid())
+        engine_after = await engine_steps(args.engine_url)
         await stream.aclose()
         await client.delete_run(run.run_id)
     steps = groups / args.prompts_per_step
     parts = core_seconds_per_step(by_process, after, steps)
     if args.one_step_in_flight:
         return {"generate_one_step_in_flight_s": elapsed / steps}
-    return {"generate_step_s": elapsed / steps, "generate_core_s": core_s / steps, "generate_core_s_by_process": parts}
+    return {
+        "generate_step_s": elapsed / steps,
+        "generate_core_s": core_s / steps,
+        "generate_core_s_by_process": parts,
+        "generate_engine": engine_steps_per_step(engine_before, engine_after, steps),
+    }
 
 
-async def measure_alone(args: argparse.Namespace, target: str, one_step: bool) -> dict[str, Any]:
+async def measure_alone(args: argparse.Namespace, target: str, engine_url: str, one_step: bool) -> dict[str, Any]:
     """Each side alone, with the trainer's thread budget; ``one_step``: also generation with at
     most one step's groups in flight."""
     from rollout_common.cpu_budget import CpuBudget
@@ -353,7 +385,8 @@ async def measure_alone(args: argparse.Namespace, target: str, one_step: bool) -
     measured: dict[str, Any] = {}
     modes = [["train-alone"], ["generate-alone"]] + ([["generate-alone", "--one-step-in-flight"]] if one_step else [])
     for mode in modes:  # each in its own process, like the trainer
-        command = [sys.executable, __file__, *mode, "--threads", str(threads), "--service", target, *shared_flags(args)]
+        command = [sys.executable, __file__, *mode, "--threads", str(threads), "--service", target]
+        command += ["--engine-url", engine_url, *shared_flags(args)]
         process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
         output, _ = await asyncio.wait_for(process.communicate(), args.timeout_s)
         measured.update(json.loads(output.decode().strip().splitlines()[-1]))
@@ -388,10 +421,14 @@ class CpuWhileTraining:
     STEP_LINE = re.compile(r"\bstep (\d+): reward ")
     """The trainer's INFO line at the end of each step (``step_callback``)."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, engine_url: str) -> None:
         self.steps = steps
+        self.engine_url = engine_url
         self.first: dict[str, float] | None = None
         self.last: dict[str, float] | None = None
+        self._engine: dict[str, asyncio.Task[tuple[float, float]]] = {}
+        """vLLM's engine steps at the first and the last step: read in tasks, since the service
+        runs on this event loop and vLLM's busy API server may take a while to answer."""
 
     def on_line(self, line: str) -> None:
         if not (match := self.STEP_LINE.search(line)):
@@ -399,16 +436,27 @@ class CpuWhileTraining:
         step = int(match.group(1))
         if step == 1:
             self.first = core_seconds_by_process(os.getpid())  # the service runs in this process
+            self._engine["first"] = asyncio.ensure_future(engine_steps(self.engine_url))
         elif step == self.steps:
             self.last = core_seconds_by_process(os.getpid())
+            self._engine["last"] = asyncio.ensure_future(engine_steps(self.engine_url))
 
     def per_step(self) -> dict[str, float] | None:
         if self.first is None or self.last is None:
             return None
         return core_seconds_per_step(self.first, self.last, self.steps - 1)
 
+    async def engine_per_step(self) -> dict[str, float] | None:
+        if len(self._engine) < 2:
+            for task in self._engine.values():
+                task.cancel()
+            return None
+        return engine_steps_per_step(await self._engine["first"], await self._engine["last"], self.steps - 1)
 
-async def run_project(args: argparse.Namespace, target: str, name: str, flags: list[str], seed: int, work: Path):
+
+async def run_project(
+    args: argparse.Namespace, target: str, engine_url: str, name: str, flags: list[str], seed: int, work: Path
+):
     from trainer_client.client import RolloutClient
 
     out = work / f"{name}-{seed}"
@@ -420,8 +468,9 @@ async def run_project(args: argparse.Namespace, target: str, name: str, flags: l
     command += ["--output-dir", str(out), "--log-level", "INFO", *flags]  # INFO: a line per step (CpuWhileTraining)
     async with RolloutClient(target) as client:
         before = await client.stats()
-        cpu = CpuWhileTraining(args.steps)
+        cpu = CpuWhileTraining(args.steps, engine_url)
         await run_subprocess(command, {**os.environ, **env_settings}, args.timeout_s, name, cpu.on_line)
+        engine = await cpu.engine_per_step()
         after = await client.stats()
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((out / "summary.json").read_text())
@@ -455,6 +504,7 @@ async def run_project(args: argparse.Namespace, target: str, name: str, flags: l
             "dropped_stale": summary["groups_dropped_stale"],
             "service": service,
             "core_s_per_step_by_process": cpu.per_step(),
+            "engine": engine,
         },
     )
 
@@ -528,6 +578,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
     alone_rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         async with running_service(settings) as service:
+            engine_url = service.engine_urls[0]
             with Progress() as progress:
                 task = progress.add_task("runs", total=args.seeds * len(contenders))
                 for seed in range(args.seeds):
@@ -535,14 +586,16 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
                     # this machine's speed drifts by 10-20% between sittings, and a ratio to an
                     # ideal measured minutes earlier carries that drift.
                     progress.update(task, description=f"seed {seed}: each side alone")
-                    alone_rounds.append(await measure_alone(args, service.grpc_target, one_step=seed == 0))
+                    alone_rounds.append(await measure_alone(args, service.grpc_target, engine_url, one_step=seed == 0))
                     shift = seed % len(contenders)
                     for name in contenders[shift:] + contenders[:shift]:  # rotate: no contender always first
                         progress.update(task, description=f"seed {seed}: {name}")
                         if name.startswith("trl-"):
                             result = await run_trl(args, int(name[4:-1]), seed, Path(tmp))
                         else:
-                            result = await run_project(args, service.grpc_target, name, variants[name], seed, Path(tmp))
+                            result = await run_project(
+                                args, service.grpc_target, engine_url, name, variants[name], seed, Path(tmp)
+                            )
                         results.append(result)
                         logging.info("%s seed %d: %.1f steps/s", name, seed, result.steps_per_s)
                         progress.advance(task)
@@ -631,6 +684,15 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
             f"-> {1 / slowest_one_step:.2f} steps/s at most; "
             f"project achieved {achieved * slowest_one_step:.2f}x of that"
         )
+    engine_in_runs = [engine for r in project if (engine := r.extra.get("engine"))]
+    if engine_in_runs and (engine_alone := alone.get("generate_engine")):
+        console.print(
+            "vLLM engine steps per training step (tokens per engine step), in the project's runs (median) against "
+            + "generation alone: "
+            + f"{statistics.median(e['engine_steps_per_step'] for e in engine_in_runs):.1f} "
+            + f"({statistics.median(e['tokens_per_engine_step'] for e in engine_in_runs):.1f}) against "
+            + f"{engine_alone['engine_steps_per_step']:.1f} ({engine_alone['tokens_per_engine_step']:.1f})"
+        )
     alone_parts = alone["generate_core_s_by_process"]
     in_runs = [parts for r in project if (parts := r.extra.get("core_s_per_step_by_process"))]
     if not in_runs:  # no run logged its first and last step: generation alone, as before
@@ -684,6 +746,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--service", help="generate-alone: the rollout service's address")
+    parser.add_argument("--engine-url", help="generate-alone: the vLLM server's address (its engine steps)")
     parser.add_argument("--one-step-in-flight", action="store_true", help="generate-alone: one step's groups at a time")
     return parser.parse_args(argv)
 
