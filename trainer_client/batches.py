@@ -8,15 +8,17 @@ aligned with the completions) is shared with ``prompt_sharing.py``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import IterableDataset
 
-from rollout_api import rollout_pb2 as pb
 from trainer_client.logprobs import chunked_completion_logprobs, token_logprobs
-from trainer_client.prompt_sharing import prompts_are_shared, shared_prompt_logprobs
-from trainer_client.stream import GroupFeed
+from trainer_client.prompt_sharing import shared_prompt_logprobs, sharing_pays
+
+if TYPE_CHECKING:  # the collator and the log-probs run with torch alone (benchmarks/bench_trainer_step.py on a GPU box)
+    from rollout_api import rollout_pb2 as pb
+    from trainer_client.stream import GroupFeed
 
 
 class StreamDataset(IterableDataset):
@@ -107,10 +109,10 @@ def completion_logprobs(
     Through ``model``'s own forward, which may be wrapped (DDP): calling it, rather than its
     decoder, is what makes DDP all-reduce the gradients. ``logits_to_keep=1`` keeps the model
     from building the full [B, L, V] logits; the last hidden state (after the final norm) is
-    projected onto ``lm_head_weight`` in chunks. With ``share_prompts`` and fewer distinct
-    prompts than samples, each prompt goes through the model once (``prompt_sharing``).
+    projected onto ``lm_head_weight`` in chunks. With ``share_prompts``, where it pays for this
+    batch on this device, each prompt goes through the model once (``prompt_sharing``).
     """
-    if share_prompts and prompts_are_shared(inputs):
+    if share_prompts and sharing_pays(inputs, inputs["prompt_ids"].device.type):
         return shared_prompt_logprobs(model, inputs, lm_head_weight, chunk_size, temperature)
     hidden = _forward(model, inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
     start, length = _completion_span(inputs)

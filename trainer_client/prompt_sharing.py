@@ -11,6 +11,8 @@ a trainer step of that model on one thread went from 290 to 175 ms forward + bac
 
 Where it does not apply, the trainer uses the plain forward:
 - every sample has its own prompt (nothing to share; two forwards would only cost more);
+- on a GPU, a batch where sharing skips less than half of the plain forward's positions
+  (``sharing_pays``);
 - gradient checkpointing (transformers turns the cache off under it);
 - a model wrapped for data parallelism (two forward calls before one backward confuse DDP's
   gradient reducer).
@@ -30,10 +32,37 @@ import torch
 
 from trainer_client.logprobs import chunked_completion_logprobs
 
+ACCELERATOR_MIN_SKIPPED = 0.5
+"""On a GPU the shared forward pays only where it skips at least this share of the plain
+forward's positions. Measured on an H200 (Qwen2.5-0.5B's shape, bf16, 4 prompts x 8, a whole
+trainer step; ``benchmarks/bench_trainer_step.py``, README "On a GPU"): 1024-token prompts
+before 256-token completions (70% skipped) took 239 ms shared against 368 ms plain; 128 + 512
+(17% skipped) 337 against 272 ms, and 34 + 32 (45% skipped) 175 against 97 ms. There the
+step is not the math alone: the shared forward is two model calls (twice the kernel
+launches), copies each prompt's KV cache to its samples, and runs the completions' attention
+with an explicit mask over the cache instead of the causal kernel. On a CPU the math is the
+step, and every skipped position counts (34 + 32 on the benchmark model: 290 -> 175 ms)."""
+
 
 def prompts_are_shared(inputs: dict[str, Any]) -> bool:
     """Whether the batch has fewer distinct prompts than samples (so sharing saves work)."""
     return inputs["prompt_ids"].shape[0] < inputs["completion_ids"].shape[0]
+
+
+def skipped_fraction(inputs: dict[str, Any]) -> float:
+    """The share of the plain forward's positions (samples x (prompt + completion width)) that
+    running each distinct prompt once skips."""
+    prompts, prompt_width = inputs["prompt_ids"].shape
+    samples, completion_width = inputs["completion_ids"].shape
+    return (samples - prompts) * prompt_width / (samples * (prompt_width + completion_width))
+
+
+def sharing_pays(inputs: dict[str, Any], device_type: str) -> bool:
+    """Whether the shared forward is the faster one for this batch on a ``device_type`` device:
+    on a CPU whenever a prompt repeats, elsewhere from ``ACCELERATOR_MIN_SKIPPED`` on."""
+    if not prompts_are_shared(inputs):
+        return False
+    return device_type == "cpu" or skipped_fraction(inputs) >= ACCELERATOR_MIN_SKIPPED
 
 
 def shared_prompt_logprobs(

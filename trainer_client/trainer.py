@@ -80,8 +80,10 @@ class AsyncGRPOConfig(TrainingArguments):
     share_prompt_forward: bool = True
     """Run each distinct prompt of a batch through the model once and the completions on its
     cache (``prompt_sharing``): same log-probs and gradients, a step of the benchmark model
-    290 -> 175 ms. Off, or under gradient checkpointing or data parallelism, every sample
-    runs its own prompt."""
+    290 -> 175 ms on a CPU. On a GPU a batch shares only where that skips at least half of
+    the plain forward's positions (``prompt_sharing.sharing_pays``): below, it was slower.
+    Off, or under gradient checkpointing or data parallelism, every sample runs its own
+    prompt."""
     stream_credits: int = 0
     """Groups the service may send ahead of acks; 0 means one step's worth (groups are fetched
     when the step starts and acked when it ends; the next step's arrive during the push). More

@@ -20,7 +20,7 @@ from rollout_api import rollout_pb2 as pb
 from trainer_client.batches import GroupCollator, completion_logprobs
 from trainer_client.loss_config import LossConfig
 from trainer_client.losses import compute_loss
-from trainer_client.prompt_sharing import prompts_are_shared
+from trainer_client.prompt_sharing import prompts_are_shared, sharing_pays, skipped_fraction
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,6 +115,58 @@ def test_every_sample_with_its_own_prompt_takes_the_plain_forward() -> None:
     items = [grouped_samples(seed)[0] for seed in range(3)]
     inputs = GroupCollator(PAD_ID)(items)
     assert inputs["prompt_ids"].shape[0] == 3 and not prompts_are_shared(inputs)
+
+
+def shaped_batch(prompts: int, group_size: int, prompt_width: int, completion_width: int) -> dict:
+    """Only the shapes ``sharing_pays`` reads."""
+    samples = prompts * group_size
+    return {
+        "prompt_ids": torch.zeros(prompts, prompt_width, dtype=torch.long),
+        "completion_ids": torch.zeros(samples, completion_width, dtype=torch.long),
+    }
+
+
+def test_on_a_cpu_any_repeated_prompt_is_shared() -> None:
+    assert sharing_pays(shaped_batch(4, 8, 34, 32), "cpu")
+    assert sharing_pays(shaped_batch(4, 8, 16, 2048), "cpu")
+    assert not sharing_pays(shaped_batch(4, 1, 1024, 16), "cpu")  # nothing repeats
+
+
+@pytest.mark.parametrize(
+    ("prompt_width", "completion_width", "skipped", "shared"),
+    [(1024, 256, 0.70, True), (34, 32, 0.45, False), (128, 512, 0.175, False)],  # the H200 sitting's shapes
+)
+def test_on_a_gpu_only_batches_mostly_of_prompts_are_shared(
+    prompt_width: int, completion_width: int, skipped: float, shared: bool
+) -> None:
+    batch = shaped_batch(4, 8, prompt_width, completion_width)
+    assert skipped_fraction(batch) == pytest.approx(skipped, abs=0.005)
+    assert sharing_pays(batch, "cuda") is shared
+
+
+def test_completion_logprobs_asks_the_batch_device_whether_sharing_pays(model: Qwen2ForCausalLM) -> None:
+    """The rule above is wired in: the same batch shares on a CPU, and takes the plain forward
+    when its prompts sit on another device (``meta`` here, standing in for a GPU)."""
+    inputs = GroupCollator(PAD_ID)(grouped_samples())
+    assert 0 < skipped_fraction(inputs) < 0.5
+    forwards: list[str] = []
+
+    class Recording(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, **kwargs):  # type: ignore[no-untyped-def]
+            forwards.append("with cache" if kwargs.get("use_cache") else "plain")
+            return self.inner(**kwargs)
+
+    head = model.get_output_embeddings().weight
+    completion_logprobs(Recording(), inputs, head, share_prompts=True)
+    assert forwards == ["with cache", "with cache"]  # the prompts once, then the completions on them
+    forwards.clear()
+    elsewhere = {**inputs, "prompt_ids": inputs["prompt_ids"].to("meta")}
+    completion_logprobs(Recording(), elsewhere, head, share_prompts=True)
+    assert forwards == ["plain"]
 
 
 def test_the_trainer_shares_prompts_unless_checkpointing(model: Qwen2ForCausalLM, tmp_path: Path) -> None:
