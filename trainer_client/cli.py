@@ -106,7 +106,13 @@ def main(
     lora_serving: Annotated[
         str, typer.Option(help="merged: push base+adapter weights; adapter: vLLM serves the run's adapter")
     ] = "merged",
-    max_buffered_groups: Annotated[int, typer.Option(help="Service-side buffer of the run")] = 8,
+    max_buffered_groups: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Service-side buffer of the run in groups (0: --max-staleness x --groups-per-step, at least one step)",
+        ),
+    ] = 0,
     max_inflight: Annotated[
         int, typer.Option(min=0, help="Episodes of the run generating at once (0: the service's slots)")
     ] = 0,

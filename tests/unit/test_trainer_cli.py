@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trainer_client.cli import app, main
-from trainer_client.train import cpu_training_config
+from trainer_client.train import RunOptions, buffered_groups, cpu_training_config
 from trainer_client.trainer import AsyncGRPOConfig
 
 
@@ -39,6 +39,22 @@ def test_the_cli_the_demo_and_the_config_class_default_to_the_same_staleness(tmp
     change of the default must reach all three places."""
     cli_default = inspect.signature(main).parameters["max_staleness"].default
     assert cli_default == cpu_training_config(tmp_path, 1).max_staleness == AsyncGRPOConfig.max_staleness == 2
+
+
+@pytest.mark.parametrize(
+    ("requested", "max_staleness", "groups_per_step", "buffer"),
+    [(0, 2, 8, 16), (0, 2, 4, 8), (0, 3, 4, 12), (0, 0, 4, 4), (0, 1, 8, 8), (5, 2, 8, 5)],
+)
+def test_the_run_buffer_holds_what_staleness_lets_start(
+    requested: int, max_staleness: int, groups_per_step: int, buffer: int
+) -> None:
+    """Staleness admission starts up to max_staleness steps' worth of groups ahead of the step
+    being trained; the default buffer holds them all (a fixed 8 held one step's at 8 a step)."""
+    assert buffered_groups(requested, max_staleness, groups_per_step) == buffer
+
+
+def test_the_cli_and_run_options_leave_the_buffer_to_staleness() -> None:
+    assert inspect.signature(main).parameters["max_buffered_groups"].default == 0 == RunOptions.max_buffered_groups
 
 
 def test_none_turns_the_correction_off(tmp_path: Path) -> None:
