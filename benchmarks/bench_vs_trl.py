@@ -250,6 +250,10 @@ def core_seconds_per_step(before: dict[str, float], after: dict[str, float], ste
     return {part: (after[part] - before.get(part, 0.0)) / steps for part in after}
 
 
+ENGINE_STEPS_SERIES = re.compile(r"^vllm:iteration_tokens_total_(count|sum)(?:\{.*\})? (\S+)", re.MULTILINE)
+"""The count and sum of vLLM's tokens-per-engine-step histogram, one series per engine."""
+
+
 async def engine_steps(url: str) -> tuple[float, float]:
     """(engine steps, tokens they scheduled) a vLLM server has run so far, from its
     ``vllm:iteration_tokens_total`` histogram: tokens per engine step is the decode batch, and
@@ -260,13 +264,10 @@ async def engine_steps(url: str) -> tuple[float, float]:
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/metrics") as response:
         text = await response.text()
-    totals = {"_count": 0.0, "_sum": 0.0}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        for suffix in totals:
-            if name.startswith("vllm:iteration_tokens_total" + suffix):
-                totals[suffix] += float(value.split()[0])
-    return totals["_count"], totals["_sum"]
+    totals = {"count": 0.0, "sum": 0.0}
+    for match in ENGINE_STEPS_SERIES.finditer(text):
+        totals[match.group(1)] += float(match.group(2))
+    return totals["count"], totals["sum"]
 
 
 def engine_steps_per_step(before: tuple[float, float], after: tuple[float, float], steps: float) -> dict[str, float]:
@@ -748,7 +749,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--service", help="generate-alone: the rollout service's address")
     parser.add_argument("--engine-url", help="generate-alone: the vLLM server's address (its engine steps)")
     parser.add_argument("--one-step-in-flight", action="store_true", help="generate-alone: one step's groups at a time")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.mode == "generate-alone" and not (args.service and args.engine_url):
+        parser.error("generate-alone needs --service and --engine-url")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

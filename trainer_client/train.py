@@ -168,10 +168,11 @@ def cpu_training_config(
 
 def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) -> int:
     """The run's service-side buffer: ``requested``, or for 0 ``max_staleness`` steps' worth
-    of groups (one step's at 0). Staleness admission lets that many start ahead of the step
-    being trained (``rollout_service.delivery.admission``); a smaller buffer would silently
-    cap it. A fixed 8 did: at 8 groups a step, ``max_staleness`` 2 generated one step ahead,
-    not two, and in the benchmark (4 groups a step) 3 was no different from 2."""
+    of groups (one step's at 0; ``groups_per_step`` counts every data-parallel rank's).
+    Staleness admission lets that many start ahead of the step being trained
+    (``rollout_service.delivery.admission``); a smaller buffer would silently cap it. A fixed
+    8 did: at 8 groups a step, ``max_staleness`` 2 generated one step ahead, not two, and in
+    the benchmark (4 groups a step) 3 was no different from 2."""
     return requested or max(1, max_staleness) * groups_per_step
 
 
@@ -185,8 +186,8 @@ async def _create_run(
             group_size=config.group_size,
             max_tokens=options.max_tokens,
             max_staleness=config.max_staleness,
-            max_buffered_groups=buffered_groups(
-                options.max_buffered_groups, config.max_staleness, config.groups_per_step
+            max_buffered_groups=buffered_groups(  # every data-parallel rank trains its own groups
+                options.max_buffered_groups, config.max_staleness, config.groups_per_step * config.world_size
             ),
             max_inflight=options.max_inflight,
             group_deadline_seconds=options.group_deadline_s,
