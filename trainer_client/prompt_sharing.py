@@ -37,7 +37,10 @@ ACCELERATOR_MIN_SKIPPED = 0.5
 forward's positions. Measured on an H200 (Qwen2.5-0.5B's shape, bf16, 4 prompts x 8, a whole
 trainer step; ``benchmarks/bench_trainer_step.py``, README "On a GPU"): 1024-token prompts
 before 256-token completions (70% skipped) took 239 ms shared against 368 ms plain; 128 + 512
-(17% skipped) 337 against 272 ms, and 34 + 32 (45% skipped) 175 against 97 ms. There the
+(17% skipped) 337 against 272 ms, and 34 + 32 (45% skipped) 175 against 97 ms. The break-even
+moves with the model: at 384 + 256 (52% skipped) sharing took 260 against 218 ms on that
+shape, but 377 against 466 ms on Qwen2.5-1.5B's; that 0.5B batch is the rule's one miss in
+the nine measured (the old default, always sharing, missed six, by up to 1.9x). There the
 step is not the math alone: the shared forward is two model calls (twice the kernel
 launches), copies each prompt's KV cache to its samples, and runs the completions' attention
 with an explicit mask over the cache instead of the causal kernel. On a CPU the math is the
