@@ -44,7 +44,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 
-from trainer_client.batches import GroupCollator, completion_logprobs, forward_completion_logprobs
+from trainer_client.batches import (
+    GroupCollator,
+    completion_logprobs,
+    forward_completion_logprobs,
+    output_embedding_weight,
+)
 from trainer_client.loss_config import LossConfig
 from trainer_client.losses import compute_loss
 from trainer_client.prompt_sharing import shared_prompt_logprobs, sharing_pays, skipped_fraction
@@ -90,10 +95,11 @@ def synthetic_batch(args: argparse.Namespace, vocab: int, generator: torch.Gener
 def log_prob_path(name: str, chunk_size: int) -> Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor]:
     if name == "full logits":
         return lambda model, inputs: forward_completion_logprobs(model, inputs)
-    head = lambda model: model.get_output_embeddings().weight  # noqa: E731
     if name == "chunked":
-        return lambda model, inputs: completion_logprobs(model, inputs, head(model), chunk_size, share_prompts=False)
-    return lambda model, inputs: shared_prompt_logprobs(model, inputs, head(model), chunk_size)
+        return lambda model, inputs: completion_logprobs(
+            model, inputs, output_embedding_weight(model), chunk_size, share_prompts=False
+        )
+    return lambda model, inputs: shared_prompt_logprobs(model, inputs, output_embedding_weight(model), chunk_size)
 
 
 def time_path(args: argparse.Namespace, model: torch.nn.Module, batch: dict[str, Any], name: str) -> dict[str, Any]:
