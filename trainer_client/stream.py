@@ -212,6 +212,9 @@ class GroupFeed:
                 except Exception as exc:
                     if not unavailable(exc) or not self.reconnect_s:
                         raise
+                    # The call is over; this ends its request side, which would otherwise
+                    # wait on the outbox until exit ("Task was destroyed but it is pending").
+                    await stream.aclose(timeout_s=1)
                     stream = await self._reconnect(exc)
         except BaseException as exc:  # the trainer thread must see why the stream ended
             self._groups.put_nowait(exc)

@@ -303,6 +303,7 @@ async def _attach_weights(
         stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
     if service.weight_sync is not None:
         await service.weight_sync.prefetch_world_sizes()
+        await service.weight_sync.release_left_transfer()
         await service.weight_sync.resume_left_paused()
 
 

@@ -33,6 +33,7 @@ class WeightControl(Protocol):
     async def update_weights(self, update_info: dict[str, Any], timeout_s: float) -> None: ...
     async def finish_weight_update(self, version: str, timeout_s: float) -> None: ...
     async def reset_prefix_cache(self, timeout_s: float) -> None: ...
+    async def shutdown_weight_transfer(self, timeout_s: float) -> None: ...
 
 
 class AdapterControl(Protocol):
@@ -117,6 +118,11 @@ class VLLMControlClient:
 
     async def reset_prefix_cache(self, timeout_s: float) -> None:
         await self._call("POST", "/reset_prefix_cache", timeout_s)
+
+    async def shutdown_weight_transfer(self, timeout_s: float) -> None:
+        """Drop the workers' side of the transfer group (inference goes on); vLLM refuses it
+        while a weight update is active."""
+        await self._call("POST", "/shutdown_weight_transfer_engine", timeout_s)
 
     async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> None:
         """Needs the server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True."""

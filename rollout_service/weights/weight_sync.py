@@ -470,6 +470,36 @@ class WeightSyncCoordinator:
                 resumed.append(server.base_url)
         return resumed
 
+    async def release_left_transfer(self) -> list[str]:
+        """At start-up: drop the servers' side of a transfer group a previous service left
+        open; returns the URLs of the servers that answered.
+
+        Why: a service that dies between a begin and the servers' receive leaves the
+        trainer's broadcast waiting on workers that will never receive, and gloo holds it
+        until the group's timeout (minutes), the trainer with it. Dropping the workers'
+        side fails that broadcast at once; the trainer's push fails, it reconnects, and its
+        next push joins afresh (a new service's first update always joins). vLLM refuses to
+        release the group mid-update, so an update the dead service started is finished
+        first, which applies nothing that was not received."""
+        answered = await asyncio.gather(*(self._release_transfer(server) for server in self.servers))
+        return [server.base_url for server, ok in zip(self.servers, answered, strict=True) if ok]
+
+    async def _release_transfer(self, server: WeightControl) -> bool:
+        timeout = self.settings.control_timeout_s
+        try:
+            try:
+                await server.shutdown_weight_transfer(timeout)
+            except WeightSyncError as exc:
+                if "weight update" not in str(exc):
+                    raise
+                logger.warning("%s was left in an unfinished weight update (a restart?); closing it", server.base_url)
+                await server.finish_weight_update(str(self.version), timeout)
+                await server.shutdown_weight_transfer(timeout)
+        except WeightSyncError as exc:
+            logger.info("could not release %s's weight-transfer group: %s", server.base_url, exc)
+            return False
+        return True
+
     def paused_seconds(self) -> float:
         """Seconds generation was paused for updates since start; one in progress counts up to now."""
         current = self._current

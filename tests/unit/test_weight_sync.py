@@ -24,6 +24,7 @@ STEP_SECONDS = {
     "finish_weight_update": 5.0,
     "reset_prefix_cache": 6.0,
     "resume": 7.0,
+    "shutdown_weight_transfer": 0.0,
 }
 TENSORS = [TensorSpec("w", "float32", (2,))]
 
@@ -87,6 +88,9 @@ class ScriptedControl:
 
     async def reset_prefix_cache(self, timeout_s: float) -> None:
         await self._step("reset_prefix_cache")
+
+    async def shutdown_weight_transfer(self, timeout_s: float) -> None:
+        await self._step("shutdown_weight_transfer")
 
     async def resume(self, timeout_s: float) -> None:
         await self._step("resume")
@@ -229,6 +233,27 @@ async def test_servers_left_paused_by_a_dead_service_are_resumed_at_start() -> N
     try:
         assert await sync.resume_left_paused() == ["http://left"]
         assert not left.paused and running.resumes == 0
+    finally:
+        await sync.close()
+
+
+async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() -> None:
+    """Its trainer's broadcast waits on that group; vLLM refuses to release it mid-update,
+    so an update left active is finished first. A server that cannot answer is skipped."""
+    clock = Clock()
+    idle, mid_update, down = ScriptedControl(clock), ScriptedControl(clock), ScriptedControl(clock)
+    idle.base_url, mid_update.base_url, down.base_url = "http://idle", "http://mid-update", "http://down"
+    mid_update.fail_once["shutdown_weight_transfer"] = WeightSyncError(
+        mid_update.base_url, "/shutdown_weight_transfer_engine",
+        "HTTP 500: Cannot release a trainer connection during a weight update",
+    )  # fmt: skip
+    down.fail = "shutdown_weight_transfer"
+    sync = WeightSyncCoordinator([idle, mid_update, down], WeightSyncSettings(), lambda _: None)
+    try:
+        assert await sync.release_left_transfer() == ["http://idle", "http://mid-update"]
+        assert idle.calls == ["shutdown_weight_transfer"]
+        assert mid_update.calls == ["shutdown_weight_transfer", "finish_weight_update", "shutdown_weight_transfer"]
+        assert down.calls == ["shutdown_weight_transfer"]
     finally:
         await sync.close()
 

@@ -1,7 +1,8 @@
 """The service is SIGKILLed in the middle of a weight update and started again against the
 same vLLM server: the update that never committed leaves no trace (vLLM serves the old
 weights, and is not left paused), and a new trainer trains through the new service with
-no group lost or trained twice."""
+no group lost or trained twice. A trainer whose broadcast waits on the dead service's
+group is freed when the new service starts, not minutes later at gloo's timeout."""
 
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
+from rollout_service.edge.app import running_service
+from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.managed import free_port
-from tests.integration.conftest import restore_base_weights, serving
+from rollout_service.weights.update_messages import init_info
+from tests.integration.conftest import restore_base_weights, service_settings, serving
 from tests.integration.test_shared_capacity import start, trainer_command
 from tests.integration.test_weight_sync import perturbed, vllm_matches
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.weight_push import WeightPusher, tensor_meta
+from trainer_client.weights import GlooWeightSender
 
 pytestmark = pytest.mark.integration
 
@@ -101,3 +106,39 @@ async def test_a_service_killed_mid_update_restarts_against_the_same_vllm(
             assert stats.groups_trained == len(trained) and stats.groups_leased == 0
             assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + stats.groups_buffered
             await restore_base_weights(client, summary["run_id"], tiny_model)
+
+
+@pytest.mark.timeout(300)
+async def test_a_new_service_frees_a_broadcast_waiting_on_the_group_a_dead_one_left(
+    vllm_server, tiny_model: Path
+) -> None:
+    """What a service killed between its begin and vLLM's receive leaves: vLLM's workers in
+    the trainer's group, an update started, and the trainer broadcasting to workers that
+    will never receive (gloo would hold it for the group's 120 s). Here the test plays the
+    dead service; a real one then starts on the same vLLM server."""
+    base_model = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    control = VLLMControlClient(vllm_server.url)
+    await control.start()
+    try:
+        world = 1 + await control.world_size(30)
+        sender = GlooWeightSender("127.0.0.1", free_port(), world, timeout_s=120)
+        info = init_info("gloo", "127.0.0.1", sender.master_port, 1, world, 120, epoch=1)
+        await asyncio.gather(control.init_weight_transfer(info, 60), asyncio.to_thread(sender.connect, 1, world))
+        await control.start_weight_update(30)
+    finally:
+        await control.close()
+    named = list(perturbed(base_model).named_parameters())
+    broadcast = asyncio.ensure_future(asyncio.to_thread(sender.broadcast, named))
+    try:
+        done, _ = await asyncio.wait({broadcast}, timeout=1)
+        assert not done, "the broadcast should wait: no worker receives it"
+        async with running_service(service_settings([vllm_server.url], tiny_model)) as service:
+            with pytest.raises(RuntimeError, match="Connection closed"):
+                await asyncio.wait_for(broadcast, 30)  # freed at the service's start
+            async with RolloutClient(service.grpc_target, timeout_s=30) as client:
+                run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2))
+                await restore_base_weights(client, run.run_id, tiny_model)  # its first push joins afresh
+                assert (await client.get_run(run.run_id)).policy_version == 1
+        assert await vllm_matches(vllm_server.url, base_model) <= 1e-4  # the unreceived weights were never applied
+    finally:
+        sender.close()

@@ -83,24 +83,31 @@ async def test_a_service_killed_mid_run_restarts_on_its_store_and_the_trainer_go
             assert unacked_at_kill and acked_at_kill and version_at_kill >= 1
 
             with durable_service(vllm_server.url, tiny_model, port, store, tmp_path / "second.log"):
-                await asyncio.wait_for(trainer.wait(), 300)  # it reconnects to the restarted service
-                assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-                assert "reconnected to" in (tmp_path / "trainer.log").read_text()
-                summary = json.loads((out / "summary.json").read_text())
-                assert summary["run_id"] == run_id  # the same run, restored
-                trained = json.loads((out / "rank0.json").read_text())["trained_group_ids"]
-                assert len(trained) == len(set(trained)) == STEPS * GROUPS_PER_STEP  # none twice
-                unacked_now, acked_now, version_now = stored(store)
-                # No group lost: every group that was unacked at the kill was trained, or acked
-                # (dropped as stale), or is still buffered.
-                assert unacked_at_kill <= set(trained) | acked_now | unacked_now
-                versions = [r["policy_version"] for r in records(out / "metrics.jsonl")]
-                assert versions == sorted(versions) and version_now > version_at_kill  # pushes went on
-                async with RolloutClient(target) as client:
-                    run = await client.get_run(run_id)
-                    assert run.policy_version == version_now
-                    await restore_base_weights(client, run_id, tiny_model)
+                try:
+                    await asyncio.wait_for(trainer.wait(), 300)  # it reconnects to the restarted service
+                    assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+                    assert "reconnected to" in (tmp_path / "trainer.log").read_text()
+                    summary = json.loads((out / "summary.json").read_text())
+                    assert summary["run_id"] == run_id  # the same run, restored
+                    trained = json.loads((out / "rank0.json").read_text())["trained_group_ids"]
+                    assert len(trained) == len(set(trained)) == STEPS * GROUPS_PER_STEP  # none twice
+                    unacked_now, acked_now, version_now = stored(store)
+                    # No group lost: every group that was unacked at the kill was trained, or acked
+                    # (dropped as stale), or is still buffered.
+                    assert unacked_at_kill <= set(trained) | acked_now | unacked_now
+                    versions = [r["policy_version"] for r in records(out / "metrics.jsonl")]
+                    assert versions == sorted(versions) and version_now > version_at_kill  # pushes went on
+                    async with RolloutClient(target) as client:
+                        assert (await client.get_run(run_id)).policy_version == version_now
+                finally:  # pass or fail, the tests after this one sample from the base weights
+                    kill_if_running(trainer)
+                    async with RolloutClient(target) as client:
+                        await restore_base_weights(client, run_id, tiny_model)
         finally:
-            if trainer.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(trainer.pid, signal.SIGKILL)
+            kill_if_running(trainer)
+
+
+def kill_if_running(trainer: asyncio.subprocess.Process) -> None:
+    if trainer.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer.pid, signal.SIGKILL)
