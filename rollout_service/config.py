@@ -22,6 +22,18 @@ from rollout_service.engine.control import PauseModeName
 DEFAULT_MODEL_DIR = Path("models/tiny-qwen2")
 DEFAULT_WEIGHT_TRANSFER_BACKEND = "gloo"
 """This project's vLLM weight-transfer engine for CPU servers (``vllm_gloo_transfer``)."""
+APPLIES_AT_FINISH = frozenset({"gloo"})
+"""Weight-transfer backends whose server side leaves the model alone until
+finish_weight_update: the only ones under which generation may go on during an update."""
+
+
+def no_pause_refused(backend: str) -> str:
+    """Why pause mode none is refused on ``backend``, and what to use instead."""
+    return (
+        f"pause mode none needs a weight-transfer backend that applies the weights at finish "
+        f"({', '.join(sorted(APPLIES_AT_FINISH))}); on {backend!r}, vLLM reloads the model layer by "
+        "layer from start_weight_update, so generation must pause: use keep, abort or wait"
+    )
 
 
 class Section(BaseModel):
@@ -250,12 +262,16 @@ class WeightSyncSettings(Section):
     group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""
     control_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on each pause, resume, start, finish and prefix-cache reset call."""
-    pause_mode: PauseModeName = "none"
-    """Default for in-flight requests during an update (see the proto's PauseMode). none
-    does not pause: requests go on and their later tokens come from the new weights. keep
-    freezes them, but vLLM's pause preempts every running request, which then recomputes
-    its KV cache: on the 2-core benchmark none reached the target in 0.83x TRL's time
-    against keep's 0.95x, in as many steps."""
+    pause_mode: PauseModeName | None = None
+    """Default for in-flight requests during an update (see the proto's PauseMode); unset:
+    none on the gloo backend, keep on any other (``default_pause_mode``). none does not
+    pause: requests go on and their later tokens come from the new weights. keep freezes
+    them, but vLLM's pause preempts every running request, which then recomputes its KV
+    cache: on the 2-core benchmark none reached the target in 0.83x TRL's time against
+    keep's 0.95x, in as many steps. none needs an engine that touches the model only at
+    finish, as ``vllm_gloo_transfer`` does; vLLM's nccl engine starts a layerwise reload at
+    start_weight_update that moves the model's layers to the meta device until finish, so
+    nothing may generate in between."""
     eval_hold_timeout_s: float = Field(default=60.0, gt=0)
     """Longest a weight update waits for evaluation runs holding the current policy version
     (``weights.version_holds``); then those evaluations stop with what they scored and the
@@ -272,6 +288,18 @@ class WeightSyncSettings(Section):
     full-weight trainers on one pool. Off: one full-weight run pushes the pool's base weights
     at a time. Adapter runs still share every server; evaluation runs are refused while it
     is on."""
+
+    @model_validator(mode="after")
+    def _pause_mode_fits_backend(self) -> WeightSyncSettings:
+        if self.pause_mode == "none" and self.backend not in APPLIES_AT_FINISH:
+            raise ValueError(no_pause_refused(self.backend))
+        return self
+
+    def default_pause_mode(self) -> PauseModeName:
+        """``pause_mode``, or the backend's safe default where it is unset."""
+        if self.pause_mode is not None:
+            return self.pause_mode
+        return "none" if self.backend in APPLIES_AT_FINISH else "keep"
 
 
 class PrincipalSettings(Section):

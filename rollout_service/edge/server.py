@@ -290,7 +290,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._check_push(request.run_id, request.trainer_address, context)
         sync = await self.service.weight_sync_for_push(request.run_id)
         if request.pause_mode == pb.PAUSE_MODE_UNSPECIFIED:
-            mode = sync.settings.pause_mode
+            mode = sync.settings.default_pause_mode()
         elif request.pause_mode in PAUSE_MODE_FROM_PB:
             mode = PAUSE_MODE_FROM_PB[request.pause_mode]
         else:

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_service.config import WeightSyncSettings
+from rollout_service.config import APPLIES_AT_FINISH, WeightSyncSettings, no_pause_refused
 from rollout_service.engine.control import PauseModeName, WeightControl, WeightSyncError
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
@@ -120,6 +120,8 @@ class WeightSyncCoordinator:
         self, run_id: str, trainer_address: str, trainer_port: int, tensors: list[TensorSpec], mode: PauseModeName
     ) -> UpdateTicket:
         validate_begin(trainer_address, trainer_port, tensors)
+        if mode == "none" and self.settings.backend not in APPLIES_AT_FINISH:
+            raise FailedPrecondition(no_pause_refused(self.settings.backend))
         async with self._lock:
             if self._current is not None:
                 raise FailedPrecondition(

@@ -56,3 +56,14 @@ def test_unknown_nested_keys_are_errors_that_name_them(nested: dict, typo: str, 
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
     load_settings(path)
+
+
+def test_the_default_pause_mode_follows_the_backend() -> None:
+    """No pause on gloo, whose engine applies at finish; keep on nccl, whose engine moves the
+    model's layers to the meta device from start_weight_update to finish."""
+    assert load_settings().weight_sync.default_pause_mode() == "none"
+    assert load_settings(weight_sync={"backend": "nccl"}).weight_sync.default_pause_mode() == "keep"
+    chosen = load_settings(weight_sync={"backend": "nccl", "pause_mode": "abort"})
+    assert chosen.weight_sync.default_pause_mode() == "abort"
+    with pytest.raises(ValueError, match=r"pause mode none needs .* use keep, abort or wait"):
+        load_settings(weight_sync={"backend": "nccl", "pause_mode": "none"})

@@ -258,6 +258,18 @@ async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() 
         await sync.close()
 
 
+async def test_an_update_without_pause_is_refused_where_the_engine_reloads_from_start() -> None:
+    clock = Clock()
+    server = ScriptedControl(clock)
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(backend="nccl"), lambda _: None)
+    try:
+        with pytest.raises(FailedPrecondition, match="generation must pause"):
+            await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        assert server.calls == []
+    finally:
+        await sync.close()
+
+
 class SlowTransfer(ScriptedControl):
     """A transfer that takes real time (a large model), during which nothing else happens."""
 
