@@ -110,6 +110,9 @@ class WeightSyncCoordinator:
         # a join its predecessor made through the same long-lived store (a reconnecting trainer).
         self._epoch = time.time_ns() // 1_000_000 % 2**31
         self._world_sizes: list[int] | None = None
+        self._prestarting: asyncio.Task[set[str]] | None = None
+        """Started after a commit (``WeightSyncSettings.prestart``): the servers, by URL, where
+        it opened the next update."""
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stuck_paused: set[str] = set()
@@ -212,8 +215,47 @@ class WeightSyncCoordinator:
         await self._phase(update, "transfer", self._transfer(update_info, control_s, transfer_s, join))
 
     async def _transfer(self, update_info: dict[str, Any], control_s: float, transfer_s: float, join: bool) -> None:
-        await asyncio.gather(*(self._start(server, control_s, join) for server in self.servers))
+        prestarted = await self._take_prestarted()
+        # A join follows a change of servers or a failure: each is started (or closed and
+        # started again, ``_start``) rather than trusted to hold the pre-started update.
+        starting = [server for server in self.servers if join or server.base_url not in prestarted]
+        await asyncio.gather(*(self._start(server, control_s, join) for server in starting))
         await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
+
+    def _prestart_next(self) -> None:
+        """After a commit: open the next update on every server now, off the next push's path."""
+        if self.settings.prestart and self.settings.backend in APPLIES_AT_FINISH:
+            self._prestarting = self._spawn(self._prestart(list(self.servers)))
+
+    async def _prestart(self, servers: list[WeightControl]) -> set[str]:
+        async def one(server: WeightControl) -> str | None:
+            try:
+                await server.start_weight_update(self.settings.control_timeout_s)
+            except WeightSyncError as exc:  # the next update starts it as usual
+                logger.info("could not open the next weight update on %s ahead: %s", server.base_url, exc)
+                return None
+            return server.base_url
+
+        return {url for url in await asyncio.gather(*(one(server) for server in servers)) if url is not None}
+
+    async def _close_prestarted(self) -> None:
+        """At shutdown: finish the update opened ahead (it applies nothing), so the servers
+        are left as they were found, for the next service or any other client."""
+        timeout = self.settings.control_timeout_s
+        try:
+            opened = await asyncio.wait_for(self._take_prestarted(), timeout)
+        except (TimeoutError, asyncio.CancelledError):
+            return
+        for server in self.servers:
+            if server.base_url in opened:
+                try:
+                    await server.finish_weight_update(str(self.version), timeout)
+                except WeightSyncError as exc:
+                    logger.info("could not close the update opened ahead on %s: %s", server.base_url, exc)
+
+    async def _take_prestarted(self) -> set[str]:
+        task, self._prestarting = self._prestarting, None
+        return set() if task is None else await task
 
     async def _start(self, server: WeightControl, control_s: float, join: bool) -> None:
         """``/start_weight_update``. A service that died between a transfer and its commit
@@ -307,6 +349,7 @@ class WeightSyncCoordinator:
             self._on_version(new_version)
             await self._resume(update)
             self._set_current(None)
+            self._prestart_next()
             self.updates_committed += 1
             self._finished(update, committed=True)
         seconds = self._clock() - update.started
@@ -494,7 +537,7 @@ class WeightSyncCoordinator:
             except WeightSyncError as exc:
                 if "weight update" not in str(exc):
                     raise
-                logger.warning("%s was left in an unfinished weight update (a restart?); closing it", server.base_url)
+                logger.info("closing the weight update a previous service left open on %s", server.base_url)
                 await server.finish_weight_update(str(self.version), timeout)
                 await server.shutdown_weight_transfer(timeout)
         except WeightSyncError as exc:
@@ -546,6 +589,7 @@ class WeightSyncCoordinator:
     async def close(self) -> None:
         if self._current is not None:
             await self._abort(self._current, "service shutting down")
+        await self._close_prestarted()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -155,13 +155,83 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(1 + 3 + 4 + 5))
     finally:
         await sync.close()
-    assert "pause" not in server.calls and "resume" not in server.calls
     # No prefix-cache reset by default: requests are salted by version, and vLLM refuses it
-    # while requests run.
-    assert server.calls[-1] == "finish_weight_update" and "reset_prefix_cache" not in server.calls
+    # while requests run. The commit opens the next update ahead (prestart); the shutdown
+    # closes it, leaving the server as it was found.
+    assert server.calls == [
+        "init_weight_transfer",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "start_weight_update",
+        "finish_weight_update",
+    ]
     times = sync.last_update
     assert times is not None and times.committed and "pause" not in times.phases
     assert times.paused_seconds == 0 and sync.paused_seconds() == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "opened_ahead"),
+    [
+        (WeightSyncSettings(), True),
+        (WeightSyncSettings(prestart=False), False),
+        (WeightSyncSettings(backend="nccl"), False),  # its start moves the model away: never ahead
+    ],
+    ids=["gloo", "prestart-off", "nccl"],
+)
+async def test_a_commit_opens_the_next_update_so_the_next_push_skips_its_start(
+    settings: WeightSyncSettings, opened_ahead: bool
+) -> None:
+    server = ScriptedControl(Clock())
+    sync = WeightSyncCoordinator([server], settings, lambda _: None)
+    mode = "none" if settings.backend == "gloo" else "keep"
+    try:
+        for expected_version in (1, 2):
+            ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, mode)
+            assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected_version
+        await asyncio.wait_for(sync._take_prestarted(), 5)  # the last commit's, for a stable record
+    finally:
+        await sync.close()
+    updates = [call for call in server.calls if call not in ("pause", "resume")]
+    if opened_ahead:
+        assert updates == [
+            "init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
+            "start_weight_update", "update_weights", "finish_weight_update",  # the second, opened ahead
+            "start_weight_update",
+        ]  # fmt: skip
+    else:
+        assert updates == [
+            "init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
+            "start_weight_update", "update_weights", "finish_weight_update",
+        ]  # fmt: skip
+
+
+async def test_a_join_does_not_trust_an_update_opened_ahead() -> None:
+    """A join follows a change of servers (one may be a fresh process without the open
+    update): each server is started, an update still open is closed first."""
+    server = ScriptedControl(Clock())
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        await asyncio.wait_for(sync.commit(ticket.update_id), 5)
+        sync.server_restarted()
+        server.calls.clear()
+        server.fail_once["start_weight_update"] = WeightSyncError(
+            server.base_url, "/start_weight_update", "HTTP 500: weight update is already active"
+        )
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 2
+    finally:
+        await sync.close()
+    assert server.calls[:6] == [
+        "init_weight_transfer",
+        "start_weight_update",  # already active: the one opened ahead
+        "finish_weight_update",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
 
 
 async def test_an_aborted_update_counts_its_pause_too() -> None:
