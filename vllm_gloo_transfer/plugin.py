@@ -90,6 +90,11 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     epoch: int = 0
     """Which join this is: keys of each join live under their own store prefix, so a trainer
     re-joining through the same long-lived store never meets a previous join's keys."""
+    leave: bool = False
+    """Join nothing: only drop the current group and any update received but not applied.
+    A restarted service sends it to clean up what its predecessor left (vLLM's own
+    /shutdown_weight_transfer_engine is refused mid-update, and finishing that update
+    first would apply weights the dead service never committed)."""
 
     def __post_init__(self) -> None:
         if self.rank_offset < 1:
@@ -149,6 +154,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.distributed.utils import get_tcp_uri
 
         self.shutdown()
+        if init_info.leave:
+            logger.info("left the gloo weight-transfer group; any update received but not applied is dropped")
+            return
         rank = self._worker_rank(init_info.rank_offset)
         logger.info(
             "joining gloo weight-transfer group at %s:%d as rank %d of %d",

@@ -88,3 +88,10 @@ def init_info(
     if backend == "gloo":
         info |= {"timeout_s": timeout_s, "epoch": epoch}
     return info
+
+
+def leave_info() -> dict[str, Any]:
+    """The gloo ``/init_weight_transfer_engine`` body that only leaves: the worker drops its
+    group and any update received but not applied (``vllm_gloo_transfer``'s ``leave``). The
+    address fields are placeholders its validation accepts; nothing connects to them."""
+    return {"master_address": "", "master_port": 0, "rank_offset": 1, "world_size": 2, "leave": True}

@@ -37,7 +37,14 @@ from rollout_service.config import APPLIES_AT_FINISH, WeightSyncSettings, no_pau
 from rollout_service.engine.control import PauseModeName, WeightControl, WeightSyncError
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.weights.update_messages import TensorSpec, UpdateTicket, UpdateTimes, init_info, validate_begin
+from rollout_service.weights.update_messages import (
+    TensorSpec,
+    UpdateTicket,
+    UpdateTimes,
+    init_info,
+    leave_info,
+    validate_begin,
+)
 from rollout_service.weights.version_holds import VersionHolds
 
 logger = logging.getLogger(__name__)
@@ -216,9 +223,9 @@ class WeightSyncCoordinator:
 
     async def _transfer(self, update_info: dict[str, Any], control_s: float, transfer_s: float, join: bool) -> None:
         prestarted = await self._take_prestarted()
-        # A join follows a change of servers or a failure: each is started (or closed and
-        # started again, ``_start``) rather than trusted to hold the pre-started update.
-        starting = [server for server in self.servers if join or server.base_url not in prestarted]
+        # Joins trust it too (a trainer's new port changes nothing in the servers): a
+        # restarted server drops the record (``server_restarted``), an added one is not in it.
+        starting = [server for server in self.servers if server.base_url not in prestarted]
         await asyncio.gather(*(self._start(server, control_s, join) for server in starting))
         await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
 
@@ -267,7 +274,9 @@ class WeightSyncCoordinator:
         except WeightSyncError as exc:
             if not join or "already active" not in str(exc):
                 raise
-            logger.warning("%s was left in an unfinished weight update (a restart?); closing it first", server.base_url)
+            # Opened ahead by this service (prestart) or left by a dead one; the join dropped
+            # whatever it had received, so finishing it applies nothing.
+            logger.info("%s has a weight update open; closing it before this one", server.base_url)
             await server.finish_weight_update(str(self.version), control_s)
             await server.start_weight_update(control_s)
 
@@ -411,8 +420,10 @@ class WeightSyncCoordinator:
 
     def server_restarted(self) -> None:
         """A server came back as a new process, outside the transfer group: the next update
-        joins a fresh group (an update in flight fails on the old process and aborts)."""
+        joins a fresh group (an update in flight fails on the old process and aborts), and
+        starts its update: the new process has none opened ahead."""
         self._group = None
+        self._prestarting = None
 
     async def abort(self, update_id: str, reason: str) -> int:
         update = self._get(update_id)
@@ -517,29 +528,32 @@ class WeightSyncCoordinator:
 
     async def release_left_transfer(self) -> list[str]:
         """At start-up: drop the servers' side of a transfer group a previous service left
-        open; returns the URLs of the servers that answered.
+        open, with any update it left started; returns the URLs of the servers that answered.
 
         Why: a service that dies between a begin and the servers' receive leaves the
         trainer's broadcast waiting on workers that will never receive, and gloo holds it
-        until the group's timeout (minutes), the trainer with it. Dropping the workers'
-        side fails that broadcast at once; the trainer's push fails, it reconnects, and its
-        next push joins afresh (a new service's first update always joins). vLLM refuses to
-        release the group mid-update, so an update the dead service started is finished
-        first, which applies nothing that was not received."""
+        until the group's timeout (minutes), the trainer with it. Dropping the workers' side
+        fails that broadcast at once; the trainer's push fails, it reconnects, and its next
+        push joins afresh (a new service's first update always joins). On gloo a leave-only
+        init drops the group and whatever the dead update received, so closing the update
+        after it applies nothing; other backends get vLLM's own release, which it refuses
+        mid-update (the next join closes such an update, ``_start``)."""
         answered = await asyncio.gather(*(self._release_transfer(server) for server in self.servers))
         return [server.base_url for server, ok in zip(self.servers, answered, strict=True) if ok]
 
     async def _release_transfer(self, server: WeightControl) -> bool:
         timeout = self.settings.control_timeout_s
         try:
+            if self.settings.backend != "gloo":
+                await server.shutdown_weight_transfer(timeout)
+                return True
+            await server.init_weight_transfer(leave_info(), timeout)
             try:
-                await server.shutdown_weight_transfer(timeout)
-            except WeightSyncError as exc:
-                if "weight update" not in str(exc):
-                    raise
-                logger.info("closing the weight update a previous service left open on %s", server.base_url)
                 await server.finish_weight_update(str(self.version), timeout)
-                await server.shutdown_weight_transfer(timeout)
+                logger.info("closed the weight update a previous service left open on %s", server.base_url)
+            except WeightSyncError as exc:
+                if "without a matching start" not in str(exc):
+                    raise
         except WeightSyncError as exc:
             logger.info("could not release %s's weight-transfer group: %s", server.base_url, exc)
             return False

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_service.weights.update_messages import init_info
+from rollout_service.weights.update_messages import init_info, leave_info
 from trainer_client.nccl_sender import NcclWeightSender, call_within
 from trainer_client.weight_push import WeightPusher, sender_for
 from trainer_client.weights import GlooWeightSender, free_port, rendezvous_uri
@@ -41,6 +41,11 @@ def test_nccl_servers_get_exactly_the_fields_vllms_engine_accepts() -> None:
 def test_gloo_servers_also_get_the_timeout_and_join_epoch() -> None:
     parsed = GlooWeightTransferInitInfo(**init_info("gloo", "127.0.0.1", 29500, 1, 2, timeout_s=12.5, epoch=7))
     assert (parsed.epoch, parsed.timeout_s) == (7, 12.5)
+
+
+def test_a_leave_only_init_parses_and_joins_nothing() -> None:
+    parsed = GlooWeightTransferInitInfo(**leave_info())
+    assert parsed.leave and not GlooWeightTransferInitInfo(**init_info("gloo", "h", 1, 1, 2, 30, 4)).leave
 
 
 def test_the_sender_follows_the_backend_the_service_reports() -> None:

@@ -207,9 +207,25 @@ async def test_a_commit_opens_the_next_update_so_the_next_push_skips_its_start(
         ]  # fmt: skip
 
 
-async def test_a_join_does_not_trust_an_update_opened_ahead() -> None:
-    """A join follows a change of servers (one may be a fresh process without the open
-    update): each server is started, an update still open is closed first."""
+async def test_a_trainer_that_joins_again_uses_the_update_opened_ahead() -> None:
+    """A new trainer port makes the next update a join; the servers are the same, so the
+    update opened ahead holds: no start (one vLLM call less on the join's path)."""
+    server = ScriptedControl(Clock())
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
+    try:
+        for port, expected_version in ((29500, 1), (29501, 2)):
+            ticket = await sync.begin("run", "127.0.0.1", port, TENSORS, "none")
+            assert ticket.join_group
+            assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected_version
+    finally:
+        await sync.close()
+    opened_ahead_then_joined = ["start_weight_update", "init_weight_transfer", "update_weights", "finish_weight_update"]
+    assert server.calls[4:8] == opened_ahead_then_joined
+
+
+async def test_after_a_server_restart_the_update_opened_ahead_is_not_trusted() -> None:
+    """The restarted server is a fresh process without the open update: the next update (a
+    join) starts every server, closing first an update still open."""
     server = ScriptedControl(Clock())
     sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
     try:
@@ -308,24 +324,33 @@ async def test_servers_left_paused_by_a_dead_service_are_resumed_at_start() -> N
 
 
 async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() -> None:
-    """Its trainer's broadcast waits on that group; vLLM refuses to release it mid-update,
-    so an update left active is finished first. A server that cannot answer is skipped."""
+    """Its trainer's broadcast waits on that group. On gloo a leave-only init drops the group
+    and anything received, then an update left open is finished (applying nothing); a server
+    with none open says so, one that cannot answer is skipped. Other backends get vLLM's own
+    release."""
     clock = Clock()
     idle, mid_update, down = ScriptedControl(clock), ScriptedControl(clock), ScriptedControl(clock)
     idle.base_url, mid_update.base_url, down.base_url = "http://idle", "http://mid-update", "http://down"
-    mid_update.fail_once["shutdown_weight_transfer"] = WeightSyncError(
-        mid_update.base_url, "/shutdown_weight_transfer_engine",
-        "HTTP 500: Cannot release a trainer connection during a weight update",
+    idle.fail_once["finish_weight_update"] = WeightSyncError(
+        idle.base_url, "/finish_weight_update",
+        "HTTP 500: finish_weight_update called without a matching start_weight_update.",
     )  # fmt: skip
-    down.fail = "shutdown_weight_transfer"
+    down.fail = "init_weight_transfer"
     sync = WeightSyncCoordinator([idle, mid_update, down], WeightSyncSettings(), lambda _: None)
     try:
         assert await sync.release_left_transfer() == ["http://idle", "http://mid-update"]
-        assert idle.calls == ["shutdown_weight_transfer"]
-        assert mid_update.calls == ["shutdown_weight_transfer", "finish_weight_update", "shutdown_weight_transfer"]
-        assert down.calls == ["shutdown_weight_transfer"]
     finally:
         await sync.close()
+    assert idle.calls == mid_update.calls == ["init_weight_transfer", "finish_weight_update"]
+    assert down.calls == ["init_weight_transfer"]
+
+    nccl_server = ScriptedControl(clock)
+    sync = WeightSyncCoordinator([nccl_server], WeightSyncSettings(backend="nccl"), lambda _: None)
+    try:
+        assert await sync.release_left_transfer() == [nccl_server.base_url]
+    finally:
+        await sync.close()
+    assert nccl_server.calls == ["shutdown_weight_transfer"]
 
 
 async def test_an_update_without_pause_is_refused_where_the_engine_reloads_from_start() -> None:
