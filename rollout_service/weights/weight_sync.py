@@ -251,7 +251,7 @@ class WeightSyncCoordinator:
         timeout = self.settings.control_timeout_s
         try:
             opened = await asyncio.wait_for(self._take_prestarted(), timeout)
-        except (TimeoutError, asyncio.CancelledError):
+        except TimeoutError:
             return
         for server in self.servers:
             if server.base_url in opened:

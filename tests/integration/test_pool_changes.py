@@ -12,10 +12,7 @@ needs a second.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from transformers import Qwen2ForCausalLM
 from rollout_api import rollout_pb2 as pb
 from rollout_service.edge.app import RunningService, running_service
 from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings
-from tests.integration.test_shared_capacity import _trained_steps, start, trainer_command
+from tests.integration.test_shared_capacity import _trained_steps, kill_if_running, start, trainer_command
 from tests.integration.test_stream import take_groups
 from tests.integration.test_weight_sync import vllm_completion, vllm_gauge, vllm_matches
 from tests.support import wait_until
@@ -132,9 +129,7 @@ async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing
 
                 await asyncio.wait_for(trainer.wait(), 400)
             finally:
-                if trainer.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(trainer.pid, signal.SIGKILL)
+                kill_if_running(trainer)
             assert trainer.returncode == 0, (tmp_path / "t.log").read_text()[-3000:]
             report = json.loads((out / "rank0.json").read_text())
             trained = report["trained_group_ids"]

@@ -103,6 +103,13 @@ async def start(command: list[str], log: Path, env: dict[str, str] | None = None
         return await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, start_new_session=True, env=env)
 
 
+def kill_if_running(trainer: asyncio.subprocess.Process) -> None:
+    """Cleanup for a trainer ``start`` made: SIGKILL its process group unless it has exited."""
+    if trainer.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer.pid, signal.SIGKILL)
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -168,8 +175,7 @@ async def test_admission_keeps_stale_drops_within_one_step(
     try:
         await asyncio.wait_for(trainer.wait(), 300)
     finally:
-        if trainer.returncode is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
+        kill_if_running(trainer)
     assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     async with RolloutClient(service_process) as client:

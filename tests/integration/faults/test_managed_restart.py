@@ -21,7 +21,7 @@ import pytest
 from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
-from tests.integration.test_shared_capacity import _trained_steps, start, trainer_command
+from tests.integration.test_shared_capacity import _trained_steps, kill_if_running, start, trainer_command
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
 
@@ -53,9 +53,7 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
             os.kill(old_pid, signal.SIGKILL)  # the API server only: its engine and worker are orphaned
             await asyncio.wait_for(trainer.wait(), 400)  # restart (about a minute), then the steps left
         finally:
-            if trainer.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(trainer.pid, signal.SIGKILL)
+            kill_if_running(trainer)
         log = (tmp_path / "t.log").read_text()
         assert trainer.returncode == 0, log[-3000:]
 

@@ -26,7 +26,7 @@ from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.engine.managed import free_port
 from rollout_service.weights.update_messages import init_info
 from tests.integration.conftest import restore_base_weights, service_settings, serving
-from tests.integration.test_shared_capacity import start, trainer_command
+from tests.integration.test_shared_capacity import kill_if_running, start, trainer_command
 from tests.integration.test_weight_sync import perturbed, vllm_matches
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
@@ -94,9 +94,7 @@ async def test_a_service_killed_mid_update_restarts_against_the_same_vllm(
         try:
             await asyncio.wait_for(trainer.wait(), 300)
         finally:
-            if trainer.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(trainer.pid, signal.SIGKILL)
+            kill_if_running(trainer)
         assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         trained = json.loads((out / "rank0.json").read_text())["trained_group_ids"]

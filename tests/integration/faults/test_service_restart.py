@@ -20,7 +20,7 @@ import pytest
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import restore_base_weights, serving
 from tests.integration.faults.test_service_killed_mid_update import service_process
-from tests.integration.test_shared_capacity import records, start, trainer_command
+from tests.integration.test_shared_capacity import kill_if_running, records, start, trainer_command
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
 
@@ -105,9 +105,3 @@ async def test_a_service_killed_mid_run_restarts_on_its_store_and_the_trainer_go
                         await restore_base_weights(client, run_id, tiny_model)
         finally:
             kill_if_running(trainer)
-
-
-def kill_if_running(trainer: asyncio.subprocess.Process) -> None:
-    if trainer.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(trainer.pid, signal.SIGKILL)
