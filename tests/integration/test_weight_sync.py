@@ -166,9 +166,9 @@ async def test_a_push_without_pause_lets_running_requests_go_on(sync_service, vl
     # below takes milliseconds against the long request's seconds
     assert await asyncio.wait_for(restore.push(list(base_model.named_parameters())), 60) == 1
     generated = vllm_gauge(vllm_server.url, "vllm:generation_tokens_total")
-    # 16 sequences of LONG tokens: seconds of generation on 2 cores, whatever else vLLM runs,
-    # against a push of a tenth of a second (one sequence alone once finished within a slow push)
-    long = asyncio.create_task(asyncio.to_thread(vllm_completion, vllm_server.url, 5, LONG, ignore_eos=True, n=16))
+    # 64 sequences of LONG tokens: about 10 s of generation on 2 cores, against a push of a
+    # tenth of a second (16 sequences, 3-5 s, once finished within the first tokens' wait)
+    long = asyncio.create_task(asyncio.to_thread(vllm_completion, vllm_server.url, 5, LONG, ignore_eos=True, n=64))
     # vLLM counts a preemption with a later step's stats: once 50 more tokens are counted,
     # the keep push's preemptions are in, and the counter moves only with new ones
     await wait_until(
@@ -177,9 +177,9 @@ async def test_a_push_without_pause_lets_running_requests_go_on(sync_service, vl
         "the long request to run",
     )
     preempted = await asyncio.to_thread(vllm_preemptions, vllm_server.url)
-    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8, pause_mode=pb.PAUSE_MODE_NONE)
+    restore.pause_mode = pb.PAUSE_MODE_NONE  # the same pusher: no second join under the request
     try:
-        assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 2
+        assert await asyncio.wait_for(restore.push(list(new_model.named_parameters())), 60) == 2
         assert not long.done()  # the push happened under the running request
         ids, _ = await asyncio.wait_for(long, 60)
         assert len(ids) == LONG
@@ -191,8 +191,12 @@ async def test_a_push_without_pause_lets_running_requests_go_on(sync_service, vl
         assert await vllm_matches(vllm_server.url, new_model, cache_salt="policy-v2") <= 1e-4
     finally:
         # back to the base weights with a pause, so the prefix-cache reset clears every block
-        await asyncio.wait_for(restore.push(list(base_model.named_parameters())), 60)
-        await client.delete_run(run.run_id)
+        restore.pause_mode = pb.PAUSE_MODE_KEEP
+        try:
+            await asyncio.wait_for(restore.push(list(base_model.named_parameters())), 60)
+        finally:
+            restore.close()
+            await client.delete_run(run.run_id)
     assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
 
 
