@@ -164,9 +164,9 @@ class Recorder:
         recorder = self
 
         class TimedGlooWeightSender(GlooWeightSender):
-            def connect(self) -> None:
+            def connect(self, *args: Any, **kwargs: Any) -> None:
                 with recorder.span("trainer: join group"):
-                    super().connect()
+                    super().connect(*args, **kwargs)
 
             def broadcast(self, named_tensors: Any) -> None:
                 with recorder.span("trainer: broadcast"):
@@ -424,6 +424,7 @@ async def benchmark(args: argparse.Namespace, url: str, model_dir: Path, served_
                 return await super().begin_weight_update(*args, **kwargs)
 
         async def commit_weight_update(self, update_id: str, timeout_s: float) -> Any:
+            # sent alongside the broadcast (WeightPusher): the span covers the transfer too
             with recorder.span("trainer: CommitWeightUpdate RPC"):
                 response = await super().commit_weight_update(update_id, timeout_s)
             self.service_seconds = response.seconds

@@ -88,9 +88,11 @@ class NcclWeightSender:
     def connected(self) -> bool:
         return self._communicator is not None
 
-    def connect(self, epoch: int = 0, world_size: int | None = None) -> None:
+    def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
         """Join as rank 0 (blocks until every worker joins). ``epoch`` is unused: see the module
-        doc. ``world_size`` must be this sender's (not ``RESIZES_IN_PLACE``)."""
+        doc. ``world_size`` must be this sender's (not ``RESIZES_IN_PLACE``). ``abandoned`` is
+        not watched: vLLM's ``trainer_init`` cannot be interrupted, so a given-up join waits
+        out ``timeout_s``."""
         if self._communicator is not None:
             raise RuntimeError("already connected; leave() first")
         if world_size not in (None, self.world_size):

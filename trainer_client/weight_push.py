@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -21,7 +22,7 @@ from trainer_client.client import RolloutClient
 from trainer_client.nccl_sender import NcclWeightSender
 from trainer_client.policy_weights import adapter_files, policy_weights
 from trainer_client.step_timing import PhaseClock
-from trainer_client.weights import GlooWeightSender, dtype_name, free_port
+from trainer_client.weights import GlooWeightSender, UpdateAbandoned, dtype_name, free_port
 
 SENDERS: dict[str, type[GlooWeightSender] | type[NcclWeightSender]] = {
     "gloo": GlooWeightSender,  # this project's engine for CPU servers
@@ -73,25 +74,38 @@ class WeightPusher:
             ticket = await self.client.begin_weight_update(
                 self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode
             )
+        # The commit is asked for now, not after the transfer: the service answers it once its
+        # servers have received everything, and at once when it aborts the update, which is
+        # how a join the service gave up stops waiting for workers that will never come.
+        # Its deadline covers a join and a transfer, each bounded by the transfer timeout.
+        commit = asyncio.create_task(self.client.commit_weight_update(ticket.update_id, 2 * self.timeout_s + 60))
+        abandoned = threading.Event()
+        commit.add_done_callback(lambda _: abandoned.set())
         try:
             with self.clock.measure("push_transfer"):
-                await self._send(ticket, tensors)
+                await self._send(ticket, tensors, abandoned)
             with self.clock.measure("push_commit"):
-                committed = await self.client.commit_weight_update(ticket.update_id, self.timeout_s + 60)
+                committed = await commit
         except BaseException as exc:
+            commit.cancel()
+            refused = commit.exception() if commit.done() and not commit.cancelled() else None
             if self._sender is not None:
                 self._sender.leave()  # frees workers blocked in a receive; the gloo store stays
                 if self._sender.REJOIN_NEEDS_NEW_PORT:
                     self.port = free_port(self.address)
             with contextlib.suppress(Exception):
                 await self.client.abort_weight_update(ticket.update_id, f"trainer: {type(exc).__name__}: {exc}")
+            if isinstance(exc, UpdateAbandoned) and refused is not None:
+                raise refused from None  # the service's reason, not "given up"
             raise
         logger.info(
             "pushed %d tensors: policy version %d (%.2fs)", len(tensors), committed.policy_version, committed.seconds
         )
         return committed.policy_version
 
-    async def _send(self, ticket: pb.BeginWeightUpdateResponse, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    async def _send(
+        self, ticket: pb.BeginWeightUpdateResponse, tensors: list[tuple[str, torch.Tensor]], abandoned: threading.Event
+    ) -> None:
         """Broadcast the tensors to the servers' workers, joining the transfer group first when asked."""
         if ticket.join_group:
             # First push, or the servers dropped the group (a failure, a service restart):
@@ -107,8 +121,10 @@ class WeightPusher:
                 self.close()
                 self._sender = sender_class(self.address, self.port, world_size, self.timeout_s)
             self._sender.leave()
-            await asyncio.to_thread(self._sender.connect, ticket.group_epoch, world_size)
+            await asyncio.to_thread(self._sender.connect, ticket.group_epoch, world_size, abandoned)
         assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
+        if abandoned.is_set():  # aborted during the join: no server will receive this broadcast
+            raise UpdateAbandoned("the update was given up before the broadcast")
         await asyncio.to_thread(self._sender.broadcast, tensors)
 
     def close(self) -> None:

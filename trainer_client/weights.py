@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -36,6 +38,20 @@ from vllm_gloo_transfer.groups import gloo_group
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+WORKER_POLL_S = 0.05
+"""How often a join looks for the workers' addresses in the store (and whether it was abandoned)."""
+
+
+class UpdateAbandoned(RuntimeError):
+    """The service gave up the update (an abort) while this trainer waited to send it."""
+
+
+def worker_address_key(rank: int) -> str:
+    """Where a rank announces its gloo address in the group's store: gloo's own key (the rank)
+    under ``ProcessGroupGloo``'s prefix for its first device ("0"). A torch internal, pinned by
+    ``tests/unit/test_weight_backends.py``."""
+    return f"0/{rank}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,9 +116,10 @@ class GlooWeightSender:
     def connected(self) -> bool:
         return self._group is not None
 
-    def connect(self, epoch: int = 0, world_size: int | None = None) -> None:
+    def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
         """Join the group as rank 0 (blocks until all workers join); ``world_size``: this
-        join's, when the servers changed since the last.
+        join's, when the servers changed since the last; ``abandoned``: set when the join is
+        given up, which ends the wait with :class:`UpdateAbandoned`.
 
         The rendezvous store is hosted once and kept across joins; each join's keys live
         under the prefix of its ``epoch`` (the service numbers the joins), so a re-join after
@@ -127,7 +144,30 @@ class GlooWeightSender:
         uri = rendezvous_uri(self.master_address, self.master_port)
         # The device on the advertised address, which the workers reach (``vllm_gloo_transfer.groups``).
         prefix = PrefixStore(f"{uri}/epoch-{epoch}", self._store)
+        self._await_workers(prefix, abandoned or threading.Event())
         self._group = gloo_group(prefix, 0, self.world_size, self.timeout, self.master_address)
+
+    def _await_workers(self, store: PrefixStore, abandoned: threading.Event) -> None:
+        """Wait until every worker has announced its address, before building the group.
+
+        Why: the group's own rendezvous waits out the whole timeout and cannot be cancelled
+        (neither shutdown nor abort frees it), so a join the service gave up (vLLM down, the
+        service gone) held the trainer for minutes. Waiting here, in short looks at the
+        store, ends as soon as ``abandoned`` is set; once the workers are in, the group
+        forms at once.
+        """
+        keys = [worker_address_key(rank) for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not store.check(keys):
+            if abandoned.wait(WORKER_POLL_S):
+                raise UpdateAbandoned("the join was given up before every vLLM worker joined the transfer group")
+            if time.monotonic() >= deadline:
+                arrived = sum(store.check([key]) for key in keys)
+                raise TimeoutError(
+                    f"{arrived} of {len(keys)} vLLM workers joined the weight-transfer group within "
+                    f"{self.timeout.total_seconds():g}s (weight_sync.transfer_timeout_s): the others "
+                    f"cannot reach {self.master_address}:{self.master_port}, or their servers are down"
+                )
 
     def broadcast(self, named_tensors: NamedTensors) -> None:
         """Send the tensors from rank 0 in buckets, in order; must match the announced update_info."""

@@ -321,7 +321,8 @@ class WeightSyncCoordinator:
     async def commit(self, update_id: str) -> tuple[int, float]:
         update = self._get(update_id)
         assert update.pipeline is not None
-        self._progressed(update, "commit")
+        # No progress of its own: a trainer asks for the commit while it still sends (to
+        # hear of an abort at once), so the watchdog keeps timing the receive.
         try:
             await asyncio.shield(update.pipeline)
         except asyncio.CancelledError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.policy_weights import policy_weights
 from trainer_client.weight_push import WeightPusher, tensor_meta
+from trainer_client.weights import GlooWeightSender, UpdateAbandoned, free_port
 
 pytestmark = pytest.mark.integration
 PROMPT = [1, 89, 87, 266, 203, 59, 965, 73, 293, 908, 88, 2, 203, 1, 69, 391, 522, 340, 88, 203]
@@ -305,3 +307,34 @@ async def test_a_second_full_weight_run_cannot_push_while_the_first_ones_trainer
     finally:
         for pusher in pushers:
             pusher.close()
+
+
+async def test_a_join_the_service_gave_up_frees_the_waiting_trainer(sync_service, vllm_server, base_model) -> None:
+    """vLLM's workers never reach the trainer's rendezvous (the begin names a port nobody
+    hosts), so the service's join fails after its transfer timeout and it aborts the update.
+    The trainer waiting for them learns it from the commit it asked for alongside (as
+    ``WeightPusher`` does) and stops within seconds, not after its own two minutes."""
+    _, client = sync_service
+    run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
+    tensors = list(base_model.named_parameters())
+    ticket = await client.begin_weight_update(run.run_id, "127.0.0.1", free_port(), tensor_meta(tensors), 0)
+    assert ticket.join_group
+    sender = GlooWeightSender("127.0.0.1", free_port(), ticket.group_world_size, timeout_s=120)
+    commit = asyncio.create_task(client.commit_weight_update(ticket.update_id, 120))
+    abandoned = threading.Event()
+    commit.add_done_callback(lambda _: abandoned.set())
+    pusher = WeightPusher(client, run.run_id, transfer_timeout_s=8)
+    try:
+        with pytest.raises(UpdateAbandoned):  # the service's transfer timeout is 8 s
+            await asyncio.wait_for(asyncio.to_thread(sender.connect, ticket.group_epoch, None, abandoned), 60)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await commit
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "aborted" in refused.value.details()
+        # the servers are left ready for the next join
+        assert await asyncio.wait_for(pusher.push(tensors), 60) == 1
+        assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
+    finally:
+        sender.close()
+        pusher.close()
+        await client.delete_run(run.run_id)

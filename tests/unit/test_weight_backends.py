@@ -21,7 +21,7 @@ import torch
 from rollout_service.weights.update_messages import init_info, leave_info
 from trainer_client.nccl_sender import NcclWeightSender, call_within
 from trainer_client.weight_push import WeightPusher, sender_for
-from trainer_client.weights import GlooWeightSender, free_port, rendezvous_uri
+from trainer_client.weights import GlooWeightSender, UpdateAbandoned, free_port, rendezvous_uri
 from vllm_gloo_transfer.packing import broadcast_buckets
 from vllm_gloo_transfer.plugin import GlooWeightTransferInitInfo
 
@@ -74,6 +74,9 @@ class ScriptedControl:
         return SimpleNamespace(
             update_id=f"u{len(self.begin_ports)}", join_group=True, group_world_size=2, backend="nccl", group_epoch=1
         )
+
+    async def commit_weight_update(self, update_id: str, timeout_s: float) -> None:
+        await asyncio.Event().wait()  # the servers never receive: only a cancellation ends it
 
     async def abort_weight_update(self, update_id: str, reason: str) -> None:
         self.aborted.append(reason)
@@ -147,9 +150,55 @@ def _gloo_worker(port: int, epoch: int, rank: int, world_size: int, out: dict[in
     group.shutdown()
 
 
+class AbortingControl:
+    """The service's weight-update RPCs when it gives up a gloo join (vLLM went down, say):
+    the commit fails at once, and no worker ever joins."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def begin_weight_update(self, run_id, address, port, tensors, pause_mode):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(update_id="u1", join_group=True, group_world_size=2, backend="gloo", group_epoch=1)
+
+    async def commit_weight_update(self, update_id: str, timeout_s: float) -> None:
+        raise RuntimeError("weight update u1 was aborted: joining failed: vLLM is down")
+
+    async def abort_weight_update(self, update_id: str, reason: str) -> None:
+        self.aborted.append(reason)
+
+
+async def test_a_gloo_join_the_service_gave_up_ends_the_push_with_its_reason() -> None:
+    """Before, the trainer waited out its whole transfer timeout (120 s by default) for
+    workers that would never join; the commit, asked for alongside the join, ends it."""
+    control = AbortingControl()
+    pusher = WeightPusher(control, "run", transfer_timeout_s=120)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(RuntimeError, match="aborted: joining failed: vLLM is down"):
+            await asyncio.wait_for(pusher.push([("w", torch.zeros(2))]), 10)
+        assert len(control.aborted) == 1 and "UpdateAbandoned" in control.aborted[0]
+    finally:
+        pusher.close()
+
+
+def test_a_gloo_join_gives_up_when_abandoned_or_when_the_workers_never_come() -> None:
+    port = free_port("127.0.0.1")
+    sender = GlooWeightSender("127.0.0.1", port, world_size=3, timeout_s=0.3)
+    try:
+        abandoned = threading.Event()
+        abandoned.set()
+        with pytest.raises(UpdateAbandoned):
+            sender.connect(1, 3, abandoned)
+        with pytest.raises(TimeoutError, match=r"0 of 2 vLLM workers joined .* within 0.3s \(weight_sync"):
+            sender.connect(2, 3)
+        assert not sender.connected
+    finally:
+        sender.close()
+
+
 def test_a_gloo_join_with_more_servers_goes_through_the_same_store() -> None:
     """A pool that grew: the next join has a larger world. The store the workers connect to
-    stays up across it (a restarted one drops workers that connected early)."""
+    stays up across it (a restarted one drops workers that connected early). The joins also
+    pin the store keys the sender waits for (``worker_address_key``), a torch internal."""
     port = free_port("127.0.0.1")
     sender = GlooWeightSender("127.0.0.1", port, world_size=2, timeout_s=20)
     for epoch, world_size in ((1, 2), (2, 3)):
