@@ -456,7 +456,7 @@ async def benchmark(args: argparse.Namespace, url: str, model_dir: Path, served_
         assert running.service.weight_sync is not None
         for control in running.service.weight_sync.servers:
             recorder.instrument_control(control)
-        stack.enter_context(mock.patch.object(weight_push, "GlooWeightSender", recorder.sender_class()))
+        stack.enter_context(mock.patch.dict(weight_push.SENDERS, {"gloo": recorder.sender_class()}))
         client = await stack.enter_async_context(TimedRolloutClient(running.grpc_target, timeout_s=RPC_TIMEOUT_S))
         # A run is what BeginWeightUpdate is about; keep its generation to one buffered group so
         # it barely competes with the transfers for the 2 cores.
