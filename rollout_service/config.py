@@ -276,12 +276,17 @@ class WeightSyncSettings(Section):
     """Longest a weight update waits for evaluation runs holding the current policy version
     (``weights.version_holds``); then those evaluations stop with what they scored and the
     update goes on. Keep it below transfer_timeout_s, which bounds a commit's progress."""
-    prestart: bool = True
+    prestart: bool = False
     """Start the next update in vLLM (``/start_weight_update``) right after each commit, so a
     push waits for one vLLM call before its broadcast is received instead of two. Only on
     backends that touch the model at finish alone (gloo): there an open update changes
     nothing until then. Each call crosses vLLM's API server and engine core between engine
-    steps, the slowest part of a push on a busy server."""
+    steps, the slowest part of a push on a busy server.
+
+    Off by default: on the 2-core benchmark it cut a push's transfer from 26-28 ms to
+    14-16 ms, but steps/s were 3-7% lower with it in each of three alternated pairs of
+    sittings (s49, s50), and time to target no better. The push runs beside training, so
+    its length matters less than the engine time its extra call takes where it lands."""
     reset_prefix_cache: bool = False
     """Also reset vLLM's prefix cache at each commit. Off: every request carries a prefix-cache
     salt of its policy version, so no request reuses blocks of older weights anyway, and vLLM

@@ -156,16 +156,8 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
     finally:
         await sync.close()
     # No prefix-cache reset by default: requests are salted by version, and vLLM refuses it
-    # while requests run. The commit opens the next update ahead (prestart); the shutdown
-    # closes it, leaving the server as it was found.
-    assert server.calls == [
-        "init_weight_transfer",
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
-        "start_weight_update",
-        "finish_weight_update",
-    ]
+    # while requests run. Nothing is opened ahead by default (prestart).
+    assert server.calls == ["init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update"]
     times = sync.last_update
     assert times is not None and times.committed and "pause" not in times.phases
     assert times.paused_seconds == 0 and sync.paused_seconds() == 0
@@ -174,11 +166,11 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
 @pytest.mark.parametrize(
     ("settings", "opened_ahead"),
     [
-        (WeightSyncSettings(), True),
-        (WeightSyncSettings(prestart=False), False),
-        (WeightSyncSettings(backend="nccl"), False),  # its start moves the model away: never ahead
+        (WeightSyncSettings(prestart=True), True),
+        (WeightSyncSettings(), False),
+        (WeightSyncSettings(backend="nccl", prestart=True), False),  # its start moves the model away: never ahead
     ],
-    ids=["gloo", "prestart-off", "nccl"],
+    ids=["gloo", "default-off", "nccl"],
 )
 async def test_a_commit_opens_the_next_update_so_the_next_push_skips_its_start(
     settings: WeightSyncSettings, opened_ahead: bool
@@ -211,7 +203,7 @@ async def test_a_trainer_that_joins_again_uses_the_update_opened_ahead() -> None
     """A new trainer port makes the next update a join; the servers are the same, so the
     update opened ahead holds: no start (one vLLM call less on the join's path)."""
     server = ScriptedControl(Clock())
-    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(prestart=True), lambda _: None)
     try:
         for port, expected_version in ((29500, 1), (29501, 2)):
             ticket = await sync.begin("run", "127.0.0.1", port, TENSORS, "none")
@@ -227,7 +219,7 @@ async def test_after_a_server_restart_the_update_opened_ahead_is_not_trusted() -
     """The restarted server is a fresh process without the open update: the next update (a
     join) starts every server, closing first an update still open."""
     server = ScriptedControl(Clock())
-    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(prestart=True), lambda _: None)
     try:
         ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
         await asyncio.wait_for(sync.commit(ticket.update_id), 5)
