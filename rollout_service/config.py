@@ -284,9 +284,9 @@ class WeightSyncSettings(Section):
     steps, the slowest part of a push on a busy server.
 
     Off by default: on the 2-core benchmark it cut a push's transfer from 26-28 ms to
-    14-16 ms, but steps/s were 3-7% lower with it in each of three alternated pairs of
-    sittings (s49, s50), and time to target no better. The push runs beside training, so
-    its length matters less than the engine time its extra call takes where it lands."""
+    14-17 ms, but steps/s were 1-7% lower with it in each of five alternated pairs of
+    sittings (s49, s50; median 5%), and the median time to target was the same (3.65 s
+    against 3.66). The push runs beside training, so its length matters less than steps/s."""
     reset_prefix_cache: bool = False
     """Also reset vLLM's prefix cache at each commit. Off: every request carries a prefix-cache
     salt of its policy version, so no request reuses blocks of older weights anyway, and vLLM
