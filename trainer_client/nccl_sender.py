@@ -20,7 +20,8 @@ none (a worker that never joins, or stops receiving, blocks the trainer for good
 run in a thread of their own and give up after ``timeout_s`` (the service's
 ``weight_sync.transfer_timeout_s``): the push fails, the service has aborted the update,
 and the next push joins a fresh group on a fresh port. The abandoned thread is left to
-NCCL; its communicator is never used again.
+NCCL; its communicator is never used again. A join also stops waiting as soon as the
+service aborts the update (``WeightPusher`` hears of it through its commit).
 
 Status: written against vLLM's ``nccl_engine.py`` / ``nccl_common.py``; it could not be
 run here (no GPU on the development machine, and the lent GPU machine has no vLLM).
@@ -29,12 +30,13 @@ run here (no GPU on the development machine, and the lent GPU machine has no vLL
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-from trainer_client.weights import NamedTensors
+from trainer_client.weights import WORKER_POLL_S, NamedTensors, UpdateAbandoned
 
 T = TypeVar("T")
 
@@ -44,8 +46,11 @@ INSTALL_HINT = (
 )
 
 
-def call_within(timeout_s: float, what: str, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a daemon thread, waited for at most ``timeout_s``."""
+def call_within(
+    timeout_s: float, what: str, fn: Callable[..., T], *args: Any, abandoned: threading.Event | None = None
+) -> T:
+    """``fn(*args)`` in a daemon thread, waited for at most ``timeout_s``, or until
+    ``abandoned`` is set (then :class:`UpdateAbandoned`)."""
     outcome: dict[str, Any] = {}
     finished = threading.Event()
 
@@ -58,7 +63,12 @@ def call_within(timeout_s: float, what: str, fn: Callable[..., T], *args: Any) -
             finished.set()
 
     threading.Thread(target=run, name=f"nccl-{what}", daemon=True).start()
-    if not finished.wait(timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not finished.wait(min(WORKER_POLL_S, max(0.0, deadline - time.monotonic()))):
+        if abandoned is not None and abandoned.is_set():
+            raise UpdateAbandoned(f"the NCCL {what} was given up: the service aborted the update")
+        if time.monotonic() < deadline:
+            continue
         raise TimeoutError(
             f"NCCL {what} did not finish within {timeout_s:g}s (weight_sync.transfer_timeout_s): a vLLM worker "
             "did not join or stopped receiving; the service aborts the update and the next push re-joins"
@@ -90,9 +100,9 @@ class NcclWeightSender:
 
     def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
         """Join as rank 0 (blocks until every worker joins). ``epoch`` is unused: see the module
-        doc. ``world_size`` must be this sender's (not ``RESIZES_IN_PLACE``). ``abandoned`` is
-        not watched: vLLM's ``trainer_init`` cannot be interrupted, so a given-up join waits
-        out ``timeout_s``."""
+        doc. ``world_size`` must be this sender's (not ``RESIZES_IN_PLACE``). ``abandoned``:
+        set when the join is given up, which ends the wait with :class:`UpdateAbandoned`
+        (the join's thread is left to NCCL, as after a timeout)."""
         if self._communicator is not None:
             raise RuntimeError("already connected; leave() first")
         if world_size not in (None, self.world_size):
@@ -108,7 +118,7 @@ class NcclWeightSender:
             "master_port": self.master_port,
             "world_size": self.world_size,
         }
-        self._communicator = call_within(self.timeout_s, "join", trainer_init, rendezvous)
+        self._communicator = call_within(self.timeout_s, "join", trainer_init, rendezvous, abandoned=abandoned)
 
     def broadcast(self, named_tensors: NamedTensors) -> None:
         if self._communicator is None:

@@ -331,7 +331,9 @@ async def test_a_join_the_service_gave_up_frees_the_waiting_trainer(sync_service
             await commit
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "aborted" in refused.value.details()
-        # the servers are left ready for the next join
+        # vLLM's worker tries the dead port for its own 8 s, holding the engine; a request
+        # answered means it has given up, and the servers are ready for the next join
+        await asyncio.to_thread(vllm_completion, vllm_server.url)
         assert await asyncio.wait_for(pusher.push(tensors), 60) == 1
         assert await vllm_matches(vllm_server.url, base_model) <= 1e-4
     finally:

@@ -129,6 +129,21 @@ def test_an_nccl_join_that_never_completes_times_out(monkeypatch: pytest.MonkeyP
         release.set()
 
 
+def test_an_nccl_join_the_service_gave_up_stops_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    fake = types.ModuleType("nccl_common")
+    fake.trainer_init = lambda rendezvous: release.wait(30)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.nccl_common", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    abandoned = threading.Event()
+    abandoned.set()
+    try:
+        with pytest.raises(UpdateAbandoned, match="NCCL join was given up"):
+            NcclWeightSender("127.0.0.1", 29555, 2, timeout_s=30).connect(0, 2, abandoned)
+    finally:
+        release.set()
+
+
 def test_call_within_returns_the_value_or_raises_the_error() -> None:
     assert call_within(5, "x", lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(ZeroDivisionError):
