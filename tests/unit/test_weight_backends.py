@@ -63,20 +63,30 @@ def test_nccl_join_without_a_gpu_says_what_is_missing() -> None:
 
 
 class ScriptedControl:
-    """Stands in for the service's weight-update RPCs: every begin asks for an nccl join."""
+    """Stands in for the service's weight-update RPCs: every begin asks for a join over
+    ``backend``. The commit never answers (the servers never receive), or, with ``refusal``,
+    fails at once as the service's does when it gave the update up (vLLM went down, say)."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "nccl", refusal: str | None = None) -> None:
+        self.backend = backend
+        self.refusal = refusal
         self.begin_ports: list[int] = []
         self.aborted: list[str] = []
 
     async def begin_weight_update(self, run_id, address, port, tensors, pause_mode):  # type: ignore[no-untyped-def]
         self.begin_ports.append(port)
         return SimpleNamespace(
-            update_id=f"u{len(self.begin_ports)}", join_group=True, group_world_size=2, backend="nccl", group_epoch=1
+            update_id=f"u{len(self.begin_ports)}",
+            join_group=True,
+            group_world_size=2,
+            backend=self.backend,
+            group_epoch=1,
         )
 
     async def commit_weight_update(self, update_id: str, timeout_s: float) -> None:
-        await asyncio.Event().wait()  # the servers never receive: only a cancellation ends it
+        if self.refusal is not None:
+            raise RuntimeError(self.refusal)
+        await asyncio.Event().wait()  # only a cancellation ends it
 
     async def abort_weight_update(self, update_id: str, reason: str) -> None:
         self.aborted.append(reason)
@@ -165,27 +175,10 @@ def _gloo_worker(port: int, epoch: int, rank: int, world_size: int, out: dict[in
     group.shutdown()
 
 
-class AbortingControl:
-    """The service's weight-update RPCs when it gives up a gloo join (vLLM went down, say):
-    the commit fails at once, and no worker ever joins."""
-
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    async def begin_weight_update(self, run_id, address, port, tensors, pause_mode):  # type: ignore[no-untyped-def]
-        return SimpleNamespace(update_id="u1", join_group=True, group_world_size=2, backend="gloo", group_epoch=1)
-
-    async def commit_weight_update(self, update_id: str, timeout_s: float) -> None:
-        raise RuntimeError("weight update u1 was aborted: joining failed: vLLM is down")
-
-    async def abort_weight_update(self, update_id: str, reason: str) -> None:
-        self.aborted.append(reason)
-
-
 async def test_a_gloo_join_the_service_gave_up_ends_the_push_with_its_reason() -> None:
     """Before, the trainer waited out its whole transfer timeout (120 s by default) for
     workers that would never join; the commit, asked for alongside the join, ends it."""
-    control = AbortingControl()
+    control = ScriptedControl("gloo", refusal="weight update u1 was aborted: joining failed: vLLM is down")
     pusher = WeightPusher(control, "run", transfer_timeout_s=120)  # type: ignore[arg-type]
     try:
         with pytest.raises(RuntimeError, match="aborted: joining failed: vLLM is down"):
