@@ -23,8 +23,11 @@ and the next push joins a fresh group on a fresh port. The abandoned thread is l
 NCCL; its communicator is never used again. A join also stops waiting as soon as the
 service aborts the update (``WeightPusher`` hears of it through its commit).
 
-Status: written against vLLM's ``nccl_engine.py`` / ``nccl_common.py``; it could not be
-run here (no GPU on the development machine, and the lent GPU machine has no vLLM).
+Status: written against vLLM's ``nccl_engine.py`` / ``nccl_common.py``. The broadcast has not
+run end to end (no GPU on the development machine, and the lent GPU machine has no vLLM). The
+join's first half, vLLM's own ``StatelessProcessGroup`` rendezvous, is tested on CPU: a join
+given up while it waits there frees the trainer, the next join on a fresh port works, and the
+process exits cleanly with the abandoned thread still blocked in the store.
 """
 
 from __future__ import annotations

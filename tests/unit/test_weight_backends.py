@@ -9,10 +9,12 @@ rendezvous cannot be re-joined on the same one).
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import threading
 import types
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -152,6 +154,63 @@ def test_an_nccl_join_the_service_gave_up_stops_waiting(monkeypatch: pytest.Monk
             NcclWeightSender("127.0.0.1", 29555, 2, timeout_s=30).connect(0, 2, abandoned)
     finally:
         release.set()
+
+
+# vLLM's trainer_init is StatelessProcessGroup.create (rank 0 hosts a TCPStore and blocks until
+# every worker connects) followed by the NCCL communicator (GPU only). The first half is real
+# here: a join given up while it waits in vLLM's own rendezvous, the next join on a fresh port,
+# and a process exit with the abandoned thread still blocked in the store (a gloo group left
+# so ends the process with std::terminate, hence a child process).
+_RENDEZVOUS_ABANDONED_THEN_REJOINED = """
+import sys, threading, time, types
+import torch
+from vllm.distributed.utils import StatelessProcessGroup
+from trainer_client.nccl_sender import NcclWeightSender
+from trainer_client.weights import UpdateAbandoned, free_port
+
+def trainer_init(rendezvous):
+    return StatelessProcessGroup.create(
+        host=rendezvous["master_address"], port=rendezvous["master_port"], rank=0,
+        world_size=rendezvous["world_size"])
+
+fake = types.ModuleType("nccl_common")
+fake.trainer_init = trainer_init
+sys.modules["vllm.distributed.weight_transfer.nccl_common"] = fake
+torch.cuda.is_available = lambda: True
+
+abandoned = threading.Event()
+threading.Timer(0.3, abandoned.set).start()
+started = time.monotonic()
+try:
+    NcclWeightSender("127.0.0.1", free_port(), 2, timeout_s=60).connect(0, 2, abandoned)
+except UpdateAbandoned:
+    print(f"abandoned after {time.monotonic() - started:.2f}s")
+port = free_port()
+worker = threading.Thread(
+    target=StatelessProcessGroup.create, kwargs=dict(host="127.0.0.1", port=port, rank=1, world_size=2))
+worker.start()
+sender = NcclWeightSender("127.0.0.1", port, 2, timeout_s=60)
+sender.connect(0, 2)
+worker.join(60)
+print("rejoined", sender.connected)
+"""
+
+
+def test_an_nccl_join_given_up_in_vllms_rendezvous_frees_the_trainer_and_the_next_join_works() -> None:
+    repo_root = Path(__file__).resolve().parents[2]
+    child = subprocess.run(
+        [sys.executable, "-c", _RENDEZVOUS_ABANDONED_THEN_REJOINED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo_root,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    abandoned_line, rejoined_line = child.stdout.split("\n")[:2]
+    assert abandoned_line.startswith("abandoned after ")
+    assert float(abandoned_line.removeprefix("abandoned after ").rstrip("s")) < 5  # not the 60 s timeout
+    assert rejoined_line == "rejoined True"
+    assert "terminate" not in child.stderr
 
 
 def test_call_within_returns_the_value_or_raises_the_error() -> None:
