@@ -34,7 +34,8 @@ while training, next to generation's alone, which shows what running together ad
 
 It prints, per contender, the median time to target (first wall second at which the
 rolling mean of 5 steps reaches ``--target``), steps to target, steps/s, generated tokens/s
-and the trainer's idle fraction (project: waiting for groups; TRL: generating), and writes
+and the trainer's idle fraction (project: waiting for groups; TRL: generating), over the
+whole run and after the first step (whose wait is the first generation), and writes
 ``results.json`` and ``reward_vs_time.svg`` (every run's curve) to ``--output``.
 
 Usage::
@@ -82,6 +83,9 @@ class RunResult:
     rewards: list[float]
     idle_fraction: float
     generated_tokens: int
+    steady_idle_fraction: float
+    """The idle fraction after the first step, whose wait is the first generation on either side
+    (the steady state that the trainer's own time split, and the speed issue's target, speak of)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -194,6 +198,7 @@ async def run_trl(args: argparse.Namespace, threads: int, seed: int, work: Path)
         curve["rewards"][:steps],
         idle_fraction=generation / curve["wall_s"][steps - 1],
         generated_tokens=int(sum(curve["completion_tokens"][:steps])),
+        steady_idle_fraction=steady_fraction(curve["generation_s"][:steps], curve["wall_s"][:steps]),
     )
 
 
@@ -492,14 +497,15 @@ async def run_project(
     for record in records:
         elapsed += record["seconds"]["step"]
         wall.append(elapsed)
-    waited = sum(r["seconds"]["wait_groups"] for r in records)
+    waits = [r["seconds"]["wait_groups"] for r in records]
     return RunResult(
         name,
         seed,
         wall,
         [r["reward_mean"] for r in records],
-        idle_fraction=waited / elapsed,
+        idle_fraction=sum(waits) / elapsed,
         generated_tokens=run.stats.tokens_generated,
+        steady_idle_fraction=steady_fraction(waits, wall),
         extra={
             "time_split": summary["time_split"],
             "dropped_stale": summary["groups_dropped_stale"],
@@ -508,6 +514,13 @@ async def run_project(
             "engine": engine,
         },
     )
+
+
+def steady_fraction(idle_s: list[float], wall_s: list[float]) -> float:
+    """Idle seconds over wall seconds of every step after the first (``wall_s`` cumulative)."""
+    if len(wall_s) < 2:
+        return float("nan")
+    return sum(idle_s[1:]) / (wall_s[-1] - wall_s[0])
 
 
 def leading_env_settings(words: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -613,6 +626,7 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
     for column in ("contender", "runs", "reached", "time to target s", "steps to target", "steps/s", "gen tok/s"):
         table.add_column(column, justify="right")
     table.add_column("trainer idle", justify="right")
+    table.add_column("idle, steady", justify="right")
     summary: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r.contender for r in results):
         mine = [r for r in results if r.contender == name]
@@ -627,6 +641,7 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
             "steps_per_s": statistics.median(r.steps_per_s for r in mine),
             "generated_tokens_per_s": statistics.median(r.tokens_per_s for r in mine),
             "idle_fraction": statistics.median(r.idle_fraction for r in mine),
+            "steady_idle_fraction": statistics.median(r.steady_idle_fraction for r in mine),
         }
         summary[name] = row
         table.add_row(
@@ -634,8 +649,9 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
             "-" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.1f}",
             "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}",
             f"{row['steps_per_s']:.2f}", f"{row['generated_tokens_per_s']:.0f}", f"{100 * row['idle_fraction']:.0f}%",
+            f"{100 * row['steady_idle_fraction']:.0f}%",
         )  # fmt: skip
-    console = Console()
+    console = Console(width=max(Console().width, 110))  # the table's nine columns, unclipped
     console.print(table)
     for r in results:
         if "service" in r.extra:
