@@ -218,6 +218,9 @@ class WeightSyncCoordinator:
             )
             self._group = (address, port)
         if mode != "none":  # none: generation goes on while the weights change (see PauseMode)
+            # The paused window opens with the pause phase's clock, not when its calls get to run
+            # (on a busy loop that is milliseconds later), so it spans every phase it holds.
+            update.paused_at = self._clock()
             await self._phase(update, "pause", *(self._pause(update, server, mode) for server in self.servers))
         await self._phase(update, "transfer", self._transfer(update_info, control_s, transfer_s, join))
 
@@ -291,8 +294,6 @@ class WeightSyncCoordinator:
 
     async def _pause(self, update: _Update, server: WeightControl, mode: PauseModeName) -> None:
         update.paused.add(server.base_url)  # before the call: a pause that times out may still land
-        if update.paused_at is None:
-            update.paused_at = self._clock()
         await server.pause(mode, self.settings.control_timeout_s)
 
     def _pipeline_done(self, update: _Update, task: asyncio.Task[None]) -> None:

@@ -145,6 +145,30 @@ async def test_a_committed_update_records_its_phases_and_paused_seconds() -> Non
     assert (pb.join_seconds, pb.transfer_seconds, pb.resume_seconds, pb.paused_seconds) == (1, 7, 7, 27)
 
 
+async def test_the_paused_window_spans_a_pause_whose_call_runs_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a busy event loop the pause's call gets its turn milliseconds after its phase's clock
+    starts. The paused window opens with that clock, so it still spans every phase it holds
+    (it used to open when the call ran, and came out shorter than their sum)."""
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock)
+    sync = coordinator(server, clock, metrics)
+    pause = sync._pause
+
+    async def late_pause(*args: object) -> None:
+        clock.now += 1.0  # the loop ran other callbacks first
+        await pause(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sync, "_pause", late_pause)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 1
+    finally:
+        await sync.close()
+    times = sync.last_update
+    assert times is not None and times.phases["pause"] == pytest.approx(1 + 2)
+    assert times.paused_seconds == pytest.approx(1 + 2 + 7 + 5 + 7)  # pause, transfer, finish, resume
+
+
 async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> None:
     """pause_mode none: generation goes on while the weights change; nothing counts as paused."""
     clock, metrics = Clock(), ServiceMetrics()
