@@ -68,8 +68,19 @@ def main(
     groups_per_step: Annotated[int, typer.Option(help="Groups per optimizer step")] = 8,
     per_device_train_batch_size: Annotated[
         int | None,
-        typer.Option(help="Completions per optimizer step, as TRL counts them; sets --groups-per-step to this / G"),
+        typer.Option(
+            help="Completions per micro-batch, as TRL counts them; sets --groups-per-step to this x "
+            "--gradient-accumulation-steps / G"
+        ),
     ] = None,
+    gradient_accumulation_steps: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Micro-batches per optimizer step (it must divide --groups-per-step); each trains as soon as its "
+            "groups arrive, while the step's later groups generate",
+        ),
+    ] = 1,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", "--max-completion-length", help="Tokens per completion")
     ] = 32,
@@ -235,9 +246,14 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
         if o.per_device_train_batch_size <= 0 or o.per_device_train_batch_size % o.group_size:
             raise typer.BadParameter(
                 f"--per-device-train-batch-size {o.per_device_train_batch_size} must be a positive multiple of "
-                f"the group size {o.group_size} (whole groups per step)"
+                f"the group size {o.group_size} (whole groups per micro-batch)"
             )
-        groups_per_step = o.per_device_train_batch_size // o.group_size
+        groups_per_step = o.per_device_train_batch_size // o.group_size * o.gradient_accumulation_steps
+    if groups_per_step % o.gradient_accumulation_steps:
+        raise typer.BadParameter(
+            f"--gradient-accumulation-steps {o.gradient_accumulation_steps} must divide --groups-per-step "
+            f"{groups_per_step} (whole groups per micro-batch)"
+        )
     if o.save_steps:
         training_arguments.update(save_steps=o.save_steps)
     if o.resume_from_checkpoint:
@@ -248,6 +264,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
             o.max_steps,
             group_size=o.group_size,
             groups_per_step=groups_per_step,
+            gradient_accumulation_steps=o.gradient_accumulation_steps,
             learning_rate=o.learning_rate,
             max_staleness=o.max_staleness,
             weight_sync_steps=o.weight_sync_steps,

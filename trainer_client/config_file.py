@@ -48,6 +48,7 @@ OPTIONS_SET_FROM_THE_COMMAND = {
     "max_steps",
     "learning_rate",
     "per_device_train_batch_size",
+    "gradient_accumulation_steps",
     "group_size",
     "max_staleness",
     "weight_sync_steps",

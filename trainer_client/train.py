@@ -125,6 +125,7 @@ def cpu_training_config(
     *,
     group_size: int = 8,
     groups_per_step: int = 8,
+    gradient_accumulation_steps: int = 1,
     learning_rate: float = 5e-3,
     max_staleness: int = 2,
     weight_sync_steps: int = 1,
@@ -144,7 +145,8 @@ def cpu_training_config(
     defaults: dict[str, Any] = dict(
         output_dir=str(output_dir),
         max_steps=max_steps,
-        per_device_train_batch_size=groups_per_step * group_size,
+        per_device_train_batch_size=groups_per_step // gradient_accumulation_steps * group_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
         group_size=group_size,
         learning_rate=learning_rate,
         lr_scheduler_type="constant",

@@ -8,7 +8,8 @@ weights into vLLM through the service (``WeightPusher``) and the feed's current 
 version advances, which is what staleness is judged against. Groups used by a step are
 acked as trained when the step ends. Batches (dataset, collator, log-probs) are in
 ``batches.py``; what happens between steps (ack, push, the step's record) in
-``step_callback.py``.
+``step_callback.py``; a step of several micro-batches trains each as it arrives
+(``arriving_batches.py``).
 
 Being a ``Trainer`` subclass, checkpointing, logging integrations (``report_to``),
 accelerate (DDP, FSDP, DeepSpeed) and PEFT come with it. Data-parallel ranks are each a
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, ProgressCallback, Trainer, TrainingArguments
 
 from trainer_client import fsdp
+from trainer_client.arriving_batches import ArrivingBatches, DeferredTokenNormaliser
 from trainer_client.batches import (
     GroupCollator,
     StreamDataset,
@@ -45,7 +47,7 @@ from trainer_client.batches import (
     output_embedding_weight,
 )
 from trainer_client.evaluator import PinnedEvaluator
-from trainer_client.loss_config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
+from trainer_client.loss_config import GLOBAL_TOKEN_NORMALISED, VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
 from trainer_client.losses import compute_loss
 from trainer_client.policy_weights import is_peft_model
 from trainer_client.step_callback import StepBook, SyncAndAck
@@ -205,6 +207,8 @@ class AsyncGRPOTrainer(Trainer):
         """The last step's rollout metrics, for ``log`` (set by ``SyncAndAck``)."""
         self.clock = feed.clock
         self._forward_s = 0.0
+        self._deferred: DeferredTokenNormaliser | None = None
+        """The current step's token count, where its loss is normalised after its last micro-batch."""
         self.add_callback(SyncAndAck(self))
         if not args.disable_tqdm:
             self.remove_callback(ProgressCallback)
@@ -252,14 +256,40 @@ class AsyncGRPOTrainer(Trainer):
         with self.clock.measure("collate"):
             return self.data_collator(items)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):  # type: ignore[override]
+        """A step's micro-batches, each fetched when the loop reaches it (``arriving_batches``),
+        so that the first train while the last generate. Data-parallel ranks prefetch, as
+        Trainer does: the token count of their loss is summed over ranks up front."""
+        self._deferred = None
+        if num_batches <= 1 or self.args.world_size > 1:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.loss_config.loss_type in GLOBAL_TOKEN_NORMALISED:
+            self._deferred = DeferredTokenNormaliser(num_batches)
+        return ArrivingBatches(epoch_iterator, num_batches), None
+
     def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
         """Trainer's step (forward via ``compute_loss``, then backward), timed phase by phase."""
         start = time.perf_counter()
         self._forward_s = 0.0
         with self.clock.measure_compute_cpu():
             loss = super().training_step(model, inputs, num_items_in_batch)
+            loss = self._normalise_deferred(model, loss)
         self.clock.add("backward", time.perf_counter() - start - self._forward_s)
         return loss
+
+    def _normalise_deferred(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """With the step's token count deferred: nothing to report until its last micro-batch,
+        then the gradients and the step's loss divided by it."""
+        deferred = self._deferred
+        if deferred is None:
+            return loss
+        if not deferred.complete:
+            return torch.zeros_like(loss)
+        deferred.normalise_gradients(model)
+        losses = deferred.normalised_losses()
+        self.book.loss_metrics.setdefault("policy_loss", []).extend(losses)
+        self._deferred = None
+        return torch.full_like(loss, sum(losses))
 
     def _get_num_items_in_batch(self, batch_samples: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
         """TRL's ``num_items_in_batch``: the loss tokens of all of an optimizer step's
@@ -301,6 +331,8 @@ class AsyncGRPOTrainer(Trainer):
         completion_mask = self._loss_mask(inputs, fresh)
         logps = self._completion_logprobs(model, inputs)
         ref_logps = self._reference_logprobs(inputs) if self.loss_config.beta > 0 else None
+        deferred = self._deferred
+        accumulation_steps = 1 if deferred is not None else self._accumulation_steps
         output = compute_loss(
             logps,
             None,
@@ -309,12 +341,17 @@ class AsyncGRPOTrainer(Trainer):
             completion_mask,
             self.loss_config,
             ref_logps=ref_logps,
-            num_items_in_batch=num_items_in_batch,
+            # deferred: a sum over tokens, divided once the step's count is known
+            num_items_in_batch=1.0 if deferred is not None else num_items_in_batch,
             # one optimizer step's micro-batches are TRL's generation batch
-            gradient_accumulation_steps=self._accumulation_steps,
-            steps_per_generation=self._accumulation_steps,
+            gradient_accumulation_steps=accumulation_steps,
+            steps_per_generation=accumulation_steps,
             num_processes=self.args.world_size,
         )
+        metrics = output.metrics
+        if deferred is not None:
+            metrics = {k: v for k, v in metrics.items() if k != "policy_loss"}
+            deferred.add(float(completion_mask.sum()), float(output.policy_loss))
         for group_id, reward, version, keep in zip(
             inputs["group_ids"], inputs["rewards"], versions, fresh, strict=True
         ):
@@ -324,7 +361,7 @@ class AsyncGRPOTrainer(Trainer):
                 self.book.staleness.append(self.feed.training_version - version)
             else:
                 self.book.stale_group_ids.setdefault(group_id, None)
-        for name, value in output.metrics.items():
+        for name, value in metrics.items():
             self.book.loss_metrics.setdefault(name, []).append(float(value))
         return output.loss
 

@@ -31,6 +31,8 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     command = [sys.executable, "-m", "trainer_client.cli", "--target", service_process, "--model", str(tiny_model)]
     command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16"]
     command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out), "--max-buffered-groups", "4"]
+    # a step of two micro-batches, each trained as its group arrives (the other training tests run one)
+    command += ["--gradient-accumulation-steps", "2"]
     trainer = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
@@ -40,6 +42,7 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["groups"] == 2 for r in records)  # both micro-batches of every step
     assert {"step", "policy_version", "reward_mean", "dropped_stale"} <= set(records[0])
     versions = [r["policy_version"] for r in records]
     assert versions == sorted(versions) and versions[-1] > versions[0]  # a push after every step

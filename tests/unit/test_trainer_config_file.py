@@ -96,12 +96,24 @@ def test_flags_win_over_the_file_in_either_spelling(tmp_path, model_dir, capture
     assert config.per_device_train_batch_size == 16  # the file's, now 8 groups of 2
 
 
+def test_trls_accumulation_makes_a_step_of_its_micro_batches(tmp_path, model_dir, captured) -> None:
+    """As in TRL, a step is ``per_device_train_batch_size`` x ``gradient_accumulation_steps``
+    completions: here 4 micro-batches of 4 groups of 4."""
+    (tmp_path / "trl.yaml").write_text(TRL_YAML.format(model=model_dir) + "gradient_accumulation_steps: 4\n")
+    result = CliRunner().invoke(app, ["--config", str(tmp_path / "trl.yaml"), "--output-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    config = captured["config"]
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (16, 4)
+    assert config.groups_per_step == 16
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("num_generation: 4\n", "unknown setting 'num_generation'; did you mean 'num_generations'?"),
         ("num_generations: many\n", "group_size: Input should be a valid integer"),
         ("num_generations: 4\nper_device_train_batch_size: 6\n", "must be a positive multiple of the group size 4"),
+        ("gradient_accumulation_steps: 3\n", "--gradient-accumulation-steps 3 must divide --groups-per-step 8"),
         ("reward_funcs: [a, b]\nreward_weights: [1.0]\n", "reward_weights must be a list with one number per"),
         ("- a\n- b\n", "must be a mapping of settings (key: value), not list"),
         ("num_generations: [\n", "is not YAML"),

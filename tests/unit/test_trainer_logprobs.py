@@ -9,6 +9,7 @@ reference is a frozen copy of the starting model, or the PEFT base with the adap
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,22 @@ def test_peft_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir: Pa
     assert trained and all("lora_" in n for n in trained)  # only the adapter learns
 
 
+def accumulating_trainer(
+    tiny_model_dir: Path, tmp_path: Path, loss_type: str, accumulation: int
+) -> tuple[torch.nn.Module, AsyncGRPOTrainer, list[list[dict]]]:
+    """A fresh model and a trainer of ``accumulation`` micro-batches a step, and the four
+    samples of ``batch_items(seed=3)`` split into them: 6 + 8, then 3 + 1 completion tokens."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = make_trainer(
+        model, tmp_path, loss_type=loss_type,
+        per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
+    )  # fmt: skip
+    items = batch_items(seed=3)
+    order = [items[0], items[2], items[1], items[3]]
+    size = len(order) // accumulation
+    return model, trainer, [order[i : i + size] for i in range(0, len(order), size)]
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_accumulated_micro_batches_give_the_whole_batchs_gradient(
     tiny_model_dir: Path, tmp_path: Path, loss_type: str
@@ -146,18 +163,11 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradient(
     dapo divides by the whole step's loss tokens (TRL's
     ``num_items_in_batch``), not by each micro-batch's, and Trainer does not divide by the
     accumulation steps a second time."""
-    items = batch_items(seed=3)
     collate = GroupCollator(pad_token_id=0)
     gradients = {}
     for accumulation in (1, 2):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        trainer = make_trainer(
-            model, tmp_path, loss_type=loss_type,
-            per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
-        )  # fmt: skip
-        order = [items[0], items[2], items[1], items[3]]  # 6 + 8, then 3 + 1 completion tokens
-        size = len(order) // accumulation
-        micro_batches = [collate(order[i : i + size]) for i in range(0, len(order), size)]
+        model, trainer, parts = accumulating_trainer(tiny_model_dir, tmp_path, loss_type, accumulation)
+        micro_batches = [collate(part) for part in parts]
         trainer.current_gradient_accumulation_steps = accumulation  # as Trainer's loop sets it per step
         tokens = trainer._get_num_items_in_batch(micro_batches, torch.device("cpu"))
         assert tokens == 6 + 3 + 8 + 1
@@ -167,6 +177,47 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradient(
     assert gradients[1] and len(gradients[1]) == len(gradients[2])
     for whole, accumulated in zip(gradients[1], gradients[2], strict=True):
         torch.testing.assert_close(accumulated, whole, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_micro_batches_train_as_they_arrive_with_the_whole_batchs_gradient_and_loss(
+    tiny_model_dir: Path, tmp_path: Path, loss_type: str
+) -> None:
+    """``get_batch_samples`` takes no micro-batch before the loop reaches it, so the first
+    trains while the second is still generated. dapo's count of the step's loss tokens is
+    then known only after the last: its gradients and reported loss are divided then, and
+    come out as one step over all four samples."""
+    collate = GroupCollator(pad_token_id=0)
+    results = {}
+    for accumulation in (1, 2):
+        model, trainer, parts = accumulating_trainer(tiny_model_dir, tmp_path, loss_type, accumulation)
+        fetched: list[int] = []
+
+        def stream(parts: list[list[dict]] = parts, fetched: list[int] = fetched):
+            for i, part in enumerate(parts):
+                fetched.append(i)
+                yield collate(part)
+
+        source = stream()
+        micro_batches, tokens = trainer.get_batch_samples(source, accumulation, torch.device("cpu"))
+        trainer.current_gradient_accumulation_steps = len(micro_batches)  # as Trainer's loop sets it
+        if accumulation > 1:
+            assert fetched == [] and tokens is None  # nothing taken, nothing counted up front
+        loss = torch.tensor(0.0)
+        for done, inputs in enumerate(micro_batches, start=1):
+            assert len(fetched) == done  # one micro-batch at a time
+            loss = loss + trainer.training_step(trainer.model, inputs, tokens)
+        gradients = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results[accumulation] = (gradients, float(loss), statistics.fmean(trainer.book.loss_metrics["policy_loss"]))
+    (whole, whole_loss, whole_policy_loss), (accumulated, loss, policy_loss) = results[1], results[2]
+    assert whole and len(whole) == len(accumulated)
+    for expected, got in zip(whole, accumulated, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4)
+    assert loss == pytest.approx(whole_loss, rel=1e-4, abs=1e-7)
+    if loss_type == "dapo":  # (grpo's on-policy loss is 0: each group's advantages sum to 0)
+        assert abs(whole_loss) > 1e-6
+        # reported as Trainer's up-front count reports it: each micro-batch's share
+        assert policy_loss == pytest.approx(whole_policy_loss / 2, rel=1e-4, abs=1e-7)
 
 
 def test_logits_made_inside_the_forward_match_full_logits(tiny_model_dir: Path) -> None:
