@@ -259,9 +259,10 @@ class AsyncGRPOTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # type: ignore[override]
         """A step's micro-batches, each fetched when the loop reaches it (``arriving_batches``),
         so that the first train while the last generate. Data-parallel ranks prefetch, as
-        Trainer does: the token count of their loss is summed over ranks up front."""
+        Trainer does: the token count of their loss is summed over ranks up front. So do
+        DeepSpeed and FSDP, which keep the gradients where the deferred division cannot reach."""
         self._deferred = None
-        if num_batches <= 1 or self.args.world_size > 1:
+        if num_batches <= 1 or self.args.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.loss_config.loss_type in GLOBAL_TOKEN_NORMALISED:
             self._deferred = DeferredTokenNormaliser(num_batches)
