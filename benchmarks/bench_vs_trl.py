@@ -214,6 +214,19 @@ def busy_core_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def busy_seconds_by_cpu() -> dict[str, float]:
+    """Seconds each CPU has been busy since boot (``/proc/stat``'s ``cpuN`` lines): whether a
+    core the trainer leaves idle while it waits for groups is idle, or busy with generation."""
+    busy: dict[str, float] = {}
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, *values = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                fields = [int(x) for x in values]
+                busy[name] = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    return busy
+
+
 def core_seconds_by_process(service_pid: int) -> dict[str, float]:
     """CPU seconds each running process has used (``/proc/PID/stat``), summed by its part:
     vLLM's worker, engine core and API server, the service, a project trainer, this consumer.
@@ -432,6 +445,8 @@ class CpuWhileTraining:
         self.engine_url = engine_url
         self.first: dict[str, float] | None = None
         self.last: dict[str, float] | None = None
+        self._cpus: list[tuple[float, dict[str, float]]] = []
+        """(monotonic time, ``busy_seconds_by_cpu``) at the first and the last step."""
         self._engine: dict[str, asyncio.Task[tuple[float, float]]] = {}
         """vLLM's engine steps at the first and the last step: read in tasks, since the service
         runs on this event loop and vLLM's busy API server may take a while to answer."""
@@ -446,6 +461,16 @@ class CpuWhileTraining:
         elif step == self.steps:
             self.last = core_seconds_by_process(os.getpid())
             self._engine["last"] = asyncio.ensure_future(engine_steps(self.engine_url))
+        else:
+            return
+        self._cpus.append((time.monotonic(), busy_seconds_by_cpu()))
+
+    def busy_fraction_by_cpu(self) -> dict[str, float] | None:
+        """Each CPU's busy share of the wall time from the first step to the last."""
+        if len(self._cpus) < 2:
+            return None
+        (start, before), (end, after) = self._cpus[0], self._cpus[-1]
+        return {cpu: (after[cpu] - before[cpu]) / (end - start) for cpu in after}
 
     def per_step(self) -> dict[str, float] | None:
         if self.first is None or self.last is None:
@@ -511,6 +536,7 @@ async def run_project(
             "dropped_stale": summary["groups_dropped_stale"],
             "service": service,
             "core_s_per_step_by_process": cpu.per_step(),
+            "busy_fraction_by_cpu": cpu.busy_fraction_by_cpu(),
             "engine": engine,
         },
     )
@@ -716,6 +742,12 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
         split = ", ".join(f"{part} {seconds:.3f}" for part, seconds in sorted(alone_parts.items(), key=lambda p: -p[1]))
         console.print(f"generation's core-seconds per step alone, by process: {split}")
         return
+    by_cpu = [cpus for r in project if (cpus := r.extra.get("busy_fraction_by_cpu"))]
+    if by_cpu:
+        console.print(
+            "each CPU busy from the trainer's first step to its last (median over the project's runs): "
+            + ", ".join(f"{cpu} {statistics.median(c[cpu] for c in by_cpu):.0%}" for cpu in by_cpu[0])
+        )
     in_run = {part: statistics.median(p.get(part, 0.0) for p in in_runs) for part in in_runs[0]}
     shown = sorted(in_run, key=lambda part: -in_run[part])
     console.print(
