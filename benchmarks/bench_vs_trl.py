@@ -205,6 +205,17 @@ async def run_trl(args: argparse.Namespace, threads: int, seed: int, work: Path)
 # -- each side alone: the ideal steps/s is 1 / max(T_generate, T_train) --------------------------
 
 
+HOST_CORES = tuple(sorted(os.sched_getaffinity(0)))
+"""This process's cores at start: the service it runs moves it off vLLM's cores
+(``engine.managed.service_off_vllm_cores``), and TRL, the trainers and the alone measurements
+start on all of them again, as from a shell."""
+
+
+def on_host_cores() -> None:
+    """``preexec_fn`` of every child: ``HOST_CORES``."""
+    os.sched_setaffinity(0, HOST_CORES)
+
+
 def busy_core_seconds() -> float:
     """Core-seconds the whole machine has been busy since boot (``/proc/stat``): a side's cost in
     cores, all its processes included (vLLM's API server and engine core, the service)."""
@@ -399,14 +410,16 @@ async def measure_alone(args: argparse.Namespace, target: str, engine_url: str, 
     most one step's groups in flight."""
     from rollout_common.cpu_budget import CpuBudget
 
-    threads = CpuBudget.split().trainer_threads
+    threads = CpuBudget.split(HOST_CORES).trainer_threads
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     measured: dict[str, Any] = {}
     modes = [["train-alone"], ["generate-alone"]] + ([["generate-alone", "--one-step-in-flight"]] if one_step else [])
     for mode in modes:  # each in its own process, like the trainer
         command = [sys.executable, __file__, *mode, "--threads", str(threads), "--service", target]
         command += ["--engine-url", engine_url, *shared_flags(args)]
-        process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
+        process = await asyncio.create_subprocess_exec(
+            *command, env=env, stdout=asyncio.subprocess.PIPE, preexec_fn=on_host_cores
+        )
         output, _ = await asyncio.wait_for(process.communicate(), args.timeout_s)
         measured.update(json.loads(output.decode().strip().splitlines()[-1]))
     slowest = max(measured["train_step_s"], measured["generate_step_s"])
@@ -571,7 +584,7 @@ async def run_subprocess(
     """Run ``command`` to its end, handing each line of its output (stdout and stderr) to
     ``on_line`` as it comes; a failure raises with the output's tail."""
     process = await asyncio.create_subprocess_exec(
-        *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=on_host_cores
     )
     tail: deque[str] = deque(maxlen=100)
 

@@ -23,6 +23,7 @@ share it (one thread each): oversubscribed by necessity, not by default.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -80,9 +81,32 @@ class CpuBudget:
         1.87 and 11.1 s (12 runs), on either 2.00 and 10.3 s (10 runs)."""
         return tuple(sorted(set(self.vllm_cores) | set(self.trainer_cores)))
 
+    @property
+    def service_cores(self) -> tuple[int, ...] | None:
+        """Cores for the rollout service's own process next to its managed CPU server: the
+        trainer's share, off vLLM's worker and engine core; None where the two shares overlap
+        (one core).
+
+        The service runs at niceness 0, so wherever it lands on vLLM's pinned core it runs before
+        the worker, and that core is the one that is full: busy 100% of a run's time, the
+        trainer's 86-93% (small model, 2 cores, benchmarks/bench_vs_trl.py). On the trainer's
+        core, 4 seeds alternated: 4.79 against 4.54 steps/s (each seed 2-7% faster), the
+        trainer waiting 11% of its steady time against 20%."""
+        if set(self.trainer_cores) & set(self.vllm_cores):
+            return None
+        return self.trainer_cores
+
     def vllm_bind(self) -> str:
         """vLLM's OpenMP binding for one worker, e.g. ``"0"`` or ``"0,1,2,3"``."""
         return ",".join(str(core) for core in self.vllm_cores)
+
+
+def move_this_process(cores: tuple[int, ...]) -> None:
+    """Pin every thread of this process to ``cores`` (``os.sched_setaffinity(0)`` moves only
+    the calling thread; threads started later inherit their starter's cores)."""
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(thread), cores)
 
 
 def is_local_target(target: str) -> bool:

@@ -65,6 +65,10 @@ class ManagedServerSettings(Section):
     and worker to the worker's cores, while the API server may use every core once the server
     is healthy (``cpu_budget.CpuBudget.front_end_cores``). With nothing pinned, the API server
     and engine core took about one core beside the worker's, on the cores left to the trainer."""
+    service_off_vllm_cores: bool = True
+    """With the server pinned, move the service's own process to the cores left to a trainer
+    (``cpu_budget.CpuBudget.service_cores``) while it runs, off the worker's cores, which are
+    the ones a run keeps full."""
     nice: int = Field(default=10, ge=0, le=19)
     """Scheduling niceness of the pinned CPU server's processes and of their session's
     autogroup (what the kernel weighs against other sessions when autogroup is on), so that a

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from rollout_common.cpu_budget import available_cores, move_this_process
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
 from rollout_service.delivery.state_store import open_store
 from rollout_service.edge.group_wire import WireCodec
@@ -243,7 +244,20 @@ async def _start_managed_server(settings: ServiceSettings, stack: contextlib.Asy
     )
     stack.push_async_callback(asyncio.to_thread, managed.stop)  # before start: no orphan server
     await asyncio.to_thread(managed.start)
+    _keep_off_vllm_cores(managed, stack)
     return managed
+
+
+def _keep_off_vllm_cores(managed: ManagedVLLMServer, stack: contextlib.AsyncExitStack) -> None:
+    """Move this process to ``managed.service_cores()`` (the cores left to a trainer) while the
+    service runs, and back to where it was when ``stack`` closes."""
+    cores = managed.service_cores()
+    if cores is None:
+        return
+    home = available_cores()
+    move_this_process(cores)
+    stack.callback(move_this_process, home)
+    logger.info("the service moved to cores %s, off vLLM's %s", cores, managed.pinned_cores())
 
 
 def _user_registries(settings: ServiceSettings) -> tuple[RewardRegistry, ToolRegistry, EnvironmentRegistry]:

@@ -8,6 +8,7 @@ worker processes too, and nothing else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -119,7 +120,7 @@ class ManagedVLLMServer:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.kv_cache_gib))
             # Leave a trainer on this host its own cores (cpu_budget): oversubscribed cores
             # made a local trainer 2.2x slower.
-            env.setdefault(VLLM_BIND_ENV, CpuBudget.split(vllm_cores=self.settings.cpu_cores).vllm_bind())
+            env.setdefault(VLLM_BIND_ENV, self.budget.vllm_bind())
         return env
 
     def pinned_cores(self) -> tuple[int, ...] | None:
@@ -130,7 +131,7 @@ class ManagedVLLMServer:
             return None
         if not hasattr(os, "sched_setaffinity"):  # not on macOS
             return None
-        return CpuBudget.split(vllm_cores=s.cpu_cores).vllm_cores
+        return self.budget.vllm_cores
 
     def niceness(self) -> int:
         """Niceness the server starts with: the setting's for a pinned server, else 0 (a server
@@ -142,7 +143,20 @@ class ManagedVLLMServer:
         ``pinned_cores``); None when the server is not pinned."""
         if self.pinned_cores() is None:
             return None
-        return CpuBudget.split(vllm_cores=self.settings.cpu_cores).front_end_cores
+        return self.budget.front_end_cores
+
+    def service_cores(self) -> tuple[int, ...] | None:
+        """Cores the service's own process moves to while this server runs (``None``: it stays
+        where it is: an unpinned server, the setting off, or one core for everything)."""
+        if self.pinned_cores() is None or not self.settings.service_off_vllm_cores:
+            return None
+        return self.budget.service_cores
+
+    @functools.cached_property
+    def budget(self) -> CpuBudget:
+        """The split of this host's cores, taken once: the service may move itself off vLLM's
+        cores later, and a restart must not split what is left of them."""
+        return CpuBudget.split(vllm_cores=self.settings.cpu_cores)
 
     @property
     def pid(self) -> int | None:

@@ -174,3 +174,58 @@ def test_only_a_pinned_server_is_niced(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).niceness() == 0
     monkeypatch.setenv(VLLM_BIND_ENV, "0")  # the user placed vLLM: priority is theirs too
     assert ManagedVLLMServer(ManagedServerSettings(port=1)).niceness() == 0
+
+
+def test_the_service_takes_the_trainers_cores_off_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert CpuBudget.split((0, 1)).service_cores == (1,)
+    assert CpuBudget.split((0, 1, 2, 3)).service_cores == (2, 3)
+    assert CpuBudget.split((5,)).service_cores is None  # one core: nowhere else to go
+    monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
+    assert ManagedVLLMServer(ManagedServerSettings(port=1)).service_cores() == CpuBudget.split().service_cores
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, service_off_vllm_cores=False)).service_cores() is None
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).service_cores() is None
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).service_cores() is None
+
+
+MOVE_AND_RETURN = """
+import asyncio, contextlib, json, os, threading
+from rollout_service.edge.app import _keep_off_vllm_cores
+
+class Managed:
+    def service_cores(self):
+        return (max(os.sched_getaffinity(0)),)
+    def pinned_cores(self):
+        return (min(os.sched_getaffinity(0)),)
+
+def affinities():
+    return sorted(sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task"))
+
+async def main():
+    started, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), stop.wait(30)))
+    thread.start()
+    started.wait(10)
+    home = sorted(os.sched_getaffinity(0))
+    async with contextlib.AsyncExitStack() as stack:
+        _keep_off_vllm_cores(Managed(), stack)
+        during = affinities()
+    after = affinities()
+    stop.set()
+    thread.join(10)
+    print(json.dumps({"home": home, "during": during, "after": after}))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(len(available_cores()) < 2 or not Path("/proc/self/task").exists(), reason="needs 2 cores")
+def test_the_service_process_moves_off_vllms_cores_while_it_runs_and_back_after() -> None:
+    """Every thread of the process moves (a thread started before the move too), and the
+    service's exit puts them back. In a child process, so pytest keeps its cores."""
+    result = subprocess.run([sys.executable, "-c", MOVE_AND_RETURN], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    home = seen["home"]
+    assert len(seen["during"]) >= 2  # the main thread and the one started before the move
+    assert seen["during"] == [[max(home)]] * len(seen["during"])
+    assert seen["after"] == [home] * len(seen["after"])
