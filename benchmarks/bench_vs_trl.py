@@ -63,6 +63,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_common.cpu_budget import available_cores
+
 HERE = Path(__file__).resolve().parent
 ROLLING = 5
 MODEL_SIZES = {
@@ -205,7 +207,7 @@ async def run_trl(args: argparse.Namespace, threads: int, seed: int, work: Path)
 # -- each side alone: the ideal steps/s is 1 / max(T_generate, T_train) --------------------------
 
 
-HOST_CORES = tuple(sorted(os.sched_getaffinity(0)))
+HOST_CORES = available_cores()
 """This process's cores at start: the service it runs moves it off vLLM's cores
 (``engine.managed.service_off_vllm_cores``), and TRL, the trainers and the alone measurements
 start on all of them again, as from a shell."""
@@ -216,26 +218,29 @@ def on_host_cores() -> None:
     os.sched_setaffinity(0, HOST_CORES)
 
 
-def busy_core_seconds() -> float:
-    """Core-seconds the whole machine has been busy since boot (``/proc/stat``): a side's cost in
-    cores, all its processes included (vLLM's API server and engine core, the service)."""
-    with open("/proc/stat") as stat:
-        fields = [int(x) for x in stat.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def busy_seconds_by_cpu() -> dict[str, float]:
-    """Seconds each CPU has been busy since boot (``/proc/stat``'s ``cpuN`` lines): whether a
-    core the trainer leaves idle while it waits for groups is idle, or busy with generation."""
+def busy_seconds_since_boot() -> dict[str, float]:
+    """Seconds busy since boot (``/proc/stat``): ``cpu`` for the whole machine, ``cpuN`` for each
+    CPU; all of each CPU's time but idle and iowait."""
     busy: dict[str, float] = {}
     with open("/proc/stat") as stat:
         for line in stat:
             name, *values = line.split()
-            if name.startswith("cpu") and name != "cpu":
+            if name.startswith("cpu"):
                 fields = [int(x) for x in values]
                 busy[name] = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
     return busy
+
+
+def busy_core_seconds() -> float:
+    """Core-seconds the whole machine has been busy since boot: a side's cost in cores, all its
+    processes included (vLLM's API server and engine core, the service)."""
+    return busy_seconds_since_boot()["cpu"]
+
+
+def busy_seconds_by_cpu() -> dict[str, float]:
+    """Seconds each CPU has been busy since boot: whether a core the trainer leaves idle while it
+    waits for groups is idle, or busy with generation."""
+    return {name: busy for name, busy in busy_seconds_since_boot().items() if name != "cpu"}
 
 
 def core_seconds_by_process(service_pid: int) -> dict[str, float]:

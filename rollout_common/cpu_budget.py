@@ -101,10 +101,11 @@ class CpuBudget:
         return ",".join(str(core) for core in self.vllm_cores)
 
 
-def move_this_process(cores: tuple[int, ...]) -> None:
-    """Pin every thread of this process to ``cores`` (``os.sched_setaffinity(0)`` moves only
-    the calling thread; threads started later inherit their starter's cores)."""
-    for thread in os.listdir("/proc/self/task"):
+def move_process(cores: tuple[int, ...], pid: int | None = None) -> None:
+    """Pin every thread of process ``pid`` (default: this one) to ``cores``
+    (``os.sched_setaffinity`` moves one thread; threads started later inherit their starter's
+    cores)."""
+    for thread in os.listdir(f"/proc/{'self' if pid is None else pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(thread), cores)
 

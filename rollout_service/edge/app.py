@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from rollout_common.cpu_budget import available_cores, move_this_process
+from rollout_common.cpu_budget import available_cores, move_process
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
 from rollout_service.delivery.state_store import open_store
 from rollout_service.edge.group_wire import WireCodec
@@ -255,8 +255,8 @@ def _keep_off_vllm_cores(managed: ManagedVLLMServer, stack: contextlib.AsyncExit
     if cores is None:
         return
     home = available_cores()
-    move_this_process(cores)
-    stack.callback(move_this_process, home)
+    move_process(cores)
+    stack.callback(move_process, home)
     logger.info("the service moved to cores %s, off vLLM's %s", cores, managed.pinned_cores())
 
 

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget
+from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, move_process
 from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
 from rollout_service.engine import place_and_exec
 from rollout_service.errors import StartupError
@@ -194,9 +194,7 @@ class ManagedVLLMServer:
         cores = self.front_end_cores()
         if cores is None or self._process is None:
             return
-        for thread in os.listdir(f"/proc/{self._process.pid}/task"):
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(thread), cores)
+        move_process(cores, self._process.pid)
         logger.info("vLLM's API server moved to cores %s; engine and worker stay on %s", cores, self.pinned_cores())
 
     def _wait_healthy(self) -> None:
