@@ -2,7 +2,7 @@
 
 transformers' Trainer is synchronous; the gRPC stream is asyncio. ``GroupFeed`` runs the
 stream on its own event loop in a background thread and hands groups over through a
-bounded queue. Staleness is judged here, at the moment a group is taken for training:
+queue that the stream's credits bound. Staleness is judged here, at the moment a group is taken for training:
 a group whose oldest token is more than ``max_staleness`` policy versions behind the
 trainer's current version is dropped, counted, and acked as DROPPED_STALE so the service
 knows; every other group is acked as TRAINED once the step that used it has finished.
@@ -16,7 +16,6 @@ trains the next step with weights one version ahead of what vLLM serves.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import queue
@@ -131,7 +130,12 @@ class GroupFeed:
         self._weights_wanted = ""
         self._stall_error: RunStalled | None = None
         """Set when the service reports that the run stopped generating."""
-        self._groups: queue.Queue[pb.Group | BaseException | object] = queue.Queue(maxsize=credits)
+        self._groups: queue.Queue[pb.Group | BaseException | object] = queue.Queue()
+        """What the stream delivered and the training thread has not taken. Unbounded on purpose:
+        the credits bound it (at most ``credits`` groups delivered and not acked), except after
+        a reconnect, when the new stream's credits come on top of the groups the old one left
+        here. A bounded queue then blocked the reader's put in an executor thread, which Python
+        joins at exit: a trainer that finished with the queue full never exited (CI, stop 37)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"feed-{consumer_id}", daemon=True)
         self._client: RolloutClient | None = None
@@ -176,7 +180,7 @@ class GroupFeed:
                 raise
             except Exception as exc:
                 logger.error("%s failed: %s", what, exc)
-                await asyncio.to_thread(self._groups.put, RuntimeError(f"{what} failed: {exc}"))
+                self._groups.put_nowait(RuntimeError(f"{what} failed: {exc}"))
 
         return self.submit(guarded())
 
@@ -207,7 +211,7 @@ class GroupFeed:
                 try:
                     async for group in stream:
                         self.counters.received += 1
-                        await asyncio.to_thread(self._groups.put, group)
+                        self._groups.put_nowait(group)  # never blocks: see ``_groups``
                     return
                 except Exception as exc:
                     if not unavailable(exc) or not self.reconnect_s:
@@ -276,18 +280,15 @@ class GroupFeed:
             "(it waits scheduler.stall_timeout_s before it says so)"
         )
         self._stall_error = error
-        with contextlib.suppress(queue.Full):
-            self._groups.put_nowait(_WAKE)
+        self._groups.put_nowait(_WAKE)
 
     def _weights_requested(self, wanted: pb.WeightsWanted) -> None:
-        """On the feed's loop: note the request and wake a training thread waiting for groups
-        (with the queue full it is about to take one and sees the request then)."""
+        """On the feed's loop: note the request and wake a training thread waiting for groups."""
         if self.on_weights_wanted is None:
             logger.info("the service wants run %s's weights; another trainer pushes them", self.run_id)
             return
         self._weights_wanted = wanted.reason or "asked by the service"
-        with contextlib.suppress(queue.Full):
-            self._groups.put_nowait(_WAKE)
+        self._groups.put_nowait(_WAKE)
 
     # -- consumer side (the training thread) ---------------------------------------------
     def next_fresh_group(self, timeout_s: float = 300.0) -> pb.Group:

@@ -88,3 +88,35 @@ def test_a_follower_ignores_a_request_for_weights() -> None:
     feed._weights_requested(pb.WeightsWanted(policy_version=3, reason="s0 restarted"))
     feed._groups.put(pb.Group(group_id="g1", policy_version=3))
     assert feed.next_fresh_group(timeout_s=5).group_id == "g1"
+
+
+class DeliveredStream:
+    """Stands in for a gRPC stream that delivers these groups, then ends."""
+
+    def __init__(self, groups: list[pb.Group]) -> None:
+        self.groups = groups
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        return self._deliver()
+
+    async def _deliver(self):  # type: ignore[no-untyped-def]
+        for group in self.groups:
+            yield group
+
+
+def test_the_reader_takes_more_groups_than_credits_without_waiting_for_the_trainer() -> None:
+    """After a reconnect the new stream's credits come on top of the groups the old one left
+    queued. The reader must still never wait on the training thread: it used to block in a
+    put on an executor thread that Python joins at exit, and a trainer that ended with a full
+    queue never exited (a CI timeout of test_service_restart)."""
+    credits = 4
+    feed = GroupFeed("127.0.0.1:1", "run", "c", max_staleness=1, credits=credits)
+    feed._thread.start()
+    try:
+        delivered = [pb.Group(group_id=f"g{index}", policy_version=0) for index in range(3 * credits)]
+        feed.call(feed._read(DeliveredStream(delivered)), timeout_s=10)  # type: ignore[arg-type]
+        assert feed.counters.received == 3 * credits
+        assert feed._groups.qsize() == 3 * credits
+    finally:
+        feed._loop.call_soon_threadsafe(feed._loop.stop)
+        feed._thread.join(5)

@@ -48,6 +48,15 @@ def stored(store: Path) -> tuple[set[str], set[str], int]:
         db.close()
 
 
+def tails(directory: Path, chars: int = 3000) -> str:
+    """The ends of the trainer's and both services' logs, for a failure's message."""
+    return "\n".join(
+        f"--- {name}:\n{(directory / name).read_text(errors='replace')[-chars:]}"
+        for name in ("trainer.log", "first.log", "second.log")
+        if (directory / name).exists()
+    )
+
+
 @pytest.mark.timeout(600)
 async def test_a_service_killed_mid_run_restarts_on_its_store_and_the_trainer_goes_on(
     vllm_server, tiny_model: Path, tmp_path: Path
@@ -84,8 +93,11 @@ async def test_a_service_killed_mid_run_restarts_on_its_store_and_the_trainer_go
 
             with durable_service(vllm_server.url, tiny_model, port, store, tmp_path / "second.log"):
                 try:
-                    await asyncio.wait_for(trainer.wait(), 300)  # it reconnects to the restarted service
-                    assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+                    try:  # it reconnects to the restarted service
+                        await asyncio.wait_for(trainer.wait(), 300)
+                    except TimeoutError:
+                        raise AssertionError(f"the trainer did not finish:\n{tails(tmp_path)}") from None
+                    assert trainer.returncode == 0, tails(tmp_path)
                     assert "reconnected to" in (tmp_path / "trainer.log").read_text()
                     summary = json.loads((out / "summary.json").read_text())
                     assert summary["run_id"] == run_id  # the same run, restored
