@@ -302,7 +302,7 @@ def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: li
     """Load HF-named tensors into a live vLLM model on CPU: directly where every layer is one
     the direct path knows (``packed_linears``), else with vLLM's layerwise reload. Returns
     which: ``"directly"`` or ``"by layerwise reload"``."""
-    linears = packed_linears(model)
+    linears = packed_linears(model, {name for name, _ in weights})
     if linears is not None:
         apply_to_packed_linears(model, linears, weights)
         return "directly"
@@ -318,11 +318,14 @@ def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: li
     return "by layerwise reload"
 
 
-def packed_linears(model: torch.nn.Module) -> list[torch.nn.Module] | None:
+def packed_linears(model: torch.nn.Module, pushed: set[str]) -> list[torch.nn.Module] | None:
     """The linear layers whose weight vLLM's CPU GEMM packed and dropped, when the direct
     apply can reload the model: every layer with a quantization method is an unquantized
-    linear or vocab embedding, and each linear's weight was recorded at load. None: use the
-    layerwise reload (quantized layers, other platforms, a vLLM that records nothing).
+    linear or vocab embedding, each linear's weight was recorded at load, and the push
+    (``pushed``, HF names) carries every tensor of each linear, since the direct path rebuilds
+    whole weights and a linear the push left out would be packed from uninitialised memory.
+    None: use the layerwise reload (quantized layers, a partial push, other platforms, a vLLM
+    that records nothing).
 
     Why a direct path: the layerwise reload puts every layer on the meta device, wraps every
     weight loader and copies each processed tensor back, about half of an apply's 8 ms on the
@@ -348,8 +351,20 @@ def packed_linears(model: torch.nn.Module) -> list[torch.nn.Module] | None:
                 "whose weight vLLM recorded", name, type(module).__name__, type(method).__name__,
             )  # fmt: skip
             return None
+        missing = sorted(set(checkpoint_names(model, name)) - pushed)
+        if missing:
+            logger.info("this push is applied by vLLM's layerwise reload: it does not carry %s", ", ".join(missing))
+            return None
         linears.append(module)
     return linears
+
+
+def checkpoint_names(model: torch.nn.Module, module_name: str) -> list[str]:
+    """The HF names of the tensors that make up a linear's weight: ``q_proj``, ``k_proj`` and
+    ``v_proj`` for a ``qkv_proj`` (the model's ``packed_modules_mapping``), else its own."""
+    prefix, _, last = module_name.removesuffix(".base_layer").rpartition(".")
+    parts = getattr(model, "packed_modules_mapping", {}).get(last, [last])
+    return [f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in parts]
 
 
 def apply_to_packed_linears(

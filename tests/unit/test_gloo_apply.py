@@ -5,6 +5,8 @@ the trainer's weights is shown against a real vLLM server in
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
@@ -36,14 +38,35 @@ class QuantizedMethod:
     """Any quantization method the direct path does not know."""
 
 
+class Attention(torch.nn.Module):
+    """A module path like a real model's, with a linear vLLM stacks from three checkpoint tensors."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = LoraWrapper(packed_linear())
+        self.o_proj = packed_linear()
+
+
+FULL_PUSH = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
+
+
 def test_packed_linears_are_applied_directly_and_lora_wrappers_are_looked_through() -> None:
-    first, second = packed_linear(), packed_linear()
-    model = torch.nn.Sequential(LoraWrapper(first), second, torch.nn.LayerNorm(3))
-    assert packed_linears(model) == [first, second]
+    model = Attention()
+    assert packed_linears(model, FULL_PUSH) == [model.qkv_proj.base_layer, model.o_proj]
 
 
 def test_a_quantized_or_unrecorded_layer_leaves_the_model_to_the_layerwise_reload() -> None:
-    quantized = packed_linear()
-    quantized.quant_method = QuantizedMethod()
-    assert packed_linears(torch.nn.Sequential(packed_linear(), quantized)) is None
-    assert packed_linears(torch.nn.Sequential(packed_linear(), packed_linear(recorded=False))) is None
+    quantized = Attention()
+    quantized.o_proj.quant_method = QuantizedMethod()
+    assert packed_linears(quantized, FULL_PUSH) is None
+    unrecorded = Attention()
+    unrecorded.o_proj = packed_linear(recorded=False)
+    assert packed_linears(unrecorded, FULL_PUSH) is None
+
+
+def test_a_push_that_leaves_out_part_of_a_linear_goes_through_the_layerwise_reload() -> None:
+    """The direct path rebuilds each linear's whole weight: one the push does not fully carry
+    (here ``k_proj``, a third of ``qkv_proj``) would be packed from uninitialised memory."""
+    assert packed_linears(Attention(), FULL_PUSH - {"k_proj.weight"}) is None
