@@ -8,8 +8,9 @@ generates (the trainer's next commit waits for it). The result lands in the step
 of the step during which it finished (``eval_reward_mean``, ``eval_policy_version``), in
 ``evals.jsonl`` and in the summary.
 
-It runs on the feed's event loop, beside training; a failed evaluation is logged and
-recorded with its error, and training goes on.
+Each evaluation run is created before the next push can begin (one RPC on the training
+thread, ``pushed``); its generation and result run on the feed's event loop, beside
+training. A failed evaluation is logged and recorded with its error, and training goes on.
 """
 
 from __future__ import annotations
@@ -51,10 +52,24 @@ class PinnedEvaluator:
         self._running: list[Future[dict[str, Any]]] = []
 
     def pushed(self, version: int) -> None:
-        """A push committed ``version``: evaluate it if it is an N-th push."""
+        """A push committed ``version``: evaluate it if it is an N-th push.
+
+        On the training thread, before the next push can begin: the evaluation run is created
+        here (one RPC every N pushes), because the service refuses an evaluation of a version
+        its servers no longer hold, and a background push that committed first did exactly that
+        (CI, stop 38: the evaluation of version 9 refused, version 10 already served). Its
+        generation and result are then awaited beside training."""
         self.pushes += 1
-        if self.pushes % self.every == 0:
-            self._running.append(self.feed.submit(self._evaluate(version)))
+        if self.pushes % self.every != 0:
+            return
+        try:
+            run = self.feed.call(self._create(version))
+        except Exception as exc:  # recorded with its error by ``_collect``; training goes on
+            failed: Future[dict[str, Any]] = Future()
+            failed.set_exception(exc)
+            self._running.append(failed)
+            return
+        self._running.append(self.feed.submit(self._evaluate(run, version)))
 
     def finished(self) -> list[dict[str, Any]]:
         """The evaluations that finished since the last call, in the order they were started."""
@@ -82,12 +97,14 @@ class PinnedEvaluator:
             out.write(json.dumps(result) + "\n")
         return result
 
-    async def _evaluate(self, version: int) -> dict[str, Any]:
+    async def _create(self, version: int) -> pb.Run:
         spec = pb.RunSpec()
         spec.CopyFrom(self.spec)
         spec.eval.policy_version = version
+        return await self.feed.client.create_run(spec)
+
+    async def _evaluate(self, run: pb.Run, version: int) -> dict[str, Any]:
         client = self.feed.client
-        run = await client.create_run(spec)
         try:
             async with asyncio.timeout(self.timeout_s):
                 while run.state == pb.RUN_STATE_RUNNING:
