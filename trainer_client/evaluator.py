@@ -57,7 +57,7 @@ class PinnedEvaluator:
         On the training thread, before the next push can begin: the evaluation run is created
         here (one RPC every N pushes), because the service refuses an evaluation of a version
         its servers no longer hold, and a background push that committed first did exactly that
-        (CI, stop 38: the evaluation of version 9 refused, version 10 already served). Its
+        (a CI run of this project: the evaluation of version 9 refused, 10 already served). Its
         generation and result are then awaited beside training."""
         self.pushes += 1
         if self.pushes % self.every != 0:

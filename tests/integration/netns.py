@@ -9,6 +9,7 @@ trainer each in one talk as three hosts would, not over a shared loopback.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -45,12 +46,19 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+_CALLS = itertools.count()
+
+
 @contextlib.contextmanager
 def namespaces(*names: str) -> Iterator[Namespaces]:
-    tag = os.getpid() % 10000
+    # Unique per call, not only per process: a namespace deleted by the previous call of this
+    # process may take its veth pair with it only later (the kernel tears namespaces down in the
+    # background), and the same names then failed with "File exists" (CI, at fe59c22).
+    tag = (os.getpid() % 1000) * 10 + next(_CALLS) % 10
     subnet = f"10.231.{tag % 200 + 20}"
     bridge = f"rsbr{tag}"
     created: list[str] = []
+    veths: list[str] = []
     try:
         _ip("link", "add", bridge, "type", "bridge")
         _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
@@ -61,6 +69,7 @@ def namespaces(*names: str) -> Iterator[Namespaces]:
             _ip("netns", "add", netns)
             created.append(netns)
             _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            veths.append(outer)
             _ip("link", "set", inner, "netns", netns)
             _ip("link", "set", outer, "master", bridge, "up")
             _ip("-n", netns, "addr", "add", f"{subnet}.{index}/24", "dev", inner)
@@ -70,6 +79,8 @@ def namespaces(*names: str) -> Iterator[Namespaces]:
             addresses[name], system_names[name], interfaces[name] = f"{subnet}.{index}", netns, inner
         yield Namespaces(addresses, system_names, f"{subnet}.254", interfaces)
     finally:
-        for netns in created:  # its veth end goes with it, and the pair with that
+        for outer in veths:  # deleting one end deletes the pair at once, not when the namespace goes
+            subprocess.run(["ip", "link", "delete", outer], capture_output=True, timeout=30)
+        for netns in created:
             subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "delete", bridge], capture_output=True, timeout=30)
