@@ -96,6 +96,11 @@ class ManagedServerSettings(Section):
     """Further flags for vLLM's api_server."""
     log_file: Path | None = None
     """Where the server's output goes; None: a temporary file named in the logs."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    """The server's log level (its ``VLLM_LOGGING_LEVEL``), set from here rather than inherited
+    from this process: importing ``trl`` (a reward module that uses ``trl.rewards``, say) sets
+    ``VLLM_LOGGING_LEVEL=ERROR`` in the importing process, and the server then logged nothing
+    but errors: no throughput, no weight pushes."""
 
 
 class EngineSettings(Section):

@@ -113,6 +113,7 @@ class ManagedVLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        env["VLLM_LOGGING_LEVEL"] = self.settings.log_level  # not inherited: importing trl sets ERROR
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # pause/resume and weight-update endpoints
         if self.settings.max_loras:
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter

@@ -32,6 +32,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_service.engine.managed import ManagedVLLMServer
 from trainer_client.weights import GlooWeightSender, free_port, update_info_for
 
 pytestmark = pytest.mark.integration
@@ -210,10 +211,13 @@ def restores_base(admin: Admin, base_model: Qwen2ForCausalLM) -> Iterator[None]:
 
 
 def test_push_makes_vllm_logprobs_equal_the_trainers(
-    admin: Admin, base_model: Qwen2ForCausalLM, tuned_model: Qwen2ForCausalLM, restores_base: None
+    admin: Admin, base_model: Qwen2ForCausalLM, tuned_model: Qwen2ForCausalLM, restores_base: None, vllm_server
 ) -> None:
     with joined_sender(admin) as sender:
         seconds = push(admin, sender, tuned_model, version="1")
+    if isinstance(vllm_server, ManagedVLLMServer):  # started like the service's own (LoRA on): the direct path
+        applies = [line for line in vllm_server.log_path.read_text().splitlines() if "weight tensors" in line]
+        assert applies and " directly in " in applies[-1], applies[-1:] or "no apply logged"
     diff, tokens, vllm_lp = vllm_vs_hf(admin, tuned_model)
     params = sum(p.numel() for p in tuned_model.parameters())
     logger.info("push of %d params took %.3fs; max |vLLM - HF| logprob %.2e", params, seconds, diff)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from pydantic import ValidationError
+
 from rollout_service.config import ManagedServerSettings
 from rollout_service.engine.managed import ManagedVLLMServer
 
@@ -25,3 +28,17 @@ def test_the_weight_transfer_engine_is_the_one_the_service_syncs_with() -> None:
     nccl = flag(ManagedVLLMServer(settings, weight_transfer_backend="nccl").command(), "--weight-transfer-config")
     assert nccl is not None and json.loads(nccl) == {"backend": "nccl"}
     assert "--weight-transfer-config" not in ManagedVLLMServer(settings, weight_transfer_backend=None).command()
+
+
+def test_the_servers_log_level_is_the_settings_not_the_one_importing_trl_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing trl sets VLLM_LOGGING_LEVEL=ERROR in the importing process (``trl._compat``);
+    a server that inherited it logged no throughput and no weight pushes."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    assert ManagedVLLMServer(ManagedServerSettings(port=1)).environment()["VLLM_LOGGING_LEVEL"] == "INFO"
+    chosen = ManagedServerSettings(port=1, log_level="DEBUG")
+    assert ManagedVLLMServer(chosen).environment()["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_a_log_level_vllm_does_not_know_is_refused_with_the_ones_it_does() -> None:
+    with pytest.raises(ValidationError, match="'INFO'"):
+        ManagedServerSettings(log_level="LOUD")
