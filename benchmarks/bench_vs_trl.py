@@ -839,7 +839,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.model_dir is None:
         path, spec = MODEL_SIZES[args.model_size]
         args.model_dir = build_tiny_model(Path(path), TinyModelSpec(**spec))
-    results, alone_rounds = asyncio.run(benchmark(args))
+    import uvloop
+
+    results, alone_rounds = uvloop.run(benchmark(args))
     summary = report(results, args.target, alone_rounds)
     args.output.mkdir(parents=True, exist_ok=True)
     payload = {
