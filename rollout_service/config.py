@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -100,7 +100,12 @@ class ManagedServerSettings(Section):
     """The server's log level (its ``VLLM_LOGGING_LEVEL``), set from here rather than inherited
     from this process: importing ``trl`` (a reward module that uses ``trl.rewards``, say) sets
     ``VLLM_LOGGING_LEVEL=ERROR`` in the importing process, and the server then logged nothing
-    but errors: no throughput, no weight pushes."""
+    but errors: no throughput, no weight pushes. Any case is accepted, as for ``log_level``."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_upper_case(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
 
 class EngineSettings(Section):

@@ -42,3 +42,4 @@ def test_the_servers_log_level_is_the_settings_not_the_one_importing_trl_left(mo
 def test_a_log_level_vllm_does_not_know_is_refused_with_the_ones_it_does() -> None:
     with pytest.raises(ValidationError, match="'INFO'"):
         ManagedServerSettings(log_level="LOUD")
+    assert ManagedServerSettings(log_level="debug").log_level == "DEBUG"  # as the service's own log_level
