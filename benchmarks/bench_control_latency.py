@@ -12,8 +12,8 @@ their own, each crossing one more process:
 - ``POST /collective_rpc`` (the worker's ``check_health``): all three.
 
 It starts the rollout service with its managed vLLM (as ``bench_vs_trl.py`` does), times the
-calls with nothing running, then starts a ``rollout-trainer`` run and times them again once it
-has trained 15 steps.
+calls with nothing running, then starts ``bench_vs_trl.py``'s ``rollout-trainer`` run (its
+task and settings) and times them again once it has trained 15 steps.
 
 Usage::
 
@@ -79,7 +79,9 @@ async def trained_steps(process: asyncio.subprocess.Process, steps: int, timeout
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    sys.path.insert(0, str(HERE))  # the service imports the reward module by name
+    sys.path.insert(0, str(HERE))  # the service imports the reward module by name; bench_vs_trl's trainer
+    import bench_vs_trl
+
     from rollout_service.config import load_settings
     from rollout_service.edge.app import running_service
 
@@ -88,13 +90,12 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     async with running_service(settings) as service:
         url = service.engine_urls[0]
         measured = {"idle": await probe(url, args.probes)}
-        command = [sys.executable, "-m", "trainer_client.cli", "--target", service.grpc_target]
-        command += ["--model", str(args.model_dir), "--dataset", "letters", "--reward", "vowel_share"]
-        command += ["--group-size", "8", "--groups-per-step", "4", "--max-tokens", "32", "--learning-rate", "3e-3"]
-        command += ["--loss-type", "dapo", "--max-steps", str(args.steps), "--log-level", "INFO"]
+        run = bench_vs_trl.parse_args(["--model-dir", str(args.model_dir), "--steps", str(args.steps)])
         with tempfile.TemporaryDirectory(prefix="bench-control-") as out:
             trainer = await asyncio.create_subprocess_exec(
-                *command, "--output-dir", out, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+                *bench_vs_trl.trainer_command(run, service.grpc_target, Path(out)),
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
             )
             try:
                 await trained_steps(trainer, 15, args.timeout_s)

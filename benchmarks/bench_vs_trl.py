@@ -503,18 +503,24 @@ class CpuWhileTraining:
         return engine_steps_per_step(await self._engine["first"], await self._engine["last"], self.steps - 1)
 
 
+def trainer_command(args: argparse.Namespace, target: str, output_dir: Path) -> list[str]:
+    """``rollout-trainer`` on the benchmark's task and settings, logging a line per step (INFO:
+    ``CpuWhileTraining`` and ``bench_control_latency.py`` read them)."""
+    command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
+    command += ["--dataset", args.dataset, "--reward", "vowel_share", "--group-size", str(args.group_size)]
+    command += ["--groups-per-step", str(args.prompts_per_step), "--max-tokens", str(args.max_tokens)]
+    command += ["--learning-rate", str(args.learning_rate), "--loss-type", "dapo", "--max-steps", str(args.steps)]
+    return [*command, "--output-dir", str(output_dir), "--log-level", "INFO"]
+
+
 async def run_project(
     args: argparse.Namespace, target: str, engine_url: str, name: str, flags: list[str], seed: int, work: Path
 ):
     from trainer_client.client import RolloutClient
 
     out = work / f"{name}-{seed}"
-    command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
-    command += ["--dataset", args.dataset, "--reward", "vowel_share", "--group-size", str(args.group_size)]
-    command += ["--groups-per-step", str(args.prompts_per_step), "--max-tokens", str(args.max_tokens)]
-    command += ["--learning-rate", str(args.learning_rate), "--loss-type", "dapo", "--max-steps", str(args.steps)]
     env_settings, flags = leading_env_settings(flags)
-    command += ["--output-dir", str(out), "--log-level", "INFO", *flags]  # INFO: a line per step (CpuWhileTraining)
+    command = [*trainer_command(args, target, out), *flags]
     async with RolloutClient(target) as client:
         before = await client.stats()
         cpu = CpuWhileTraining(args.steps, engine_url)

