@@ -325,6 +325,10 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     from trainer_client.losses import compute_loss
     from trainer_client.trainer import AsyncGRPOConfig
 
+    if args.service and args.pin:  # as rollout-trainer does next to a local service
+        from rollout_common.cpu_budget import pin_local_trainer
+
+        pin_local_trainer(args.service)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
@@ -349,10 +353,14 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     collate = GroupCollator(pad_token_id=0)
     config = LossConfig(loss_type="dapo", max_completion_length=args.max_tokens)
     head = model.get_output_embeddings().weight
-    times = []
-    for step in range(25):
+    times: list[float] = []
+    window: list[float] = []  # wall clock (epoch) at the first and last measured step
+    step = 0
+    while step < 25 or (args.seconds and time.time() - window[0] < args.seconds):
         if step == 5:  # warmed up
             busy = busy_core_seconds()
+            window.append(time.time())
+        step += 1
         start = time.perf_counter()
         batch = collate(items)
         logps = completion_logprobs(model, batch, head, share_prompts=AsyncGRPOConfig.share_prompt_forward)
@@ -362,10 +370,11 @@ def train_alone_worker(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
     core_s = (busy_core_seconds() - busy) / len(times[5:])
-    print(json.dumps({"train_step_s": statistics.median(times[5:]), "train_core_s": core_s}))
+    window.append(time.time())
+    print(json.dumps({"train_step_s": statistics.median(times[5:]), "train_core_s": core_s, "window": window}))
 
 
-async def generate_alone(args: argparse.Namespace, target: str, seconds: float = 15.0) -> dict[str, float]:
+async def generate_alone(args: argparse.Namespace, target: str) -> dict[str, Any]:
     """Seconds (and busy core-seconds) to generate one step's groups through the service with
     nothing training: a consumer acks every group at once (buffer admission, no pushes).
 
@@ -383,15 +392,16 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
             spec.max_inflight = args.prompts_per_step * args.group_size  # episodes: one per sample
         run = await client.create_run(spec)
         stream = client.stream(run.run_id, "generate-alone", credits=64)
-        groups, started = 0, None
+        groups, started, arrivals = 0, None, []
         async for group in stream:
             stream.ack([group.group_id])
             groups += 1
+            arrivals.append(time.time())
             if started is None and groups == 2 * args.prompts_per_step:  # warmed up: start the clock
-                started, busy, groups = time.perf_counter(), busy_core_seconds(), 0
+                started, busy, groups, arrivals = time.perf_counter(), busy_core_seconds(), 0, []
                 by_process = core_seconds_by_process(os.getppid())  # the service runs in the parent
                 engine_before = await engine_steps(args.engine_url)
-            elif started is not None and time.perf_counter() - started >= seconds:
+            elif started is not None and time.perf_counter() - started >= (args.seconds or 15.0):
                 break
         elapsed, core_s = time.perf_counter() - started, busy_core_seconds() - busy
         after = core_seconds_by_process(os.getppid())
@@ -403,6 +413,7 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
     if args.one_step_in_flight:
         return {"generate_one_step_in_flight_s": elapsed / steps}
     return {
+        "arrivals": arrivals,  # wall clock (epoch) of each group measured
         "generate_step_s": elapsed / steps,
         "generate_core_s": core_s / steps,
         "generate_core_s_by_process": parts,
@@ -411,28 +422,69 @@ async def generate_alone(args: argparse.Namespace, target: str, seconds: float =
 
 
 async def measure_alone(args: argparse.Namespace, target: str, engine_url: str, one_step: bool) -> dict[str, Any]:
-    """Each side alone, with the trainer's thread budget; ``one_step``: also generation with at
-    most one step's groups in flight."""
-    from rollout_common.cpu_budget import CpuBudget
-
-    threads = CpuBudget.split(HOST_CORES).trainer_threads
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    measured: dict[str, Any] = {}
+    """Each side alone, with the trainer's thread budget, then both at once; ``one_step``: also
+    generation with at most one step's groups in flight."""
     modes = [["train-alone"], ["generate-alone"]] + ([["generate-alone", "--one-step-in-flight"]] if one_step else [])
+    measured: dict[str, Any] = {}
     for mode in modes:  # each in its own process, like the trainer
-        command = [sys.executable, __file__, *mode, "--threads", str(threads), "--service", target]
-        command += ["--engine-url", engine_url, *shared_flags(args)]
-        process = await asyncio.create_subprocess_exec(
-            *command, env=env, stdout=asyncio.subprocess.PIPE, preexec_fn=on_host_cores
-        )
-        output, _ = await asyncio.wait_for(process.communicate(), args.timeout_s)
-        measured.update(json.loads(output.decode().strip().splitlines()[-1]))
+        measured.update(await measure_side(args, mode, target, engine_url))
+    measured.pop("window"), measured.pop("arrivals")
     slowest = max(measured["train_step_s"], measured["generate_step_s"])
     # Both sides share the machine's cores: a step cannot take less than their busy
     # core-seconds spread over every core, however well they overlap.
     cores = os.cpu_count() or 1
     core_bound = cores / (measured["train_core_s"] + measured["generate_core_s"])
-    return {**measured, "ideal_steps_per_s": 1 / slowest, "core_bound_steps_per_s": core_bound}
+    together = await measure_together(args, target, engine_url)
+    return {**measured, "ideal_steps_per_s": 1 / slowest, "core_bound_steps_per_s": core_bound, **together}
+
+
+TOGETHER_SECONDS = {"generate-alone": 16.0, "train-alone": 8.0}
+"""Measured windows of the two sides run at once: the trainer's (after its start-up, about 4 s
+on 2 busy cores) must fall inside generation's."""
+
+
+async def measure_together(args: argparse.Namespace, target: str, engine_url: str) -> dict[str, float]:
+    """Both sides at once, nothing coupling them: generation through the service with every slot
+    busy (no staleness bound, no pushes) and the trainer's math in a loop, pinned where
+    ``rollout-trainer`` pins itself next to a local service; each side's seconds per step.
+
+    Why: the ideal, 1 / max(T_generate, T_train), takes each side's step with the machine to
+    itself, and on this box both want the same cores (vLLM's API server and the service float
+    onto the trainer's). This shows what sharing them costs each side with nothing else in the
+    way. It is not a bound on a run: a run holds generation back (admission), which leaves the
+    trainer more of its core than here."""
+    generate_mode = ["generate-alone", "--seconds", str(TOGETHER_SECONDS["generate-alone"])]
+    train_mode = ["train-alone", "--seconds", str(TOGETHER_SECONDS["train-alone"]), "--pin"]
+    generate, train = await asyncio.gather(
+        measure_side(args, generate_mode, target, engine_url), measure_side(args, train_mode, target, engine_url)
+    )
+    start, end = train["window"]
+    arrivals = generate["arrivals"]
+    # Generation's rate while the trainer trained: the groups that arrived in the trainer's window.
+    groups = sum(start <= t <= end for t in arrivals)
+    generate_step_s = (end - start) * args.prompts_per_step / groups if groups else float("inf")
+    return {
+        "together_train_step_s": train["train_step_s"],
+        "together_generate_step_s": generate_step_s,
+        # the share of the trainer's window that generation's ran through (1.0: all of it)
+        "together_overlap": max(0.0, min(arrivals[-1], end) - max(arrivals[0], start)) / (end - start),
+    }
+
+
+async def measure_side(args: argparse.Namespace, mode: list[str], target: str, engine_url: str) -> dict[str, Any]:
+    """One side's measurement in its own process (``mode``: its command-line words), with the
+    trainer's thread budget; what it prints as JSON."""
+    from rollout_common.cpu_budget import CpuBudget
+
+    threads = CpuBudget.split(HOST_CORES).trainer_threads
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    command = [sys.executable, __file__, *mode, "--threads", str(threads), "--service", target]
+    command += ["--engine-url", engine_url, *shared_flags(args)]
+    process = await asyncio.create_subprocess_exec(
+        *command, env=env, stdout=asyncio.subprocess.PIPE, preexec_fn=on_host_cores
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), args.timeout_s)
+    return json.loads(output.decode().strip().splitlines()[-1])
 
 
 def median_alone(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -743,6 +795,15 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
         f"{alone['generate_core_s']:.3f} -> on {os.cpu_count()} cores at most {alone['core_bound_steps_per_s']:.2f} "
         f"steps/s; project achieved {ratio('core_bound_steps_per_s'):.2f}x of that"
     )
+    if "together_train_step_s" in alone:
+        overlaps = ", ".join(f"{r['together_overlap']:.0%}" for r in alone_rounds)
+        train, generate = alone["together_train_step_s"], alone["together_generate_step_s"]
+        console.print(
+            "both at once, each as fast as it goes (no staleness bound, no pushes; generation ran through "
+            f"{overlaps} of the trainer's window by round): T_train {train:.3f}s "
+            f"({train / alone['train_step_s']:.2f}x alone), T_generate {generate:.3f}s "
+            f"({generate / alone['generate_step_s']:.2f}x alone) per step"
+        )
     if one_step := alone.get("generate_one_step_in_flight_s"):
         slowest_one_step = max(one_step, alone["train_step_s"])
         achieved = statistics.median(r.steps_per_s for r in project)
@@ -818,9 +879,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--service", help="generate-alone: the rollout service's address")
+    parser.add_argument("--service", help="generate-alone, train-alone --pin: the rollout service's address")
     parser.add_argument("--engine-url", help="generate-alone: the vLLM server's address (its engine steps)")
     parser.add_argument("--one-step-in-flight", action="store_true", help="generate-alone: one step's groups at a time")
+    parser.add_argument(
+        "--seconds", type=float, default=None,
+        help="generate-alone: seconds measured (default 15); train-alone: at least 25 steps and this long",
+    )  # fmt: skip
+    parser.add_argument("--pin", action="store_true", help="train-alone: pinned as rollout-trainer pins itself")
     args = parser.parse_args(argv)
     if args.mode == "generate-alone" and not (args.service and args.engine_url):
         parser.error("generate-alone needs --service and --engine-url")
