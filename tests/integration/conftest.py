@@ -57,9 +57,10 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         max_loras=4,  # runs that serve their own adapter (test_lora_runs.py)
         max_lora_rank=16,
         log_file=tmp_path_factory.mktemp("vllm") / "server.log",
-        # Unpinned: this server is shared by every test, the test process and its trainers
-        # (the slot-share and trainer-kill timings were measured so); pinning has unit tests.
-        pin_processes=False,
+        # Pinned like the service's own, so its model runs in its engine core as by default
+        # (worker_in_engine_process), but at the tests' priority: this server is shared by every
+        # test, the test process and its trainers.
+        nice=0,
     )
     with ManagedVLLMServer(settings, served_model_name="tiny") as server:
         yield server

