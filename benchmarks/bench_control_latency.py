@@ -5,11 +5,13 @@ Why: a weight push makes two such calls on every server (``/update_weights`` and
 API server, its engine core (which takes utility calls between engine steps) and its worker.
 The worker's own part of a push is a few milliseconds of receive and apply (its log says
 how many), yet a push lasts tens of milliseconds. This times three calls that do no work of
-their own, each crossing one more process:
+their own, each going one step further:
 
 - ``GET /health``: the API server only;
 - ``GET /is_sleeping``: the API server and the engine core;
-- ``POST /collective_rpc`` (the worker's ``check_health``): all three.
+- ``POST /collective_rpc`` (the worker's ``check_health``): all three. A managed server pinned
+  to one core runs its worker in the engine core's process
+  (``engine.managed.worker_in_engine_process``), so there the last step is a call, not a process.
 
 It starts the rollout service with its managed vLLM (as ``bench_vs_trl.py`` does), times the
 calls with nothing running, then starts ``bench_vs_trl.py``'s ``rollout-trainer`` run (its
