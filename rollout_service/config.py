@@ -84,7 +84,7 @@ class ManagedServerSettings(Section):
     processes on one core handed each engine step to each other through a shared-memory queue
     and spun while they waited for each other's half; one process does the same work in fewer
     core-seconds: generating alone, 0.141-0.156 against 0.173-0.187 core-seconds a step, and runs
-    made 4.67-5.50 against 4.27-4.66 steps/s, the trainer waiting 4-8% of its steady time against
+    made 4.67-5.50 against 4.27-4.66 steps/s, the trainer waiting 3-8% of its steady time against
     10-19% (small model, 2 cores, ``benchmarks/bench_vs_trl.py``, alternated). Not the default
     elsewhere: vLLM binds OpenMP threads only in a worker process, so an unpinned engine core's
     model floats over every core, and in-process vLLM serves with one torch thread unless

@@ -56,7 +56,7 @@ def two_cores(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: None, raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: None, raising=False)  # pinning is possible
     return monkeypatch
 
 
