@@ -398,19 +398,25 @@ class AsyncGRPOTrainer(Trainer):
                 sum(book.rewards),
                 len(book.rewards),
                 len(book.group_ids),
+                len(book.stale_group_ids),
                 counters.dropped_stale,
                 counters.trained,
                 counters.received,
             ],
             [max(book.staleness, default=0)],
         )
-        reward_sum, rewards, groups, dropped, trained, received = (int(v) if i else v for i, v in enumerate(sums))
+        reward_sum, rewards, groups, masked, dropped, trained, received = (
+            int(v) if i else v for i, v in enumerate(sums)
+        )
         record: dict[str, Any] = {
             "step": step,
             "policy_version": version,
             "reward_mean": reward_sum / rewards if rewards else float("nan"),
             "groups": groups,
             "group_ids": list(book.group_ids),  # this process's
+            # fetched fresh, stale by the time the step trained (a push in between): masked out
+            # of the loss and acked as dropped, so the step trained fewer groups than it fetched
+            "groups_masked_stale": masked,
             "max_staleness_trained": int(maxima[0]),
             "dropped_stale": dropped,
             "groups_trained": trained,

@@ -42,7 +42,7 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert all(r["groups"] == 2 for r in records)  # both micro-batches of every step
+    assert all(r["groups"] == 2 and r["groups_masked_stale"] == 0 for r in records)  # both micro-batches, fresh
     assert {"step", "policy_version", "reward_mean", "dropped_stale"} <= set(records[0])
     versions = [r["policy_version"] for r in records]
     assert versions == sorted(versions) and versions[-1] > versions[0]  # a push after every step
