@@ -392,13 +392,12 @@ async def generate_alone(args: argparse.Namespace, target: str) -> dict[str, Any
             spec.max_inflight = args.prompts_per_step * args.group_size  # episodes: one per sample
         run = await client.create_run(spec)
         stream = client.stream(run.run_id, "generate-alone", credits=64)
-        groups, started, arrivals = 0, None, []
+        started, arrivals = None, []  # arrivals: wall clock (epoch) of each group, since the clock started
         async for group in stream:
             stream.ack([group.group_id])
-            groups += 1
             arrivals.append(time.time())
-            if started is None and groups == 2 * args.prompts_per_step:  # warmed up: start the clock
-                started, busy, groups, arrivals = time.perf_counter(), busy_core_seconds(), 0, []
+            if started is None and len(arrivals) == 2 * args.prompts_per_step:  # warmed up: start the clock
+                started, busy, arrivals = time.perf_counter(), busy_core_seconds(), []
                 by_process = core_seconds_by_process(os.getppid())  # the service runs in the parent
                 engine_before = await engine_steps(args.engine_url)
             elif started is not None and time.perf_counter() - started >= (args.seconds or 15.0):
@@ -408,12 +407,12 @@ async def generate_alone(args: argparse.Namespace, target: str) -> dict[str, Any
         engine_after = await engine_steps(args.engine_url)
         await stream.aclose()
         await client.delete_run(run.run_id)
-    steps = groups / args.prompts_per_step
+    steps = len(arrivals) / args.prompts_per_step
     parts = core_seconds_per_step(by_process, after, steps)
     if args.one_step_in_flight:
         return {"generate_one_step_in_flight_s": elapsed / steps}
     return {
-        "arrivals": arrivals,  # wall clock (epoch) of each group measured
+        "arrivals": arrivals,
         "generate_step_s": elapsed / steps,
         "generate_core_s": core_s / steps,
         "generate_core_s_by_process": parts,
@@ -428,7 +427,8 @@ async def measure_alone(args: argparse.Namespace, target: str, engine_url: str, 
     measured: dict[str, Any] = {}
     for mode in modes:  # each in its own process, like the trainer
         measured.update(await measure_side(args, mode, target, engine_url))
-    measured.pop("window"), measured.pop("arrivals")
+    for timeline in ("window", "arrivals"):  # measure_together's, not needed here
+        del measured[timeline]
     slowest = max(measured["train_step_s"], measured["generate_step_s"])
     # Both sides share the machine's cores: a step cannot take less than their busy
     # core-seconds spread over every core, however well they overlap.
