@@ -30,7 +30,8 @@ two, each run against the round just before it (this machine's speed drifts betw
 Because both sides share the machine's cores, it also reports the bound that sharing sets:
 each side's busy core-seconds per step alone (``/proc/stat``, every process counted), and
 cores / (their sum) steps/s; and, from the project's runs, each process's core-seconds per step
-while training, next to generation's alone, which shows what running together adds.
+while training, next to generation's alone, which shows what running together adds, and the
+bound the runs' own work sets (cores / their sum), against what 0.9x the ideal would need.
 
 It prints, per contender, the median time to target (first wall second at which the
 rolling mean of 5 steps reaches ``--target``), steps to target, steps/s, generated tokens/s
@@ -842,6 +843,26 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
             for part in shown
             if in_run[part] >= 0.001
         )
+    )
+    report_capacity(console, project, in_runs, alone)
+
+
+def report_capacity(
+    console: Any, project: list[RunResult], in_runs: list[dict[str, float]], alone: dict[str, Any]
+) -> None:
+    """The bound the runs' own work sets: every process's core-seconds per step in a run, spread
+    over every core. A run near it has no idle core left to win back; only less work per step
+    makes it faster, and the line says how much less 0.9x of the ideal would take."""
+    cores = os.cpu_count() or 1
+    work = statistics.median(sum(parts.values()) for parts in in_runs)
+    bound = cores / work
+    achieved = statistics.median(r.steps_per_s for r in project)
+    wanted = 0.9 * alone["ideal_steps_per_s"]
+    console.print(
+        f"the runs' own work: {work:.3f} core-seconds per step in all (each side alone "
+        f"{alone['train_core_s'] + alone['generate_core_s']:.3f}) -> on {cores} cores at most {bound:.2f} steps/s; "
+        f"project achieved {achieved / bound:.2f}x of that. 0.9x the ideal ({wanted:.2f} steps/s) needs at most "
+        f"{cores / wanted:.3f} core-seconds per step"
     )
 
 
