@@ -7,6 +7,11 @@ in the API server process, which on a CPU host may run on the trainer's cores (m
 30% of that process's CPU per step). A server without the endpoint (403 or 404), and a
 request with stop strings (which need vLLM's text), use ``/v1/completions``.
 
+Bodies are encoded and parsed with orjson: a group's answer is about 36 kB of JSON (two
+objects per token's logprob), and the standard library's parser was a quarter to a third of
+the service's event-loop time in a run (0.37 ms an answer against orjson's 0.10), on a host
+where the service shares the trainer's core.
+
 Retries only what can succeed (connection errors, timeouts, 5xx, 429) with exponential
 backoff inside a bounded budget; a 4xx is the request's fault and fails at once. Timeouts
 are per phase (connect, read) per attempt, never one total around retries.
@@ -20,6 +25,7 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 
 from rollout_service.config import EngineSettings
 from rollout_service.engine.server_load import ServerLoad, parse_server_load
@@ -30,6 +36,7 @@ from rollout_service.types import Completion, FinishReason, SamplingParams
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+_JSON = {"Content-Type": "application/json"}
 
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -310,13 +317,20 @@ class VLLMServerClient:
         if self._session is None:
             raise EngineError(self.base_url, "client used before start()")
         try:
-            async with self._session.post(self.base_url + path, json=body) as resp:
+            async with self._session.post(self.base_url + path, data=orjson.dumps(body), headers=_JSON) as resp:
                 if path == GENERATE_PATH and resp.status in (403, 404):
                     raise _NoTokenEndpoint(f"HTTP {resp.status}")
                 if resp.status in _RETRYABLE_STATUS:
                     raise _Retryable(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 if resp.status >= 400:
                     raise EngineError(self.base_url, f"HTTP {resp.status}: {(await resp.text())[:500]}")
-                return await resp.json()
+                payload = await resp.read()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            answer = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise EngineError(self.base_url, f"{path} answered with a body that is not JSON: {exc}") from None
+        if not isinstance(answer, dict):
+            raise EngineError(self.base_url, f"{path} answered with JSON that is not an object: {payload[:200]!r}")
+        return answer

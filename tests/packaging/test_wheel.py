@@ -19,7 +19,7 @@ NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv", "node_modules", "models", "outputs", "runs", "build", "dist", "*.egg-info", "__pycache__",
     ".pytest_cache", ".ruff_cache", "rollout_pb2*",
 )  # fmt: skip
-SERVICE_ONLY = ("vllm", "aiohttp", "uvloop", "prometheus_client", "pydantic_settings", "grpc_reflection")
+SERVICE_ONLY = ("vllm", "aiohttp", "orjson", "uvloop", "prometheus_client", "pydantic_settings", "grpc_reflection")
 
 
 def run(command: list[str], timeout_s: float, **kwargs: object) -> str:

@@ -101,6 +101,24 @@ async def test_retries_are_bounded_and_4xx_is_not_retried(scripted_server) -> No
     assert client.consecutive_failures == 2
 
 
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [(b"<html>proxy error</html>", "not JSON"), (b"[1, 2]", "not an object")],
+)
+async def test_an_answer_that_is_not_a_json_object_fails_the_request_with_what_came(answer, message) -> None:
+    async def completions(request: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving(app) as url:
+        client = await make_client(url)
+        with pytest.raises(EngineError, match=f"/v1/completions answered with .*{message}"):
+            await asyncio.wait_for(client.generate([1], SamplingParams()), 10)
+        await client.close()
+    assert client.consecutive_failures == 1
+
+
 @pytest.fixture
 async def hung_server() -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
     """Accepts requests and answers nothing (completions nor /health) until ``release`` is
