@@ -119,8 +119,10 @@ async def running_service(
                 engine_settings.discover, engine_settings.discover_interval_s, wait_s=engine_settings.discover_wait_s
             )
             urls = await discovery.initial_urls()
+        fresh_urls: frozenset[str] = frozenset()  # servers this service has just started
         if managed is None and not urls:
             managed = await _start_managed_server(settings, stack)
+            fresh_urls = frozenset([managed.url])
         if managed is not None:
             urls = [managed.url]
             tokenizer_path = tokenizer_path or str(managed.settings.model)
@@ -182,7 +184,7 @@ async def running_service(
         )
         stack.push_async_callback(service.membership.close)  # after weight sync's close, which may resume them
         metrics.engines.set(len(pool.clients))
-        await _attach_weights(service, recovery, controls, settings, managed, stack)
+        await _attach_weights(service, recovery, controls, settings, managed, stack, fresh_urls)
         membership = service.membership
         if discovery is not None:
             found = functools.partial(membership.add, remember=False)  # discovery finds them again after a restart
@@ -286,9 +288,12 @@ async def _attach_weights(
     settings: ServiceSettings,
     managed: ManagedVLLMServer | None,
     stack: contextlib.AsyncExitStack,
+    fresh_urls: frozenset[str] = frozenset(),
 ) -> None:
     """Weight sync, adapters, and (for a managed server) the supervisor that restarts it and
-    holds it out of routing until it holds the runs' policy again (``recovery``)."""
+    holds it out of routing until it holds the runs' policy again (``recovery``).
+    ``fresh_urls``: servers this service started itself, on which no earlier service can have
+    left a transfer open to release."""
     if settings.weight_sync.partitions:
         _attach_partitions(service, recovery, controls, settings, stack)
     else:
@@ -317,7 +322,7 @@ async def _attach_weights(
         stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
     if service.weight_sync is not None:
         await service.weight_sync.prefetch_world_sizes()
-        await service.weight_sync.release_left_transfer()
+        await service.weight_sync.release_left_transfer(skip=fresh_urls)
         await service.weight_sync.resume_left_paused()
 
 

@@ -528,9 +528,12 @@ class WeightSyncCoordinator:
                 resumed.append(server.base_url)
         return resumed
 
-    async def release_left_transfer(self) -> list[str]:
+    async def release_left_transfer(self, skip: frozenset[str] = frozenset()) -> list[str]:
         """At start-up: drop the servers' side of a transfer group a previous service left
         open, with any update it left started; returns the URLs of the servers that answered.
+        Servers in ``skip`` (ones this service has just started) are left alone: they hold no
+        group, and on gloo closing the update there would only print vLLM's traceback for a
+        finish without a start into their log.
 
         Why: a service that dies between a begin and the servers' receive leaves the
         trainer's broadcast waiting on workers that will never receive, and gloo holds it
@@ -540,8 +543,9 @@ class WeightSyncCoordinator:
         init drops the group and whatever the dead update received, so closing the update
         after it applies nothing; other backends get vLLM's own release, which it refuses
         mid-update (the next join closes such an update, ``_start``)."""
-        answered = await asyncio.gather(*(self._release_transfer(server) for server in self.servers))
-        return [server.base_url for server, ok in zip(self.servers, answered, strict=True) if ok]
+        servers = [server for server in self.servers if server.base_url not in skip]
+        answered = await asyncio.gather(*(self._release_transfer(server) for server in servers))
+        return [server.base_url for server, ok in zip(servers, answered, strict=True) if ok]
 
     async def _release_transfer(self, server: WeightControl) -> bool:
         timeout = self.settings.control_timeout_s

@@ -356,6 +356,15 @@ async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() 
     assert idle.calls == mid_update.calls == ["init_weight_transfer", "finish_weight_update"]
     assert down.calls == ["init_weight_transfer"]
 
+    just_started = ScriptedControl(clock)
+    just_started.base_url = "http://just-started"
+    sync = WeightSyncCoordinator([just_started, idle], WeightSyncSettings(), lambda _: None)
+    try:  # a server the service started itself holds nothing to release
+        assert await sync.release_left_transfer(skip=frozenset(["http://just-started"])) == ["http://idle"]
+    finally:
+        await sync.close()
+    assert just_started.calls == []
+
     nccl_server = ScriptedControl(clock)
     sync = WeightSyncCoordinator([nccl_server], WeightSyncSettings(backend="nccl"), lambda _: None)
     try:
