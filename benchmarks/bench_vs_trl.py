@@ -36,7 +36,9 @@ bound the runs' own work sets (cores / their sum), against what 0.9x the ideal w
 It prints, per contender, the median time to target (first wall second at which the
 rolling mean of 5 steps reaches ``--target``), steps to target, steps/s, generated tokens/s
 and the trainer's idle fraction (project: waiting for groups; TRL: generating), over the
-whole run and after the first step (whose wait is the first generation), and writes
+whole run and after the first step (whose wait is the first generation), the project's steps
+to the target against TRL's (by median and by mean, since one seed's luck moves a median of four
+by a step or two), and writes
 ``results.json`` and ``reward_vs_time.svg`` (every run's curve) to ``--output``.
 
 Usage::
@@ -769,8 +771,24 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
     project = summary.get("project", {}).get("time_to_target_s")
     if trl and project:
         console.print(f"project time to target / fastest TRL setting: {project / min(trl):.2f}")
+    report_steps_to_target(console, summary)
     report_alone(console, results, alone_rounds)
     return summary
+
+
+def report_steps_to_target(console: Any, summary: dict[str, dict[str, Any]]) -> None:
+    """The project's steps to the target against TRL's (every TRL setting's runs pooled),
+    by median and by mean: with four seeds one run's luck moves a median by a step or two."""
+    trl = [n for name, s in summary.items() if name.startswith("trl-") for n in s["steps_to_target_all"]]
+    project = summary.get("project", {}).get("steps_to_target_all") or []
+    if not trl or not project:
+        return
+    median_ratio = statistics.median(project) / statistics.median(trl)
+    mean_ratio = statistics.fmean(project) / statistics.fmean(trl)
+    console.print(
+        f"project steps to target / TRL's: median {statistics.median(project):g} / {statistics.median(trl):g} = "
+        f"{median_ratio:.2f}x, mean {statistics.fmean(project):.1f} / {statistics.fmean(trl):.1f} = {mean_ratio:.2f}x"
+    )
 
 
 def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict[str, Any]]) -> None:
