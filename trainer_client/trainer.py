@@ -51,6 +51,7 @@ from trainer_client.loss_config import GLOBAL_TOKEN_NORMALISED, VLLM_IMPORTANCE_
 from trainer_client.losses import compute_loss
 from trainer_client.policy_weights import is_peft_model
 from trainer_client.step_callback import StepBook, SyncAndAck
+from trainer_client.step_progress import StepProgress
 from trainer_client.stream import GroupFeed
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
@@ -163,15 +164,6 @@ class AsyncGRPOConfig(TrainingArguments):
         )
 
 
-class StepProgress(ProgressCallback):
-    """transformers' progress bar (on stderr) without the log dict it prints to stdout at
-    every step: each step's record goes to the log line and ``metrics.jsonl`` already, and
-    stdout carries the CLI's summary JSON."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
-        return control
-
-
 class AsyncGRPOTrainer(Trainer):
     loss_is_scaled_for_ga = True
     """``compute_loss`` scales for gradient accumulation itself (``losses.aggregate_loss``), as
@@ -213,6 +205,14 @@ class AsyncGRPOTrainer(Trainer):
         if not args.disable_tqdm:
             self.remove_callback(ProgressCallback)
             self.add_callback(StepProgress())
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # a step that raised leaves no bar drawing over the error
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, StepProgress):
+                    callback.close()
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, with FSDP turned on for a CPU run too (``fsdp.enable_on_cpu``)."""
