@@ -783,11 +783,11 @@ def report_steps_to_target(console: Any, summary: dict[str, dict[str, Any]]) -> 
     project = summary.get("project", {}).get("steps_to_target_all") or []
     if not trl or not project:
         return
-    median_ratio = statistics.median(project) / statistics.median(trl)
-    mean_ratio = statistics.fmean(project) / statistics.fmean(trl)
+    medians = statistics.median(project), statistics.median(trl)
+    means = statistics.fmean(project), statistics.fmean(trl)
     console.print(
-        f"project steps to target / TRL's: median {statistics.median(project):g} / {statistics.median(trl):g} = "
-        f"{median_ratio:.2f}x, mean {statistics.fmean(project):.1f} / {statistics.fmean(trl):.1f} = {mean_ratio:.2f}x"
+        f"project steps to target / TRL's: median {medians[0]:g} / {medians[1]:g} = {medians[0] / medians[1]:.2f}x, "
+        f"mean {means[0]:.1f} / {means[1]:.1f} = {means[0] / means[1]:.2f}x"
     )
 
 
@@ -798,6 +798,7 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
     project = [r for r in results if r.contender == "project"]
     if not project:
         return
+    achieved = statistics.median(r.steps_per_s for r in project)
 
     def ratio(key: str) -> float:
         return statistics.median(r.steps_per_s / alone_rounds[r.seed][key] for r in project)
@@ -825,7 +826,6 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
         )
     if one_step := alone.get("generate_one_step_in_flight_s"):
         slowest_one_step = max(one_step, alone["train_step_s"])
-        achieved = statistics.median(r.steps_per_s for r in project)
         console.print(
             f"T_generate with at most one step's groups in flight (as max_staleness 1 runs): {one_step:.3f}s "
             f"-> {1 / slowest_one_step:.2f} steps/s at most; "
@@ -862,19 +862,16 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
             if in_run[part] >= 0.001
         )
     )
-    report_capacity(console, project, in_runs, alone)
+    report_capacity(console, achieved, in_runs, alone)
 
 
-def report_capacity(
-    console: Any, project: list[RunResult], in_runs: list[dict[str, float]], alone: dict[str, Any]
-) -> None:
+def report_capacity(console: Any, achieved: float, in_runs: list[dict[str, float]], alone: dict[str, Any]) -> None:
     """The bound the runs' own work sets: every process's core-seconds per step in a run, spread
     over every core. A run near it has no idle core left to win back; only less work per step
     makes it faster, and the line says how much less 0.9x of the ideal would take."""
     cores = os.cpu_count() or 1
     work = statistics.median(sum(parts.values()) for parts in in_runs)
     bound = cores / work
-    achieved = statistics.median(r.steps_per_s for r in project)
     wanted = 0.9 * alone["ideal_steps_per_s"]
     console.print(
         f"the runs' own work: {work:.3f} core-seconds per step in all (each side alone "

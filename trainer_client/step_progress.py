@@ -59,9 +59,7 @@ class StepProgress(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if self._progress is not None:
-            self._progress.update(self._progress.task_ids[0], completed=state.global_step)
-        self.close()
+        self.close()  # the last step's on_step_end has drawn the final count
         return control
 
     def close(self) -> None:
