@@ -308,9 +308,12 @@ async def engine_steps(url: str) -> tuple[float, float]:
 
 
 def engine_steps_per_step(before: tuple[float, float], after: tuple[float, float], steps: float) -> dict[str, float]:
-    """Engine steps per training step, and tokens per engine step, between two ``engine_steps``."""
+    """Engine steps per training step, and tokens per engine step, between two ``engine_steps``;
+    empty where vLLM counted none (a server started with ``--disable-log-stats`` has no histogram)."""
     count, tokens = after[0] - before[0], after[1] - before[1]
-    return {"engine_steps_per_step": count / steps, "tokens_per_engine_step": tokens / count if count else 0.0}
+    if not count:
+        return {}
+    return {"engine_steps_per_step": count / steps, "tokens_per_engine_step": tokens / count}
 
 
 def train_alone_worker(args: argparse.Namespace) -> None:
@@ -840,6 +843,8 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
             + f"({statistics.median(e['tokens_per_engine_step'] for e in engine_in_runs):.1f}) against "
             + f"{engine_alone['engine_steps_per_step']:.1f} ({engine_alone['tokens_per_engine_step']:.1f})"
         )
+    else:
+        console.print("vLLM engine steps: not counted (vLLM's /metrics had no vllm:iteration_tokens_total)")
     alone_parts = alone["generate_core_s_by_process"]
     in_runs = [parts for r in project if (parts := r.extra.get("core_s_per_step_by_process"))]
     if not in_runs:  # no run logged its first and last step: generation alone, as before
