@@ -154,6 +154,13 @@ def main(
     push: Annotated[
         bool, typer.Option(help="Push weights (--no-push: a follower of a run that another trainer pushes for)")
     ] = True,
+    shared_memory_push: Annotated[
+        bool,
+        typer.Option(
+            help="Push to vLLM servers on this host through shared memory (one more copy of the weights in RAM); "
+            "--no-shared-memory-push sends every byte over gloo, as to a server on another host"
+        ),
+    ] = True,
     wait_for_service: Annotated[
         float,
         typer.Option(
@@ -333,6 +340,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
             trainer_address=trainer_address,
             lora=lora,
             push=o.push,
+            shared_memory_push=o.shared_memory_push,
             torch_threads=o.torch_threads,
             save_model=o.save_model,
             wait_for_service_s=o.wait_for_service,

@@ -87,6 +87,7 @@ class NcclWeightSender:
     REJOIN_NEEDS_NEW_PORT = True
     RESIZES_IN_PLACE = False
     """vLLM's NCCL rendezvous has no epochs: another world size is a new sender (and store)."""
+    transport = "nccl"
 
     def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 60.0) -> None:
         if world_size < 2:

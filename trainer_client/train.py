@@ -239,6 +239,7 @@ def train(
     torch_threads: int = 0,
     save_model: bool = False,
     wait_for_service_s: float = 0.0,
+    shared_memory_push: bool = True,
 ) -> dict[str, Any]:
     """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
 
@@ -248,6 +249,7 @@ def train(
     ``torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
     ``save_model`` writes the trained policy to ``output_dir/model`` at the end (``save_policy``).
     ``wait_for_service_s``: how long rank 0 first waits for the service to say SERVING.
+    ``shared_memory_push``: push to servers on this host through shared memory (gloo backend).
     """
     checkpoint = None
     if config.resume_from_checkpoint:
@@ -276,7 +278,7 @@ def train(
     # Each process is its own consumer (the service hands consumers disjoint groups).
     consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
-        pusher = make_pusher(feed, run_id, trainer_address, lora) if push else None
+        pusher = make_pusher(feed, run_id, trainer_address, lora, shared_memory_push) if push else None
         feeder = start_prompt_feeder(feed, run_id, options) if main else None
         evaluator = None
         if main and pusher is not None and options.eval_every_pushes:
@@ -334,11 +336,13 @@ def start_prompt_feeder(feed: GroupFeed, run_id: str, options: RunOptions) -> Fu
 
 
 def make_pusher(
-    feed: GroupFeed, run_id: str, trainer_address: str, lora: LoraOptions | None
+    feed: GroupFeed, run_id: str, trainer_address: str, lora: LoraOptions | None, shared_memory: bool = True
 ) -> WeightPusher | AdapterPusher:
     if lora is not None and lora.serving == "adapter":
         return AdapterPusher(feed.client, run_id)
-    return WeightPusher(feed.client, run_id, trainer_address=trainer_address, clock=feed.clock)
+    return WeightPusher(
+        feed.client, run_id, trainer_address=trainer_address, clock=feed.clock, shared_memory=shared_memory
+    )
 
 
 def use_torch_threads(threads: int) -> int:

@@ -50,7 +50,9 @@ class WeightPusher:
         transfer_timeout_s: float = 120.0,
         pause_mode: pb.PauseMode.ValueType = pb.PAUSE_MODE_UNSPECIFIED,
         clock: PhaseClock | None = None,
+        shared_memory: bool = True,
     ) -> None:
+        """``shared_memory``: let a gloo push reach servers on this host through shared memory."""
         self.client = client
         self.clock = clock or PhaseClock()
         """Gets each push's push_begin, push_transfer and push_commit seconds."""
@@ -58,6 +60,7 @@ class WeightPusher:
         self.address = trainer_address
         self.timeout_s = transfer_timeout_s
         self.pause_mode = pause_mode
+        self.shared_memory = shared_memory
         self._sender: GlooWeightSender | NcclWeightSender | None = None
         self.port = free_port(trainer_address)
         """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
@@ -119,13 +122,21 @@ class WeightPusher:
                 or (self._sender.world_size != world_size and not self._sender.RESIZES_IN_PLACE)
             ):
                 self.close()
-                self._sender = sender_class(self.address, self.port, world_size, self.timeout_s)
+                self._sender = self._new_sender(sender_class, world_size)
             self._sender.leave()
             await asyncio.to_thread(self._sender.connect, ticket.group_epoch, world_size, abandoned)
+            logger.info("joined %d vLLM workers; weights travel over %s", world_size - 1, self._sender.transport)
         assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
         if abandoned.is_set():  # aborted during the join: no server will receive this broadcast
             raise UpdateAbandoned("the update was given up before the broadcast")
         await asyncio.to_thread(self._sender.broadcast, tensors)
+
+    def _new_sender(
+        self, sender_class: type[GlooWeightSender] | type[NcclWeightSender], world_size: int
+    ) -> GlooWeightSender | NcclWeightSender:
+        if sender_class is GlooWeightSender:
+            return GlooWeightSender(self.address, self.port, world_size, self.timeout_s, self.shared_memory)
+        return sender_class(self.address, self.port, world_size, self.timeout_s)
 
     def close(self) -> None:
         """Leave the group and stop hosting its store."""

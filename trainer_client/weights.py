@@ -18,7 +18,9 @@ Then per update the trainer broadcasts the tensors from rank 0, in the order ann
 into buckets (:func:`broadcast_buckets`, consecutive tensors of one dtype, flattened and
 concatenated), one broadcast each, because each broadcast is a round trip that costs about
 a millisecond whatever its size. Both sides derive the buckets from the announced names,
-dtypes and shapes, so the update_info needs no extra field.
+dtypes and shapes, so the update_info needs no extra field. When every worker is on this
+host, the tensors go through shared memory instead and the group carries only the trailer
+(``vllm_gloo_transfer.shared_memory``); the handshake is the same.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from vllm_gloo_transfer.groups import gloo_group
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
+from vllm_gloo_transfer.shared_memory import SharedWeightsFile, offer_shared_memory
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -102,19 +105,36 @@ class GlooWeightSender:
     """A join may bring another world size (servers joined or left the pool) through the same
     store: restarting the store instead would drop the workers already connecting to it."""
 
-    def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+        shared_memory: bool = True,
+    ) -> None:
+        """``shared_memory``: offer the same-host path at each join (the workers on this host
+        take it); False sends every byte over gloo, as a server on another host gets it."""
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
         self.master_address = master_address
         self.master_port = master_port
         self.world_size = world_size
         self.timeout = timedelta(seconds=timeout_s)
+        self.shared_memory = shared_memory
         self._store: TCPStore | None = None
         self._group: ProcessGroupGloo | None = None
+        self._shared_file: SharedWeightsFile | None = None
+        self._through_shared_memory = False
 
     @property
     def connected(self) -> bool:
         return self._group is not None
+
+    @property
+    def transport(self) -> str:
+        """How the current join's pushes travel, for logs: ``"shared memory"`` or ``"gloo"``."""
+        return "shared memory" if self._through_shared_memory else "gloo"
 
     def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
         """Join the group as rank 0 (blocks until all workers join); ``world_size``: this
@@ -146,6 +166,13 @@ class GlooWeightSender:
         prefix = PrefixStore(f"{uri}/epoch-{epoch}", self._store)
         self._await_workers(prefix, abandoned or threading.Event())
         self._group = gloo_group(prefix, 0, self.world_size, self.timeout, self.master_address)
+        if self.shared_memory and self._shared_file is None:
+            self._shared_file = SharedWeightsFile.create()  # None where the system has no memfd
+        try:
+            self._through_shared_memory = offer_shared_memory(self._group, self._shared_file)
+        except BaseException:
+            self.leave()
+            raise
 
     def _await_workers(self, store: PrefixStore, abandoned: threading.Event) -> None:
         """Wait until every worker has announced its address, before building the group.
@@ -173,7 +200,12 @@ class GlooWeightSender:
         """Send the tensors from rank 0 in buckets, in order; must match the announced update_info."""
         group = self._require_group()
         tensors = [tensor.detach().to("cpu") for _name, tensor in named_tensors]
-        buckets = broadcast_buckets([(t.dtype, t.numel()) for t in tensors])
+        if self._through_shared_memory:
+            assert self._shared_file is not None
+            self._shared_file.write(tensors)
+            buckets = []  # the trailer alone says the file is written
+        else:
+            buckets = broadcast_buckets([(t.dtype, t.numel()) for t in tensors])
         for bucket in buckets:
             payload = torch.cat([tensors[i].reshape(-1) for i in bucket])
             group.broadcast(payload, 0).wait()
@@ -182,13 +214,17 @@ class GlooWeightSender:
     def leave(self) -> None:
         """Leave the group (the workers' receives fail at once) but keep hosting the store."""
         group, self._group = self._group, None
+        self._through_shared_memory = False
         if group is not None:
             group.shutdown()
 
     def close(self) -> None:
-        """Leave the group and stop hosting the store; safe to call twice."""
+        """Leave the group, stop hosting the store and free the shared memory; safe to call twice."""
         self.leave()
         self._store = None
+        if self._shared_file is not None:
+            self._shared_file.close()
+            self._shared_file = None
 
     def _require_group(self) -> ProcessGroupGloo:
         if self._group is None:

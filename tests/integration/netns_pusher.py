@@ -22,7 +22,8 @@ async def main(target: str, model_dir: str, seed: int) -> dict[str, object]:
     model = perturbed(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), seed)
     async with RolloutClient(target, timeout_s=30) as client:
         run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
-        pusher = WeightPusher(client, run.run_id, trainer_address=address, transfer_timeout_s=60)
+        # Another namespace stands for another host: every byte over the network, not shared memory.
+        pusher = WeightPusher(client, run.run_id, trainer_address=address, transfer_timeout_s=60, shared_memory=False)
         try:
             version = await asyncio.wait_for(pusher.push(list(model.named_parameters())), 120)
         finally:

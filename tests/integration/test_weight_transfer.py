@@ -135,11 +135,12 @@ def group_world_size(admin: Admin) -> int:
 
 
 @contextlib.contextmanager
-def joined_sender(admin: Admin) -> Iterator[GlooWeightSender]:
-    """A trainer joined to the server's workers: init runs while the sender hosts the rendezvous."""
+def joined_sender(admin: Admin, shared_memory: bool = True) -> Iterator[GlooWeightSender]:
+    """A trainer joined to the server's workers: init runs while the sender hosts the rendezvous.
+    ``shared_memory``: offer the same-host path, as a trainer does by default."""
     world_size = group_world_size(admin)
     port = free_port(HOST)
-    sender = GlooWeightSender(HOST, port, world_size, timeout_s=GLOO_TIMEOUT_S)
+    sender = GlooWeightSender(HOST, port, world_size, timeout_s=GLOO_TIMEOUT_S, shared_memory=shared_memory)
     with ThreadPoolExecutor(max_workers=1) as pool:
         init = pool.submit(admin.call, "/init_weight_transfer_engine", {"init_info": init_info(port, world_size)})
         sender.connect()
@@ -210,15 +211,26 @@ def restores_base(admin: Admin, base_model: Qwen2ForCausalLM) -> Iterator[None]:
     assert diff <= EQUAL_ATOL, f"base weights not restored (diff {diff:.2e})"
 
 
+@pytest.mark.parametrize(("shared_memory", "transport"), [(True, "shared memory"), (False, "gloo")])
 def test_push_makes_vllm_logprobs_equal_the_trainers(
-    admin: Admin, base_model: Qwen2ForCausalLM, tuned_model: Qwen2ForCausalLM, restores_base: None, vllm_server
+    admin: Admin,
+    base_model: Qwen2ForCausalLM,
+    tuned_model: Qwen2ForCausalLM,
+    restores_base: None,
+    vllm_server,
+    shared_memory: bool,
+    transport: str,
 ) -> None:
-    with joined_sender(admin) as sender:
+    """On the same host the tensors go through shared memory; a trainer that does not offer
+    it (as if on another host) sends them over gloo. Both serve the trainer's logprobs."""
+    with joined_sender(admin, shared_memory) as sender:
+        assert sender.transport == transport
         seconds = push(admin, sender, tuned_model, version="1")
     if isinstance(vllm_server, ManagedVLLMServer):  # started like the service's own (LoRA on): the direct path
         log = vllm_server.log_path.read_text().splitlines()
         applies = [line for line in log if "weight tensors" in line]
         assert applies and " directly in " in applies[-1], applies[-1:] or "no apply logged"
+        assert f"received them over {transport} in" in applies[-1], applies[-1]
         if vllm_server.model_in_engine_process():  # one core for vLLM, as on 2: no worker process of its own
             assert applies[-1].startswith("(EngineCore pid="), applies[-1]
             assert not [line for line in log if line.startswith("(Worker pid=")]
@@ -231,12 +243,12 @@ def test_push_makes_vllm_logprobs_equal_the_trainers(
     assert admin.get("/weight_info")["weight_version"] == "1"
 
 
-# A trainer that joins, announces nothing itself, and dies after sending two tensors.
+# A trainer that joins, announces nothing itself, and dies after sending two tensors over gloo.
 DYING_TRAINER = """
 import json, os, signal, sys, torch
 from trainer_client.weights import GlooWeightSender
 host, port, world_size, timeout_s, shapes = json.loads(sys.argv[1])
-sender = GlooWeightSender(host, port, world_size, timeout_s)
+sender = GlooWeightSender(host, port, world_size, timeout_s, shared_memory=False)  # dies mid-stream
 sender.connect()
 print("connected", flush=True)
 sys.stdin.readline()

@@ -26,6 +26,7 @@ from trainer_client.weight_push import WeightPusher, sender_for
 from trainer_client.weights import GlooWeightSender, UpdateAbandoned, free_port, rendezvous_uri
 from vllm_gloo_transfer.packing import broadcast_buckets
 from vllm_gloo_transfer.plugin import GlooWeightTransferInitInfo
+from vllm_gloo_transfer.shared_memory import accept_shared_memory
 
 
 def test_nccl_servers_get_exactly_the_fields_vllms_engine_accepts() -> None:
@@ -228,6 +229,9 @@ def _gloo_worker(port: int, epoch: int, rank: int, world_size: int, out: dict[in
     prefix = PrefixStore(f"{rendezvous_uri('127.0.0.1', port)}/epoch-{epoch}", store)
     group = ProcessGroupGloo(prefix, rank, world_size, timedelta(seconds=20))
     group._set_sequence_number_for_group()
+    shared = accept_shared_memory(group)  # the join's last step, as the plugin takes it
+    if shared is not None:
+        shared.close()
     received = torch.zeros(3)
     group.broadcast(received, 0).wait()
     out[rank] = received
