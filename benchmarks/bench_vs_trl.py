@@ -38,7 +38,8 @@ rolling mean of 5 steps reaches ``--target``), steps to target, steps/s, generat
 and the trainer's idle fraction (project: waiting for groups; TRL: generating), over the
 whole run and after the first step (whose wait is the first generation), the project's steps
 to the target against TRL's (by median and by mean, since one seed's luck moves a median of four
-by a step or two), and writes
+by a step or two), what a push cost vLLM's CPU against the step (from the managed server's log,
+``vllm_push_log``), and writes
 ``results.json`` and ``reward_vs_time.svg`` (every run's curve) to ``--output``.
 
 Usage::
@@ -69,6 +70,9 @@ from typing import Any
 from rollout_common.cpu_budget import available_cores
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # this folder's modules: the reward module the service imports, the push log
+from vllm_push_log import PushLog, describe  # noqa: E402
+
 ROLLING = 5
 MODEL_SIZES = {
     "tiny": ("models/tiny-qwen2", {}),  # the embedded default, 0.43M parameters
@@ -572,7 +576,14 @@ def trainer_command(args: argparse.Namespace, target: str, output_dir: Path) -> 
 
 
 async def run_project(
-    args: argparse.Namespace, target: str, engine_url: str, name: str, flags: list[str], seed: int, work: Path
+    args: argparse.Namespace,
+    target: str,
+    engine_url: str,
+    name: str,
+    flags: list[str],
+    seed: int,
+    work: Path,
+    push_log: PushLog | None,
 ):
     from trainer_client.client import RolloutClient
 
@@ -582,8 +593,11 @@ async def run_project(
     async with RolloutClient(target) as client:
         before = await client.stats()
         cpu = CpuWhileTraining(args.steps, engine_url)
+        if push_log is not None:
+            push_log.mark()
         await run_subprocess(command, {**os.environ, **env_settings}, args.timeout_s, name, cpu.on_line)
         engine = await cpu.engine_per_step()
+        push_cost = push_log.since_mark() if push_log is not None else None
         after = await client.stats()
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((out / "summary.json").read_text())
@@ -620,6 +634,7 @@ async def run_project(
             "core_s_per_step_by_process": cpu.per_step(),
             "busy_fraction_by_cpu": cpu.busy_fraction_by_cpu(),
             "engine": engine,
+            "vllm_push": push_cost.to_dict() if push_cost is not None else None,
         },
     )
 
@@ -688,17 +703,19 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
     from rollout_service.config import load_settings
     from rollout_service.edge.app import running_service
 
-    sys.path.insert(0, str(HERE))  # the service imports the reward module by name
-    engine = {"managed": {"model": str(args.model_dir)}}
-    if args.vllm_url:
-        engine = {"urls": [args.vllm_url], "tokenizer": str(args.model_dir), "model": "tiny"}
-    engine["token_endpoint"] = not args.completions_endpoint
-    settings = load_settings(port=0, metrics_port=None, engine=engine, reward_modules=["bench_rewards"])
     variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
     contenders = [f"trl-{t}t" for t in args.trl_threads] + list(variants)
     results: list[RunResult] = []
     alone_rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
+        # The managed server's log, where the gloo engine logs what each push cost vLLM.
+        log_file = Path(os.environ.get("ROLLOUT_ENGINE__MANAGED__LOG_FILE") or Path(tmp) / "vllm.log")
+        engine: dict[str, Any] = {"managed": {"model": str(args.model_dir), "log_file": str(log_file)}}
+        push_log = None if args.vllm_url else PushLog(log_file)
+        if args.vllm_url:
+            engine = {"urls": [args.vllm_url], "tokenizer": str(args.model_dir), "model": "tiny"}
+        engine["token_endpoint"] = not args.completions_endpoint
+        settings = load_settings(port=0, metrics_port=None, engine=engine, reward_modules=["bench_rewards"])
         async with running_service(settings) as service:
             engine_url = service.engine_urls[0]
             with Progress() as progress:
@@ -716,7 +733,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
                             result = await run_trl(args, int(name[4:-1]), seed, Path(tmp))
                         else:
                             result = await run_project(
-                                args, service.grpc_target, engine_url, name, variants[name], seed, Path(tmp)
+                                args, service.grpc_target, engine_url, name, variants[name], seed, Path(tmp), push_log
                             )
                         results.append(result)
                         logging.info("%s seed %d: %.1f steps/s", name, seed, result.steps_per_s)
@@ -775,8 +792,17 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
     if trl and project:
         console.print(f"project time to target / fastest TRL setting: {project / min(trl):.2f}")
     report_steps_to_target(console, summary)
+    report_push_cost(console, results, summary)
     report_alone(console, results, alone_rounds)
     return summary
+
+
+def report_push_cost(console: Any, results: list[RunResult], summary: dict[str, dict[str, Any]]) -> None:
+    """What a push cost vLLM's CPU, per contender, against the contender's step."""
+    for name, row in summary.items():
+        costs = [cost for r in results if r.contender == name and (cost := r.extra.get("vllm_push"))]
+        if costs:
+            console.print(describe(name, costs, row["steps_per_s"]))
 
 
 def report_steps_to_target(console: Any, summary: dict[str, dict[str, Any]]) -> None:
