@@ -10,7 +10,8 @@ How:
   with the trainer, so a crash leaves no file behind.
 - At each join the trainer offers it to the workers over the group: its pid, its fd and a
   random nonce, which it keeps in the file's header.
-- A worker on the same host (same pid namespace, same user) opens ``/proc/<pid>/fd/<fd>`` and
+- A worker on the same host (same pid namespace, same user) opens ``/proc/<pid>/fd/<fd>``,
+  if that is a memfd of this name (in another pid namespace it can be any file), and
   checks the nonce. Every rank then says yes or no in one all-reduce.
 - The group uses the file only if every worker said yes. Otherwise the buckets travel over
   gloo as before: a server in another container or on another host simply says no.
@@ -20,8 +21,8 @@ How:
 
 The views stay valid until the update is finished. The trainer writes the next push only
 once the service has begun the next update, and the service begins it only after this one
-is finished or aborted (an abort drops the views). So the worker accepts one receive per
-update on this path (``vllm_gloo_transfer.plugin``).
+is finished or aborted; after an abort the next update joins again, and a join drops the
+views. So the worker accepts one receive per update on this path (``vllm_gloo_transfer.plugin``).
 
 Plain torch and the standard library: the trainer imports this without vLLM.
 """
@@ -40,6 +41,8 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 logger = logging.getLogger(__name__)
 
 OFFER_MAGIC = 0x5348_4D57_4549_4748  # "SHMWEIGH": an offer, not the zeros of a trainer that makes none
+MEMFD_NAME = "rollout-weights"
+"""The file's name, which ``/proc/<pid>/fd/<fd>`` shows as ``/memfd:rollout-weights (deleted)``."""
 HEADER_BYTES = 64
 """The file's first bytes hold the nonce of the offer; tensors start after them."""
 ALIGN_BYTES = 64
@@ -79,7 +82,7 @@ class SharedWeightsFile:
     def create(cls) -> SharedWeightsFile | None:
         """A new file, or None (logged) where the system has no memfd (not Linux)."""
         try:
-            return cls(os.memfd_create("rollout-weights", os.MFD_CLOEXEC))
+            return cls(os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC))
         except (AttributeError, OSError) as exc:
             logger.info("weights travel over gloo: no shared memory file: %s", exc)
             return None
@@ -125,9 +128,19 @@ class SharedWeightsMapping:
         pid, fd = int(offer[1]), int(offer[2])
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            mapping = cls(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+            # Another pid namespace may have any file at that pid and fd: open only a file of ours.
+            if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
+                logger.info("weights travel over gloo: %s is not the trainer's file (another pid namespace)", path)
+                return None
+            descriptor = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             logger.info("weights travel over gloo: the trainer's shared memory (%s) is out of reach: %s", path, exc)
+            return None
+        try:
+            mapping = cls(descriptor)
+        except (OSError, ValueError) as exc:
+            os.close(descriptor)
+            logger.info("weights travel over gloo: cannot map the trainer's shared memory (%s): %s", path, exc)
             return None
         if not torch.equal(mapping._bytes[:_NONCE_BYTES].view(torch.int64), offer[3:]):
             logger.info("weights travel over gloo: %s is not the trainer's file (another pid namespace)", path)

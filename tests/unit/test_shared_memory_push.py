@@ -172,6 +172,10 @@ def test_a_worker_takes_the_offer_only_when_it_finds_the_trainers_own_file() -> 
         gone = offer.clone()
         gone[2] = 10_000  # no such descriptor
         assert SharedWeightsMapping.open(gone) is None
+        with open(__file__, "rb") as other:  # some other file of that process: not even opened
+            elsewhere = offer.clone()
+            elsewhere[2] = other.fileno()
+            assert SharedWeightsMapping.open(elsewhere) is None
         assert SharedWeightsMapping.open(torch.zeros_like(offer)) is None  # a trainer that offers nothing
     finally:
         file.close()
