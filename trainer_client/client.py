@@ -119,9 +119,24 @@ async def wait_until_serving(target: str, timeout_s: float, poll_s: float = 2.0)
         await asyncio.sleep(min(poll_s, deadline - now))  # polling another process's health, not synchronisation
 
 
+GRPC_CORE_WRITE_FAILED = "Internal error from Core"
+"""What grpc's asyncio client reports, as INTERNAL, for a write to a stream whose call has
+just ended: the call's own status (UNAVAILABLE when the service died) is overwritten
+(grpc/grpc#36066). No answer of the service carries these details."""
+
+
 def unavailable(exc: BaseException) -> bool:
-    """The service could not be reached (it is down or restarting), as opposed to an answer."""
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+    """The service could not be reached (it is down or restarting), as opposed to an answer.
+
+    That includes a stream whose ack or credit was written as the service died: grpc then
+    says INTERNAL (``GRPC_CORE_WRITE_FAILED``), and a trainer took it for an answer and ended
+    its run instead of reconnecting (seen in ``tests/integration/faults/test_service_restart.py``)."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return False
+    code = exc.code()
+    return code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.INTERNAL and exc.details() == GRPC_CORE_WRITE_FAILED
+    )
 
 
 def _log_stall(stall: pb.RunStall) -> None:

@@ -1,10 +1,15 @@
-"""The trainer's feed never trains a group id twice, whatever the stream delivers."""
+"""The trainer's feed never trains a group id twice, whatever the stream delivers, and
+reconnects when the service goes away."""
 
 from __future__ import annotations
 
 import threading
 
+import grpc
+import pytest
+
 from rollout_api import rollout_pb2 as pb
+from trainer_client.client import GRPC_CORE_WRITE_FAILED, unavailable
 from trainer_client.stream import ID_MEMORY, GroupFeed, RecentIds
 
 
@@ -120,3 +125,59 @@ def test_the_reader_takes_more_groups_than_credits_without_waiting_for_the_train
     finally:
         feed._loop.call_soon_threadsafe(feed._loop.stop)
         feed._thread.join(5)
+
+
+class BrokenStream(DeliveredStream):
+    """Delivers its groups, then fails as a gRPC stream does whose call just ended."""
+
+    def __init__(self, groups: list[pb.Group], error: grpc.aio.AioRpcError) -> None:
+        super().__init__(groups)
+        self.error = error
+        self.closed = False
+
+    async def _deliver(self):  # type: ignore[no-untyped-def]
+        for group in self.groups:
+            yield group
+        raise self.error
+
+    async def aclose(self, timeout_s: float) -> None:
+        self.closed = True
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"),
+        # grpc's asyncio client, for an ack written as the service died (grpc/grpc#36066)
+        rpc_error(grpc.StatusCode.INTERNAL, GRPC_CORE_WRITE_FAILED),
+    ],
+)
+def test_a_stream_lost_with_the_service_reconnects_and_goes_on(lost: grpc.aio.AioRpcError) -> None:
+    feed = GroupFeed("127.0.0.1:1", "run", "c", max_staleness=1, credits=4)
+    broken = BrokenStream([pb.Group(group_id="g1", policy_version=0)], lost)
+    reconnected_after: list[Exception] = []
+
+    async def reconnect(error: Exception) -> DeliveredStream:
+        reconnected_after.append(error)
+        return DeliveredStream([pb.Group(group_id="g2", policy_version=0)])
+
+    feed._reconnect = reconnect  # type: ignore[method-assign]
+    feed._thread.start()
+    try:
+        feed.call(feed._read(broken), timeout_s=10)  # type: ignore[arg-type]
+        assert reconnected_after == [lost] and broken.closed
+        assert [feed.next_fresh_group(timeout_s=5).group_id for _ in range(2)] == ["g1", "g2"]
+    finally:
+        feed._loop.call_soon_threadsafe(feed._loop.stop)
+        feed._thread.join(5)
+
+
+def test_an_answer_of_the_service_ends_the_stream() -> None:
+    """A real INTERNAL from the service (any other details) is an answer, not a lost connection."""
+    assert not unavailable(rpc_error(grpc.StatusCode.INTERNAL, "scoring failed: boom"))
+    assert not unavailable(rpc_error(grpc.StatusCode.NOT_FOUND, "run r not found"))
+    assert not unavailable(RuntimeError("Internal error from Core"))
