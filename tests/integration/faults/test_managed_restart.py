@@ -54,24 +54,29 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
             await asyncio.wait_for(trainer.wait(), 400)  # restart (about a minute), then the steps left
         finally:
             kill_if_running(trainer)
-        log = (tmp_path / "t.log").read_text()
-        assert trainer.returncode == 0, log[-3000:]
+        try:
+            log = (tmp_path / "t.log").read_text()
+            assert trainer.returncode == 0, log[-3000:]
 
-        assert vllm_server.pid not in (None, old_pid)
-        assert not _alive_in_group(old_pid), "the killed server's engine or worker outlived it"
-        run = running.service.get_run(run_id)
-        assert run.admission.weights_requests >= 1  # the trainer was asked for its weights ...
-        assert "pushing the weights now, as the service asks" in log  # ... and pushed them
-        assert not running.service.scheduler.engine.held  # the restarted server takes requests again
-        info = await client.get_run(run_id)
-        assert info.policy_version > version_at_kill
-        trained = json.loads((out / "rank0.json").read_text())["trained_group_ids"]
-        assert len(trained) == len(set(trained)) == STEPS * GROUPS_PER_STEP
-        stats = info.stats
-        assert stats.groups_trained == len(trained)
-        assert stats.groups_leased == 0
-        assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + stats.groups_buffered
-        await restore_base_weights(client, run_id, tiny_model)
+            assert vllm_server.pid not in (None, old_pid)
+            assert not _alive_in_group(old_pid), "the killed server's engine or worker outlived it"
+            run = running.service.get_run(run_id)
+            assert run.admission.weights_requests >= 1  # the trainer was asked for its weights ...
+            assert "pushing the weights now, as the service asks" in log  # ... and pushed them
+            assert not running.service.scheduler.engine.held  # the restarted server takes requests again
+            info = await client.get_run(run_id)
+            assert info.policy_version > version_at_kill
+            trained = json.loads((out / "rank0.json").read_text())["trained_group_ids"]
+            stats = info.stats
+            assert len(trained) == len(set(trained))  # none twice
+            # Every step trained its groups, less any that the push for the restarted server made
+            # stale: it is answered at once, even between fetching a step's groups and training them.
+            assert STEPS * GROUPS_PER_STEP - stats.groups_dropped_stale <= len(trained) <= STEPS * GROUPS_PER_STEP
+            assert stats.groups_trained == len(trained)
+            assert stats.groups_leased == 0
+            assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + stats.groups_buffered
+        finally:  # pass or fail, the tests after this one sample from the base weights
+            await restore_base_weights(client, run_id, tiny_model)
 
 
 def _alive_in_group(pgid: int) -> bool:
