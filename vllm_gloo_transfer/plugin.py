@@ -186,11 +186,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         local = local_address_towards(host, port)
         self._group = gloo_group(prefix_store, rank, init_info.world_size, timeout, local)
         try:
-            self._shared = accept_shared_memory(self._group)
+            self._shared, why_not = accept_shared_memory(self._group)
         except Exception:
             self.shutdown()
             raise
-        logger.info("joined; weights travel over %s", "shared memory" if self._shared is not None else "gloo")
+        logger.info("joined; weights travel over %s", f"gloo ({why_not})" if self._shared is None else "shared memory")
 
     def _worker_rank(self, rank_offset: int) -> int:
         """Unique rank across data-parallel replicas, after the trainer's ranks."""

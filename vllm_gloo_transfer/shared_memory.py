@@ -112,6 +112,10 @@ class SharedWeightsFile:
             self._fd = -1
 
 
+class OutOfReach(Exception):
+    """Why a worker cannot use the trainer's shared memory; it then receives over gloo."""
+
+
 class SharedWeightsMapping:
     """A worker's side: the trainer's file, opened through ``/proc`` and mapped."""
 
@@ -120,32 +124,29 @@ class SharedWeightsMapping:
         self._bytes = _map(fd, HEADER_BYTES)
 
     @classmethod
-    def open(cls, offer: torch.Tensor) -> SharedWeightsMapping | None:
-        """The offered file, or None (logged) when this process cannot reach it or finds
-        another file there: another host, container (pid namespace) or user."""
+    def open(cls, offer: torch.Tensor) -> SharedWeightsMapping:
+        """The offered file. :class:`OutOfReach` says why not: this process is on another
+        host, in another container (pid namespace) or another user's, or nothing is offered."""
         if int(offer[0]) != OFFER_MAGIC:
-            return None  # the trainer offers nothing (it turned the path off)
+            raise OutOfReach("the trainer offers no shared memory (--no-shared-memory-push)")
         pid, fd = int(offer[1]), int(offer[2])
         path = f"/proc/{pid}/fd/{fd}"
+        elsewhere = OutOfReach(f"{path} is not the trainer's file here (another host or pid namespace)")
         try:
             # Another pid namespace may have any file at that pid and fd: open only a file of ours.
             if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
-                logger.info("weights travel over gloo: %s is not the trainer's file (another pid namespace)", path)
-                return None
+                raise elsewhere
             descriptor = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            logger.info("weights travel over gloo: the trainer's shared memory (%s) is out of reach: %s", path, exc)
-            return None
+            raise OutOfReach(f"the trainer's shared memory ({path}) is out of reach: {exc}") from exc
         try:
             mapping = cls(descriptor)
         except (OSError, ValueError) as exc:
             os.close(descriptor)
-            logger.info("weights travel over gloo: cannot map the trainer's shared memory (%s): %s", path, exc)
-            return None
+            raise OutOfReach(f"cannot map the trainer's shared memory ({path}): {exc}") from exc
         if not torch.equal(mapping._bytes[:_NONCE_BYTES].view(torch.int64), offer[3:]):
-            logger.info("weights travel over gloo: %s is not the trainer's file (another pid namespace)", path)
             mapping.close()
-            return None
+            raise elsewhere
         return mapping
 
     def views(self, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
@@ -186,17 +187,21 @@ def offer_shared_memory(group: ProcessGroupGloo, file: SharedWeightsFile | None)
     return _all_agree(group, file is not None)
 
 
-def accept_shared_memory(group: ProcessGroupGloo) -> SharedWeightsMapping | None:
-    """A worker, right after a join: take rank 0's offer if every rank can."""
+def accept_shared_memory(group: ProcessGroupGloo) -> tuple[SharedWeightsMapping | None, str]:
+    """A worker, right after a join: take rank 0's offer if every rank can. Without it,
+    None and why, for the worker's log."""
     offer = torch.zeros(_OFFER_FIELDS, dtype=torch.int64)
     group.broadcast(offer, 0).wait()
-    mapping = SharedWeightsMapping.open(offer)
+    try:
+        mapping, why_not = SharedWeightsMapping.open(offer), ""
+    except OutOfReach as exc:
+        mapping, why_not = None, str(exc)
     if _all_agree(group, mapping is not None):
-        return mapping
+        return mapping, ""
     if mapping is not None:
-        logger.info("weights travel over gloo: another worker of the group cannot reach the trainer's shared memory")
         mapping.close()
-    return None
+        why_not = "another worker of the group cannot reach the trainer's shared memory"
+    return None, why_not
 
 
 def _all_agree(group: ProcessGroupGloo, yes: bool) -> bool:

@@ -231,6 +231,10 @@ def test_push_makes_vllm_logprobs_equal_the_trainers(
         applies = [line for line in log if "weight tensors" in line]
         assert applies and " directly in " in applies[-1], applies[-1:] or "no apply logged"
         assert f"received them over {transport} in" in applies[-1], applies[-1]
+        joins = [line for line in log if "joined; weights travel over" in line]
+        assert joins and f"over {transport}" in joins[-1], joins[-1:] or "no join logged"
+        if not shared_memory:  # the worker's log says why
+            assert "the trainer offers no shared memory" in joins[-1], joins[-1]
         if vllm_server.model_in_engine_process():  # one core for vLLM, as on 2: no worker process of its own
             assert applies[-1].startswith("(EngineCore pid="), applies[-1]
             assert not [line for line in log if line.startswith("(Worker pid=")]

@@ -19,7 +19,14 @@ import torch
 
 from trainer_client.weights import GlooWeightSender, free_port, update_info_for
 from vllm_gloo_transfer.plugin import GlooWeightTransferEngine, GlooWeightTransferInitInfo
-from vllm_gloo_transfer.shared_memory import ALIGN_BYTES, HEADER_BYTES, SharedWeightsFile, SharedWeightsMapping, layout
+from vllm_gloo_transfer.shared_memory import (
+    ALIGN_BYTES,
+    HEADER_BYTES,
+    OutOfReach,
+    SharedWeightsFile,
+    SharedWeightsMapping,
+    layout,
+)
 
 NamedTensor = tuple[str, torch.Tensor]
 HOST = "127.0.0.1"
@@ -132,8 +139,10 @@ def test_one_worker_out_of_reach_sends_the_whole_group_over_gloo(monkeypatch: py
     that cannot open the trainer's file) puts the whole group on gloo, and both get the data."""
     reach = SharedWeightsMapping.open
 
-    def open_unless_remote(offer: torch.Tensor) -> SharedWeightsMapping | None:
-        return None if threading.current_thread().name == "worker-1" else reach(offer)
+    def open_unless_remote(offer: torch.Tensor) -> SharedWeightsMapping:
+        if threading.current_thread().name == "worker-1":
+            raise OutOfReach("on another host")
+        return reach(offer)
 
     monkeypatch.setattr(SharedWeightsMapping, "open", staticmethod(open_unless_remote))
     with joined(workers=2, shared_memory=True) as (sender, engines):
@@ -163,20 +172,22 @@ def test_a_worker_takes_the_offer_only_when_it_finds_the_trainers_own_file() -> 
     assert file is not None
     try:
         offer = file.offer()
-        mapping = SharedWeightsMapping.open(offer)
-        assert mapping is not None
-        mapping.close()
+        SharedWeightsMapping.open(offer).close()
         forged = offer.clone()
-        forged[3] += 1  # another process's file at that pid and fd (another pid namespace)
-        assert SharedWeightsMapping.open(forged) is None
+        forged[3] += 1  # the right kind of file, another nonce: another trainer's, in another pid namespace
+        with pytest.raises(OutOfReach, match="is not the trainer's file here"):
+            SharedWeightsMapping.open(forged)
         gone = offer.clone()
         gone[2] = 10_000  # no such descriptor
-        assert SharedWeightsMapping.open(gone) is None
+        with pytest.raises(OutOfReach, match=r"is out of reach: .*No such file"):
+            SharedWeightsMapping.open(gone)
         with open(__file__, "rb") as other:  # some other file of that process: not even opened
             elsewhere = offer.clone()
             elsewhere[2] = other.fileno()
-            assert SharedWeightsMapping.open(elsewhere) is None
-        assert SharedWeightsMapping.open(torch.zeros_like(offer)) is None  # a trainer that offers nothing
+            with pytest.raises(OutOfReach, match="is not the trainer's file here"):
+                SharedWeightsMapping.open(elsewhere)
+        with pytest.raises(OutOfReach, match="offers no shared memory"):
+            SharedWeightsMapping.open(torch.zeros_like(offer))
     finally:
         file.close()
 

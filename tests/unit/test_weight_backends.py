@@ -229,7 +229,7 @@ def _gloo_worker(port: int, epoch: int, rank: int, world_size: int, out: dict[in
     prefix = PrefixStore(f"{rendezvous_uri('127.0.0.1', port)}/epoch-{epoch}", store)
     group = ProcessGroupGloo(prefix, rank, world_size, timedelta(seconds=20))
     group._set_sequence_number_for_group()
-    shared = accept_shared_memory(group)  # the join's last step, as the plugin takes it
+    shared, _ = accept_shared_memory(group)  # the join's last step, as the plugin takes it
     if shared is not None:
         shared.close()
     received = torch.zeros(3)
