@@ -30,6 +30,7 @@ Plain torch and the standard library: the trainer imports this without vLLM.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -62,20 +63,34 @@ def layout(specs: list[tuple[torch.dtype, int]]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _map(fd: int, size: int) -> torch.Tensor:
-    """The file's first ``size`` bytes as a shared, writable byte tensor (which keeps the
-    mapping alive). ``MAP_POPULATE`` maps every page now rather than at its first touch."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)
-
-
-class SharedWeightsFile:
-    """The trainer's side: the memfd that pushes are written into, grown as needed."""
+class _MappedFile:
+    """A file descriptor and a shared mapping of the file's first bytes, as a byte tensor."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def _map(self, size: int) -> None:
+        """Map the file's first ``size`` bytes, writable; the tensor keeps the mapping alive, so
+        views handed out before stay valid. ``MAP_POPULATE`` maps every page now rather than at
+        its first touch."""
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._bytes = torch.frombuffer(mmap.mmap(self._fd, size, flags=flags), dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Close the file; views handed out keep their pages mapped until they are dropped."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class SharedWeightsFile(_MappedFile):
+    """The trainer's side: the memfd that pushes are written into, grown as needed."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
-        self._bytes = self._resize(HEADER_BYTES)
+        self._resize(HEADER_BYTES)
         self._bytes[:_NONCE_BYTES] = torch.frombuffer(bytearray(self._nonce), dtype=torch.uint8)
 
     @classmethod
@@ -96,32 +111,26 @@ class SharedWeightsFile:
         """Copy the tensors to their offsets (:func:`layout`), growing the file first if needed."""
         offsets, size = layout([(tensor.dtype, tensor.numel()) for tensor in tensors])
         if size > self._bytes.numel():
-            self._bytes = self._resize(size)
+            self._resize(size)
         for tensor, offset in zip(tensors, offsets, strict=True):
             nbytes = tensor.numel() * tensor.dtype.itemsize
             self._bytes[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
-    def _resize(self, size: int) -> torch.Tensor:
+    def _resize(self, size: int) -> None:
         os.ftruncate(self._fd, size)
-        return _map(self._fd, size)
-
-    def close(self) -> None:
-        """Close the file; a worker that mapped it keeps its pages until it drops them."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._map(size)
 
 
 class OutOfReach(Exception):
     """Why a worker cannot use the trainer's shared memory; it then receives over gloo."""
 
 
-class SharedWeightsMapping:
+class SharedWeightsMapping(_MappedFile):
     """A worker's side: the trainer's file, opened through ``/proc`` and mapped."""
 
     def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._bytes = _map(fd, HEADER_BYTES)
+        super().__init__(fd)
+        self._map(HEADER_BYTES)
 
     @classmethod
     def open(cls, offer: torch.Tensor) -> SharedWeightsMapping:
@@ -151,7 +160,8 @@ class SharedWeightsMapping:
 
     def views(self, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
         """The announced tensors as views of the file (valid until the trainer's next write)."""
-        offsets, size = layout([(dtype, _numel(shape)) for dtype, shape in specs])
+        numels = [math.prod(shape) for _, shape in specs]
+        offsets, size = layout([(dtype, numel) for (dtype, _), numel in zip(specs, numels, strict=True)])
         if size > self._bytes.numel():
             available = os.fstat(self._fd).st_size
             if available < size:
@@ -159,24 +169,11 @@ class SharedWeightsMapping:
                     f"the trainer's shared memory holds {available} bytes where the announced tensors need {size}: "
                     "the trainer and the server disagree on the layout; install the same version on both"
                 )
-            self._bytes = _map(self._fd, available)
+            self._map(available)
         return [
-            self._bytes[offset : offset + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
-            for (dtype, shape), offset in zip(specs, offsets, strict=True)
+            self._bytes[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+            for (dtype, shape), numel, offset in zip(specs, numels, offsets, strict=True)
         ]
-
-    def close(self) -> None:
-        """Close the file; views handed out keep their pages mapped until they are dropped."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _numel(shape: list[int]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 def offer_shared_memory(group: ProcessGroupGloo, file: SharedWeightsFile | None) -> bool:
