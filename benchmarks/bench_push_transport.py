@@ -71,7 +71,13 @@ def joined(shared_memory: bool, stack: ExitStack) -> tuple[GlooWeightSender, Glo
     return sender, engine
 
 
-def push(sender: GlooWeightSender, engine: GlooWeightTransferEngine, tensors, info, readings: Readings) -> None:  # type: ignore[no-untyped-def]
+def push(
+    sender: GlooWeightSender,
+    engine: GlooWeightTransferEngine,
+    tensors: list[tuple[str, torch.Tensor]],
+    info: dict[str, list],
+    readings: Readings,
+) -> None:
     """One update's transfer: the worker receives in a thread while this thread sends."""
     engine.start_weight_update()
     worker_cpu: list[float] = []

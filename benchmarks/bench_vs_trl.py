@@ -708,12 +708,14 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
     results: list[RunResult] = []
     alone_rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
-        # The managed server's log, where the gloo engine logs what each push cost vLLM.
-        log_file = Path(os.environ.get("ROLLOUT_ENGINE__MANAGED__LOG_FILE") or Path(tmp) / "vllm.log")
-        engine: dict[str, Any] = {"managed": {"model": str(args.model_dir), "log_file": str(log_file)}}
-        push_log = None if args.vllm_url else PushLog(log_file)
+        engine: dict[str, Any]
+        push_log: PushLog | None = None
         if args.vllm_url:
             engine = {"urls": [args.vllm_url], "tokenizer": str(args.model_dir), "model": "tiny"}
+        else:  # the managed server's log, where the gloo engine logs what each push cost vLLM
+            log_file = Path(os.environ.get("ROLLOUT_ENGINE__MANAGED__LOG_FILE") or Path(tmp) / "vllm.log")
+            engine = {"managed": {"model": str(args.model_dir), "log_file": str(log_file)}}
+            push_log = PushLog(log_file)
         engine["token_endpoint"] = not args.completions_endpoint
         settings = load_settings(port=0, metrics_port=None, engine=engine, reward_modules=["bench_rewards"])
         async with running_service(settings) as service:
