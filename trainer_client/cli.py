@@ -184,6 +184,14 @@ def main(
             "(half of them), else all",
         ),
     ] = 0,
+    bf16: Annotated[
+        bool | None,
+        typer.Option(
+            "--bf16/--no-bf16",
+            help="Compute in bf16 autocast over float32 weights, as TRL's default does (the weights, optimizer "
+            "and pushes stay float32); default: where the hardware multiplies bf16 natively (AMX or AVX512-BF16)",
+        ),
+    ] = None,
     eval_every: Annotated[
         int,
         typer.Option(
@@ -281,6 +289,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
             background_push=o.background_push,
             vllm_is_mode=o.vllm_is_mode,
             vllm_is_cap=o.vllm_is_cap,
+            bf16=o.bf16,
             **training_arguments,
         )
     except (ValueError, TypeError) as exc:

@@ -45,6 +45,7 @@ TRL_OPTION_NAMES = {
 
 OPTIONS_SET_FROM_THE_COMMAND = {
     "output_dir",
+    "bf16",
     "max_steps",
     "learning_rate",
     "per_device_train_batch_size",

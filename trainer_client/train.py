@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
-from trainer_client import fsdp
+from trainer_client import fsdp, precision
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.client import RolloutClient, dataset_run_spec, wait_until_serving
 from trainer_client.evaluator import PinnedEvaluator
@@ -135,11 +135,13 @@ def cpu_training_config(
     background_push: bool = True,
     vllm_is_mode: str = "token_truncate",
     vllm_is_cap: float = 3.0,
+    bf16: bool | None = None,
     **training_arguments: Any,
 ) -> AsyncGRPOConfig:
     """The settings the CLI and the demo train the embedded default with (constant LR, a log
     line and a metrics record every step, no checkpoints), then ``training_arguments``
-    (other ``AsyncGRPOConfig`` fields, from a config file) over them. Raises ValueError on
+    (other ``AsyncGRPOConfig`` fields, from a config file) over them. ``bf16`` None: bf16
+    autocast where this CPU multiplies bf16 natively (``precision``). Raises ValueError on
     bad values."""
     correction = vllm_is_mode != "none"
     defaults: dict[str, Any] = dict(
@@ -162,6 +164,7 @@ def cpu_training_config(
         logging_steps=1,
         save_strategy="no",
         use_cpu=True,
+        bf16=precision.resolve_bf16(bf16, "cpu"),
     )
     if "save_steps" in training_arguments:
         defaults["save_strategy"] = "steps"
@@ -269,7 +272,9 @@ def train(
     if config.world_size > 1:
         run_id = broadcast_object_list([run_id], from_process=0)[0]
     assert run_id is not None
-    model = load_policy(model_path, lora)
+    device_type = "cpu" if config.use_cpu else config.device.type
+    model = load_policy(model_path, lora, precision.attention_implementation(config.bf16, device_type))
+    logger.info("trainer computes in %s", precision.describe(config.bf16))
     output_dir = Path(config.output_dir)
     if main and checkpoint is not None:
         drop_records_after(output_dir / "metrics.jsonl", checkpoint.step)
@@ -314,6 +319,7 @@ def train(
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records, run_id, *(int(total) for total in totals))
     summary["torch_threads"] = threads
+    summary["precision"] = precision.name(config.bf16)
     if evaluator is not None:
         summary["evals"] = evaluator.results
     if checkpoint is not None:
@@ -355,8 +361,11 @@ def use_torch_threads(threads: int) -> int:
     return threads
 
 
-def load_policy(model_path: str, lora: LoraOptions | None) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+def load_policy(model_path: str, lora: LoraOptions | None, attention: str | None = None) -> PreTrainedModel:
+    """The float32 policy (a PEFT model for ``lora``), with ``attention`` as its attention
+    implementation where given (``precision.attention_implementation``)."""
+    extra = {} if attention is None else {"attn_implementation": attention}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
     if lora is None:
         return model
     from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft

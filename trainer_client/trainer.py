@@ -367,12 +367,16 @@ class AsyncGRPOTrainer(Trainer):
         return output.loss
 
     def _completion_logprobs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        if self.is_fsdp_enabled and model is not self.ref_model:  # the lm_head weight is a shard out here
-            return forward_completion_logprobs(model, inputs, self.args.temperature)
-        head = output_embedding_weight(self.accelerator.unwrap_model(model))
-        return completion_logprobs(
-            model, inputs, head, self.args.logprob_chunk_size, self.args.temperature, self.shares_prompts
-        )
+        """float32 log-probs [B, T]. Under ``bf16`` the whole computation runs in autocast, the
+        lm_head projection outside the model's forward included (accelerate wraps only the
+        forward); the weights, the optimizer and the pushes stay float32."""
+        with self.accelerator.autocast():
+            if self.is_fsdp_enabled and model is not self.ref_model:  # the lm_head weight is a shard out here
+                return forward_completion_logprobs(model, inputs, self.args.temperature)
+            head = output_embedding_weight(self.accelerator.unwrap_model(model))
+            return completion_logprobs(
+                model, inputs, head, self.args.logprob_chunk_size, self.args.temperature, self.shares_prompts
+            )
 
     @property
     def shares_prompts(self) -> bool:

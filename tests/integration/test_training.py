@@ -15,6 +15,7 @@ from rollout_common.cpu_budget import CpuBudget
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import REUSE_URL, restore_base_weights, serving
 from tests.support import wait_until
+from trainer_client import precision
 from trainer_client.client import RolloutClient
 from trainer_client.step_timing import ON_STEP_PATH
 
@@ -50,6 +51,8 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     assert (out / "reward_curve.svg").read_text().startswith("<svg")
     # The trainer next to its service takes the cores the managed vLLM leaves it.
     assert summary["torch_threads"] == CpuBudget.split().trainer_threads
+    # TRL's default precision where the CPU multiplies bf16 natively (the weights stay float32).
+    assert summary["precision"] == precision.name(precision.has_native_bf16("cpu"))
     # Each step's phases on the training thread add up to no more than its wall time.
     for r in records:
         seconds = r["seconds"]

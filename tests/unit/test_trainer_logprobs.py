@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import statistics
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from rollout_api import rollout_pb2 as pb
@@ -231,3 +233,36 @@ def test_logits_made_inside_the_forward_match_full_logits(tiny_model_dir: Path) 
     for row, expected in enumerate(unpadded_logprobs(model, inputs)):
         torch.testing.assert_close(logps[row, : len(expected)], expected, atol=1e-5, rtol=0)
     assert (hotter - logps).abs().max() > 1e-3  # the temperature is applied
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The dtypes of every matrix product torch runs (below autocast, so after its casts)."""
+
+    PRODUCTS: ClassVar = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in self.PRODUCTS:
+            self.dtypes.append(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_runs_every_matmul_in_bf16_and_keeps_the_logprobs_float32(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Under ``bf16`` the lm_head projection, which runs outside the model's forward, is in
+    autocast too; the log-probs come back float32, within bf16's rounding of float32's."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    inputs = batch()
+    expected = make_trainer(model, tmp_path / "fp32")._completion_logprobs(model, inputs)
+    trainer = make_trainer(model, tmp_path / "bf16", bf16=True)
+    with MatmulDtypes() as products:
+        logps = trainer._completion_logprobs(trainer.model, inputs)
+    assert products.dtypes and set(products.dtypes) == {torch.bfloat16}
+    assert logps.dtype == torch.float32
+    mask = inputs["completion_mask"].bool()
+    difference = (logps - expected)[mask].abs()
+    assert 0 < difference.max() < 0.05
+    trainer.compute_loss(trainer.model, inputs).backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -1,0 +1,79 @@
+"""The trainer's precision: bf16 autocast by default where the hardware multiplies bf16
+natively, float32 elsewhere; ``--bf16``/``--no-bf16`` and a TRL YAML's ``bf16`` choose it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from trainer_client import train as train_module
+from trainer_client.cli import app
+from trainer_client.precision import attention_implementation, has_native_bf16, resolve_bf16
+from trainer_client.train import cpu_training_config
+
+
+def cpu_with(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "native"), [(True, True, True), (False, True, True), (False, False, False)]
+)
+def test_the_default_follows_the_cpus_bf16_instructions(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, amx: bool, avx512_bf16: bool, native: bool
+) -> None:
+    cpu_with(monkeypatch, amx, avx512_bf16)
+    assert has_native_bf16("cpu") is native
+    assert resolve_bf16(None, "cpu") is native
+    assert cpu_training_config(tmp_path, 1).bf16 is native
+    for requested in (True, False):  # asked for, whatever the hardware
+        assert resolve_bf16(requested, "cpu") is requested
+        assert cpu_training_config(tmp_path, 1, bf16=requested).bf16 is requested
+
+
+def test_bf16_on_a_cpu_trains_with_eager_attention() -> None:
+    assert attention_implementation(True, "cpu") == "eager"
+    assert attention_implementation(False, "cpu") is None  # the model's own default
+    assert attention_implementation(True, "cuda") is None
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict:
+    """The config the CLI would train with (training is the integration tests' job)."""
+    calls: dict = {}
+
+    def fake_train(target: str, model_path: str, config, options, **kwargs) -> dict:
+        calls["config"] = config
+        return {"time_split": {"fraction": {}, "steps": 0}}
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    monkeypatch.setattr("trainer_client.step_timing.format_split", lambda split: "")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("flags", "yaml", "expected"),
+    [
+        (["--no-bf16"], None, False),
+        (["--bf16"], None, True),
+        ([], "bf16: false\n", False),
+        (["--bf16"], "bf16: false\n", True),  # the command line wins over the file
+    ],
+)
+def test_the_cli_and_a_trl_yaml_choose_the_precision(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, captured: dict, flags: list[str], yaml: str | None, expected: bool
+) -> None:
+    cpu_with(monkeypatch, amx=not expected, avx512_bf16=False)  # the default would be the other one
+    args = ["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), *flags]
+    if yaml is not None:
+        (tmp_path / "trainer.yaml").write_text(yaml)
+        args += ["--config", str(tmp_path / "trainer.yaml")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert captured["config"].bf16 is expected
