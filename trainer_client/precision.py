@@ -22,14 +22,16 @@ from __future__ import annotations
 import torch
 
 EAGER_ATTENTION = "eager"
+CPU_BF16_PROBES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+"""``torch.cpu`` functions that say whether this CPU has bf16 matmul instructions."""
 
 
 def has_native_bf16(device_type: str) -> bool:
     """Whether ``device_type`` ("cpu", "cuda") multiplies bf16 matrices in hardware."""
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device_type == "cpu":
-        return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    if device_type == "cpu":  # torch's private probes (torch >= 2.3): absent, assume none
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in CPU_BF16_PROBES)
     return False
 
 

@@ -77,3 +77,9 @@ def test_the_cli_and_a_trl_yaml_choose_the_precision(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert captured["config"].bf16 is expected
+
+
+def test_a_torch_without_the_cpu_probes_trains_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.delattr(torch.cpu, probe)
+    assert has_native_bf16("cpu") is False
