@@ -133,13 +133,11 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from rollout_service.generation.prompts import builtin_dataset
-    from trainer_client.precision import attention_implementation
+    from trainer_client.precision import loading_kwargs
 
     prompts = [{"prompt": spec.messages} for spec in builtin_dataset(args.dataset)]
     dataset = Dataset.from_list(prompts * 200)
-    attention = attention_implementation(args.bf16, "cpu")
-    extra = {} if attention is None else {"attn_implementation": attention}
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, **extra)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, **loading_kwargs(args.bf16, "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     config = GRPOConfig(
         output_dir=args.out.parent / "trl-output",
@@ -345,7 +343,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     from trainer_client.batches import GroupCollator, completion_logprobs
     from trainer_client.loss_config import LossConfig
     from trainer_client.losses import compute_loss
-    from trainer_client.precision import attention_implementation, resolve_bf16
+    from trainer_client.precision import loading_kwargs, resolve_bf16
     from trainer_client.trainer import AsyncGRPOConfig
 
     if args.service and args.pin:  # as rollout-trainer does next to a local service
@@ -354,9 +352,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
         pin_local_trainer(args.service)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     bf16 = resolve_bf16(None, "cpu")  # as rollout-trainer's default
-    attention = attention_implementation(bf16, "cpu")
-    extra = {} if attention is None else {"attn_implementation": attention}
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, **extra)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, **loading_kwargs(bf16, "cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     prompts = [
         list(tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=True)["input_ids"])

@@ -19,6 +19,8 @@ runs in bf16 and float32. In float32 the two were equally fast.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 EAGER_ATTENTION = "eager"
@@ -44,6 +46,13 @@ def attention_implementation(bf16: bool, device_type: str) -> str | None:
     """The attention a policy trained this way loads with: eager for bf16 on a CPU (see the
     module's docstring), else None, the model's own default."""
     return EAGER_ATTENTION if bf16 and device_type == "cpu" else None
+
+
+def loading_kwargs(bf16: bool, device_type: str) -> dict[str, Any]:
+    """``from_pretrained``'s keyword arguments for a policy trained this way: float32 weights,
+    with ``attention_implementation``'s attention where it names one."""
+    attention = attention_implementation(bf16, device_type)
+    return {"dtype": torch.float32, **({} if attention is None else {"attn_implementation": attention})}
 
 
 def name(bf16: bool) -> str:

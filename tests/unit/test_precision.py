@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from trainer_client import train as train_module
 from trainer_client.cli import app
-from trainer_client.precision import attention_implementation, has_native_bf16, resolve_bf16
+from trainer_client.precision import attention_implementation, has_native_bf16, loading_kwargs, resolve_bf16
 from trainer_client.train import cpu_training_config
 
 
@@ -39,6 +39,8 @@ def test_bf16_on_a_cpu_trains_with_eager_attention() -> None:
     assert attention_implementation(True, "cpu") == "eager"
     assert attention_implementation(False, "cpu") is None  # the model's own default
     assert attention_implementation(True, "cuda") is None
+    assert loading_kwargs(True, "cpu") == {"dtype": torch.float32, "attn_implementation": "eager"}
+    assert loading_kwargs(False, "cpu") == {"dtype": torch.float32}  # the weights are float32 either way
 
 
 @pytest.fixture
