@@ -272,8 +272,7 @@ def train(
     if config.world_size > 1:
         run_id = broadcast_object_list([run_id], from_process=0)[0]
     assert run_id is not None
-    device_type = "cpu" if config.use_cpu else config.device.type
-    model = load_policy(model_path, lora, precision.loading_kwargs(config.bf16, device_type))
+    model = load_policy(model_path, lora, config.bf16, config.device.type)
     logger.info("trainer computes in %s", precision.describe(config.bf16))
     output_dir = Path(config.output_dir)
     if main and checkpoint is not None:
@@ -361,10 +360,10 @@ def use_torch_threads(threads: int) -> int:
     return threads
 
 
-def load_policy(model_path: str, lora: LoraOptions | None, loading: dict[str, Any] | None = None) -> PreTrainedModel:
-    """The policy (a PEFT model for ``lora``), loaded with ``loading`` (``precision.loading_kwargs``;
-    default float32)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, **(loading or {"dtype": torch.float32}))
+def load_policy(model_path: str, lora: LoraOptions | None, bf16: bool, device_type: str) -> PreTrainedModel:
+    """The float32 policy (a PEFT model for ``lora``), loaded as it trains in this precision on
+    this device (``precision.loading_kwargs``)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, **precision.loading_kwargs(bf16, device_type))
     if lora is None:
         return model
     from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
