@@ -1,5 +1,6 @@
 """The trainer's precision: bf16 autocast by default where the hardware multiplies bf16
-natively, float32 elsewhere; ``--bf16``/``--no-bf16`` and a TRL YAML's ``bf16`` choose it."""
+natively, float32 elsewhere (``--bf16``/``--no-bf16`` and a YAML's ``bf16``:
+``test_trainer_config_file``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from trainer_client import train as train_module
-from trainer_client.cli import app
 from trainer_client.precision import attention_implementation, has_native_bf16, loading_kwargs, resolve_bf16
 from trainer_client.train import cpu_training_config
 
@@ -41,44 +39,6 @@ def test_bf16_on_a_cpu_trains_with_eager_attention() -> None:
     assert attention_implementation(True, "cuda") is None
     assert loading_kwargs(True, "cpu") == {"dtype": torch.float32, "attn_implementation": "eager"}
     assert loading_kwargs(False, "cpu") == {"dtype": torch.float32}  # the weights are float32 either way
-
-
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict:
-    """The config the CLI would train with (training is the integration tests' job)."""
-    calls: dict = {}
-
-    def fake_train(target: str, model_path: str, config, options, **kwargs) -> dict:
-        calls["config"] = config
-        return {"time_split": {"fraction": {}, "steps": 0}}
-
-    monkeypatch.setattr(train_module, "train", fake_train)
-    monkeypatch.setattr("trainer_client.step_timing.format_split", lambda split: "")
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    return calls
-
-
-@pytest.mark.parametrize(
-    ("flags", "yaml", "expected"),
-    [
-        (["--no-bf16"], None, False),
-        (["--bf16"], None, True),
-        ([], "bf16: false\n", False),
-        (["--bf16"], "bf16: false\n", True),  # the command line wins over the file
-    ],
-)
-def test_the_cli_and_a_trl_yaml_choose_the_precision(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, captured: dict, flags: list[str], yaml: str | None, expected: bool
-) -> None:
-    cpu_with(monkeypatch, amx=not expected, avx512_bf16=False)  # the default would be the other one
-    args = ["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), *flags]
-    if yaml is not None:
-        (tmp_path / "trainer.yaml").write_text(yaml)
-        args += ["--config", str(tmp_path / "trainer.yaml")]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert captured["config"].bf16 is expected
 
 
 def test_a_torch_without_the_cpu_probes_trains_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:

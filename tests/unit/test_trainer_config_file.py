@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from rollout_api import rollout_pb2 as pb
@@ -127,3 +128,27 @@ def test_a_bad_file_is_refused_with_what_to_change(tmp_path, model_dir, captured
     assert message in flat(result.output)
     assert "Traceback" not in result.output
     assert not captured
+
+
+@pytest.mark.parametrize(
+    ("flags", "yaml", "expected"),
+    [
+        (["--no-bf16"], None, False),
+        (["--bf16"], None, True),
+        ([], "bf16: false\n", False),
+        (["--bf16"], "bf16: false\n", True),  # the command line wins over the file
+    ],
+)
+def test_the_cli_and_a_trl_yaml_choose_the_precision(
+    monkeypatch, tmp_path, model_dir, captured, flags: list[str], yaml: str | None, expected: bool
+) -> None:
+    # the CPU's default would be the other precision
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: not expected)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    args = ["--model", str(model_dir), "--output-dir", str(tmp_path / "out"), *flags]
+    if yaml is not None:
+        (tmp_path / "trainer.yaml").write_text(yaml)
+        args += ["--config", str(tmp_path / "trainer.yaml")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert captured["config"].bf16 is expected
