@@ -138,7 +138,11 @@ class ServiceMetrics:
             registry=r,
         )
         self.weight_updates = Counter(
-            "rollout_weight_updates", "Weight updates finished (committed, aborted)", ["outcome"], registry=r
+            "rollout_weight_updates",
+            "Weight updates finished (committed: a new version; resent: the current version's weights "
+            "again, for a restarted server; aborted)",
+            ["outcome"],
+            registry=r,
         )
         self.weight_update_paused_seconds = Counter(
             "rollout_weight_update_paused_seconds",

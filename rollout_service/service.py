@@ -97,6 +97,8 @@ class ServiceStats:
     slots_busy_time_average: float
     weight_updates_committed: int
     weight_updates_aborted: int
+    weight_updates_resent: int
+    """Commits of the current version's weights again, for a restarted server (no bump)."""
     weight_update_paused_seconds: float
     last_weight_update: UpdateTimes | None
     evals: list[EvalResult]
@@ -501,6 +503,7 @@ class RolloutService:
             slots_busy_time_average=slots.busy_time_average(),
             weight_updates_committed=sync.updates_committed if sync is not None else 0,
             weight_updates_aborted=sync.updates_aborted if sync is not None else 0,
+            weight_updates_resent=sync.updates_resent if sync is not None else 0,
             weight_update_paused_seconds=sync.paused_seconds() if sync is not None else 0.0,
             last_weight_update=sync.last_update if sync is not None else None,
             evals=self.evaluations.results(),

@@ -302,13 +302,16 @@ class RolloutClient:
         trainer_port: int,
         tensors: list[pb.TensorMeta],
         pause_mode: pb.PauseMode.ValueType = pb.PAUSE_MODE_UNSPECIFIED,
+        resend: bool = False,
     ) -> pb.BeginWeightUpdateResponse:
+        """``resend``: the current version's weights again; the commit keeps the version."""
         request = pb.BeginWeightUpdateRequest(
             run_id=run_id,
             trainer_address=trainer_address,
             trainer_port=trainer_port,
             tensors=tensors,
             pause_mode=pause_mode,
+            resend=resend,
         )
         return await self.stub.BeginWeightUpdate(request, timeout=self.timeout_s, metadata=self._metadata)
 

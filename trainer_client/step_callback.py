@@ -65,6 +65,11 @@ class SyncAndAck(TrainerCallback):
     def __init__(self, trainer: AsyncGRPOTrainer) -> None:
         self.trainer = trainer
         self._push_in_flight: Future[int] | None = None
+        self._in_flight_step = 0
+        """The optimizer step whose weights the push in flight carries."""
+        self._served_step: int | None = None
+        """The optimizer step whose weights vLLM serves (the last committed push); None
+        before the first. A push asked for at that step resends them (``_push_on_request``)."""
         self._step_started = time.perf_counter()
         self._failed_pushes = 0
         """Background pushes failed in a row (a vLLM server died mid-push); see ``_wait_for_push``."""
@@ -114,10 +119,11 @@ class SyncAndAck(TrainerCallback):
         if trainer.args.world_size > 1:
             version = broadcast_object_list([version], from_process=0)[0]
         trainer.feed.current_version, trainer.feed.pushes_owed = version, 0
-        self._pushed(version)
+        self._pushed(version, state.global_step)
 
-    def _pushed(self, version: int) -> None:
-        """A push committed: an N-th one is evaluated (``evaluator``)."""
+    def _pushed(self, version: int, step: int) -> None:
+        """A push of ``step``'s weights committed: an N-th one is evaluated (``evaluator``)."""
+        self._served_step = step
         if self.trainer.evaluator is not None:
             self.trainer.evaluator.pushed(version)
 
@@ -138,6 +144,7 @@ class SyncAndAck(TrainerCallback):
         with trainer.clock.measure("push_snapshot"):
             model = trainer.accelerator.unwrap_model(trainer.model)
             snapshot = [(name, tensor.detach().clone()) for name, tensor in policy_weights(model)]
+        self._in_flight_step = trainer.state.global_step
         self._push_in_flight = trainer.feed.submit(trainer.pusher.push(snapshot))
 
     def _push_on_request(self, reason: str) -> None:
@@ -145,19 +152,30 @@ class SyncAndAck(TrainerCallback):
         with one server no group comes until it has them): push now, between groups.
 
         Rank 0 only, without the broadcast of ``_push``: the other ranks are elsewhere in
-        their step, and learn the version at the next regular push."""
-        logger.warning("pushing the weights now, as the service asks: %s", reason)
+        their step, and learn the version at the next regular push.
+
+        It comes between groups, never between an optimizer step and its step's end, so
+        the weights are those of ``state.global_step``. If vLLM already serves them (the
+        usual case: only a restarted server lacks them), the push is a resend and the
+        version stays; groups sampled before it are no staler than they were."""
         self._wait_for_push()
         trainer = self.trainer
         assert trainer.pusher is not None
+        step = trainer.state.global_step
+        resend = self._served_step == step
+        logger.warning(
+            "pushing the weights now, as the service asks%s: %s",
+            " (a resend of the version vLLM serves)" if resend else "",
+            reason,
+        )
         model = trainer.accelerator.unwrap_model(trainer.model)
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             try:
                 trainer.feed.current_version = trainer.feed.call(
-                    trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s()
+                    trainer.pusher.push_policy(model, resend), timeout_s=self._push_timeout_s()
                 )
                 trainer.feed.pushes_owed = 0
-                self._pushed(trainer.feed.current_version)
+                self._pushed(trainer.feed.current_version, step)
                 return
             except Exception as exc:
                 if attempt == PUSH_ATTEMPTS:
@@ -193,7 +211,7 @@ class SyncAndAck(TrainerCallback):
             return
         self._failed_pushes = 0
         trainer.feed.current_version, trainer.feed.pushes_owed = version, 0
-        self._pushed(version)
+        self._pushed(version, self._in_flight_step)
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         trainer = self.trainer

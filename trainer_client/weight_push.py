@@ -66,16 +66,20 @@ class WeightPusher:
         """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
         epoch; nccl: a fresh one after each failed join, as vLLM's rendezvous has no epochs)."""
 
-    async def push_policy(self, model: torch.nn.Module) -> int:
+    async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
         """Push what vLLM must serve for ``model`` (merged, for a PEFT model); the new version."""
-        return await self.push(policy_weights(model))
+        return await self.push(policy_weights(model), resend)
 
-    async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Send the tensors (HF names, broadcast order) and return the new policy version."""
+    async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]], resend: bool = False) -> int:
+        """Send the tensors (HF names, broadcast order) and return the new policy version.
+
+        ``resend``: these are the weights of the current version, unchanged since its
+        commit, sent again because the service asked (a restarted server waits for them);
+        the version stays."""
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
         with self.clock.measure("push_begin"):
             ticket = await self.client.begin_weight_update(
-                self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode
+                self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode, resend=resend
             )
         # The commit is asked for now, not after the transfer: the service answers it once its
         # servers have received everything, and at once when it aborts the update, which is
@@ -167,7 +171,9 @@ class AdapterPusher:
         self.run_id = run_id
         self.timeout_s = timeout_s
 
-    async def push_policy(self, model: torch.nn.Module) -> int:
+    async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
+        """Publish the adapter; the new version. ``resend`` changes nothing: the service
+        reloads a restarted server's adapters itself and never asks an adapter run for them."""
         files = await asyncio.to_thread(adapter_files, model)
         pushed = await self.client.push_adapter(self.run_id, files, self.timeout_s)
         logger.info(

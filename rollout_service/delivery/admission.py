@@ -130,11 +130,12 @@ class RunAdmission:
 
     # -- versions ------------------------------------------------------------------------
     def set_policy_version(self, version: int) -> None:
-        """The servers now hold this version (a push committed)."""
+        """The servers now hold this version (a push committed; a resend commits the same
+        one). Either way the weights a restarted server wanted have arrived."""
+        self.weights_wanted = ""
         if version <= self.policy_version:
             return
         self.policy_version = version
-        self.weights_wanted = ""
         self.version_bumped = True
         self._advance_trainer(max(version, self.trainer_version))
         self._changed()

@@ -253,6 +253,7 @@ def stats_to_pb(stats: ServiceStats, runs: Iterable[Run]) -> pb.GetStatsResponse
         slots_busy_time_average=stats.slots_busy_time_average,
         weight_updates_committed=stats.weight_updates_committed,
         weight_updates_aborted=stats.weight_updates_aborted,
+        weight_updates_resent=stats.weight_updates_resent,
         weight_update_paused_seconds=stats.weight_update_paused_seconds,
         evals=[eval_result_to_pb(result) for result in stats.evals],
         engines=[engine_state_to_pb(engine) for engine in stats.engines],

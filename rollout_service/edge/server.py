@@ -296,7 +296,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         else:
             raise InvalidArgument(f"pause_mode {request.pause_mode} is not a known PauseMode")
         ticket = await sync.begin(
-            request.run_id, request.trainer_address, request.trainer_port, tensors_from_pb(request.tensors), mode
+            request.run_id,
+            request.trainer_address,
+            request.trainer_port,
+            tensors_from_pb(request.tensors),
+            mode,
+            resend=request.resend,
         )
         return pb.BeginWeightUpdateResponse(
             update_id=ticket.update_id,

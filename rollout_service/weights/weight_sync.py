@@ -8,7 +8,9 @@ One update at a time, in two RPCs from the trainer:
   once, because the init and update steps wait on the trainer (it hosts the rendezvous as
   rank 0 and broadcasts only after begin returns).
 - ``commit``: waits for the pipeline, then finish_weight_update (vLLM applies the weights),
-  bumps the policy version and resumes generation. Cached KV of the old weights is not
+  bumps the policy version and resumes generation. A resend (the current version's weights
+  again, for a restarted server that asked for them) commits without a bump: the weights
+  did not change, so the groups sampled before are no staler than they were. Cached KV of the old weights is not
   reused because every request is salted with its policy version; the prefix-cache reset
   is a setting (``WeightSyncSettings.reset_prefix_cache``).
 
@@ -56,6 +58,8 @@ class _Update:
     run_id: str
     started: float
     pipeline: asyncio.Task[None] | None = None
+    resend: bool = False
+    """The weights of the current version again (``BeginWeightUpdateRequest.resend``)."""
     paused: set[str] = field(default_factory=set)
     aborted: str | None = None
     epoch: int = 0
@@ -97,6 +101,8 @@ class WeightSyncCoordinator:
         self.settings = settings
         self.version = version
         self.updates_committed = 0
+        """Commits that bumped the version (resends not counted)."""
+        self.updates_resent = 0
         self.updates_aborted = 0
         self.last_update: UpdateTimes | None = None
         """Timing of the last committed or aborted update."""
@@ -127,8 +133,15 @@ class WeightSyncCoordinator:
 
     # -- begin ---------------------------------------------------------------------------
     async def begin(
-        self, run_id: str, trainer_address: str, trainer_port: int, tensors: list[TensorSpec], mode: PauseModeName
+        self,
+        run_id: str,
+        trainer_address: str,
+        trainer_port: int,
+        tensors: list[TensorSpec],
+        mode: PauseModeName,
+        resend: bool = False,
     ) -> UpdateTicket:
+        """Start an update; ``resend``: the trainer sends the current version's weights again."""
         validate_begin(trainer_address, trainer_port, tensors)
         if mode == "none" and self.settings.backend not in APPLIES_AT_FINISH:
             raise FailedPrecondition(no_pause_refused(self.settings.backend))
@@ -147,7 +160,7 @@ class WeightSyncCoordinator:
                 self.pausing_update_pending = False
                 raise
             join = self._group != (trainer_address, trainer_port)
-            update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, self._clock())
+            update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, self._clock(), resend=resend)
             if held_s:
                 update.phases["eval_hold"] = held_s
             if join:
@@ -163,10 +176,15 @@ class WeightSyncCoordinator:
             )
             update.pipeline.add_done_callback(lambda task: self._pipeline_done(update, task))
             self._set_current(update)
-            self._on_trainer_version(self.version + 1)
+            self._on_trainer_version(self.version if resend else self.version + 1)
             self._spawn(self._watchdog(update))
         logger.info(
-            "weight update %s begun for run %s (%d tensors, join=%s)", update.update_id, run_id, len(tensors), join
+            "weight update %s begun for run %s (%d tensors, join=%s%s)",
+            update.update_id,
+            run_id,
+            len(tensors),
+            join,
+            ", a resend of the current version" if resend else "",
         )
         return UpdateTicket(
             update.update_id, join, 1 + sum(world_sizes), self.settings.backend, self.version, update.epoch
@@ -336,7 +354,7 @@ class WeightSyncCoordinator:
         async with self._lock:
             if update.aborted is not None:
                 raise FailedPrecondition(self._aborted_message(update))
-            new_version = self.version + 1
+            new_version = self.version if update.resend else self.version + 1
             control_s = self.settings.control_timeout_s
             # Under the lock: nothing can abort the update while it waits for the evaluations.
             if held_s := await self.holds.wait_released(self.settings.eval_hold_timeout_s):
@@ -361,10 +379,14 @@ class WeightSyncCoordinator:
             await self._resume(update)
             self._set_current(None)
             self._prestart_next()
-            self.updates_committed += 1
+            if update.resend:
+                self.updates_resent += 1
+            else:
+                self.updates_committed += 1
             self._finished(update, committed=True)
         seconds = self._clock() - update.started
-        logger.info("weight update %s committed: policy version %d (%.2fs)", update_id, new_version, seconds)
+        outcome = "resent" if update.resend else "committed"
+        logger.info("weight update %s %s: policy version %d (%.2fs)", update_id, outcome, new_version, seconds)
         return new_version, seconds
 
     def _set_current(self, update: _Update | None) -> None:
@@ -575,7 +597,8 @@ class WeightSyncCoordinator:
         """Record where the update's seconds went (``_resume`` has closed its pause)."""
         self.last_update = UpdateTimes(update.update_id, committed, dict(update.phases), update.paused_seconds)
         if self._metrics is not None:
-            self._metrics.weight_updates.labels("committed" if committed else "aborted").inc()
+            outcome = "aborted" if not committed else "resent" if update.resend else "committed"
+            self._metrics.weight_updates.labels(outcome).inc()
             for phase, seconds in update.phases.items():
                 self._metrics.weight_update_phase_seconds.labels(phase).observe(seconds)
 

@@ -4,6 +4,7 @@ re-joins. Failures in a row still end it."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -59,3 +60,44 @@ def test_a_step_that_ends_while_the_service_is_away_owes_its_push() -> None:
     pusher.timeout_s = 1.0
     callback._push_in_background()
     assert callback._push_in_flight is None and feed.current_version == 4 and feed.pushes_owed == 1
+
+
+class RecordingPusher:
+    """Commits every push at once: a resend at the version vLLM serves, else the next one."""
+
+    timeout_s = 1.0
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.resends: list[bool] = []
+
+    async def push_policy(self, model: object, resend: bool = False) -> int:
+        self.resends.append(resend)
+        self.version += 0 if resend else 1
+        return self.version
+
+
+def test_a_push_the_service_asks_for_resends_the_version_only_if_no_step_changed_the_weights() -> None:
+    """A restarted server asks for the weights. If vLLM serves this step's weights already,
+    they go again as a resend (the version stays); if the step's own push failed, vLLM
+    serves older weights and the push is a new version."""
+    callback, feed = callback_with_failed_push()
+    pusher = RecordingPusher(version=4)
+    state = SimpleNamespace(global_step=5)
+    callback.trainer.__dict__.update(
+        pusher=pusher, state=state, accelerator=SimpleNamespace(unwrap_model=lambda model: model), model=None
+    )
+    feed.call = lambda coroutine, timeout_s: asyncio.run(coroutine)
+    done: Future[int] = Future()
+    done.set_result(4)
+    callback._push_in_flight, callback._in_flight_step = done, 5  # step 5's background push committed v4
+
+    callback._push_on_request("s0 restarted")
+    assert pusher.resends == [True] and feed.current_version == 4
+
+    state.global_step = 6
+    callback._push_in_flight, callback._in_flight_step = failed(RuntimeError("aborted: s0 died")), 6
+    callback._push_on_request("s0 restarted")  # vLLM serves step 5's weights: step 6's are new
+    assert pusher.resends == [True, False] and feed.current_version == 5 and feed.pushes_owed == 0
+    callback._push_on_request("s0 restarted again")  # now vLLM serves step 6's
+    assert pusher.resends == [True, False, True] and feed.current_version == 5

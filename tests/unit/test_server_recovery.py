@@ -81,3 +81,27 @@ async def test_without_a_pushing_run_the_server_waits_for_the_next_push() -> Non
     assert URL in pool.held
     recovery.version_committed(3)
     assert not pool.held
+
+
+async def test_a_resend_of_the_current_version_brings_the_server_back_at_that_version() -> None:
+    """The trainer's weights had not changed since version 3: it sends them again, and the
+    commit says version 3 once more. The server takes requests, the request is answered
+    (no stream sends it again), and the run's version stays."""
+    service, pool, recovery = recovery_on_one_server()
+    run = await service.create_run(spec())
+    service.base_weights_run = run.run_id
+    recovery.version_committed(3)
+    recovery.server_down(URL)
+    await recovery.server_restarted(URL)
+    assert run.admission.weights_wanted
+
+    recovery.version_committed(3)  # the resend committed
+    assert not pool.held
+    assert run.policy_version == 3 and run.admission.trainer_version == 3
+    assert not run.admission.weights_wanted
+    late = ConsumerSession(service, run.run_id, "late", 0)
+    first = asyncio.ensure_future(late.next_message())
+    done, _ = await asyncio.wait({first}, timeout=0.2)
+    assert not done  # nothing is wanted any more
+    first.cancel()
+    await service.delete_run(run.run_id)

@@ -76,7 +76,7 @@ class ScriptedControl:
         self.begin_ports: list[int] = []
         self.aborted: list[str] = []
 
-    async def begin_weight_update(self, run_id, address, port, tensors, pause_mode):  # type: ignore[no-untyped-def]
+    async def begin_weight_update(self, run_id, address, port, tensors, pause_mode, resend=False):  # type: ignore[no-untyped-def]
         self.begin_ports.append(port)
         return SimpleNamespace(
             update_id=f"u{len(self.begin_ports)}",

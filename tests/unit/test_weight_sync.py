@@ -187,6 +187,36 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
     assert times.paused_seconds == 0 and sync.paused_seconds() == 0
 
 
+async def test_a_resend_applies_the_weights_and_keeps_the_version() -> None:
+    """The trainer sends the current version's weights again (a restarted server asked for
+    them): vLLM gets the whole handshake, but neither the servers' nor the trainer's version
+    moves, so groups sampled before are no staler than they were."""
+    clock, metrics = Clock(), ServiceMetrics()
+    server = ScriptedControl(clock)
+    committed: list[int] = []
+    trainer_versions: list[int] = []
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60)
+    sync = WeightSyncCoordinator(
+        [server], settings, committed.append, version=3, on_trainer_version=trainer_versions.append,
+        metrics=metrics, clock=clock,
+    )  # fmt: skip
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep", resend=True)
+        assert ticket.policy_version == 3
+        assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (3, pytest.approx(1 + 2 + 7 + 5 + 7))
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")  # the next step's push
+        assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 4
+    finally:
+        await sync.close()
+    assert server.calls.count("finish_weight_update") == 2  # the resend was applied too
+    assert committed == [3, 4]  # the resend's commit says the servers hold version 3 (a held server goes)
+    assert trainer_versions == [3, 4]  # a resend's begin leaves the trainer's version where it was
+    assert (sync.updates_committed, sync.updates_resent, sync.version) == (1, 1, 4)
+    sample = metrics.registry.get_sample_value
+    assert sample("rollout_weight_updates_total", {"outcome": "resent"}) == 1
+    assert sample("rollout_weight_updates_total", {"outcome": "committed"}) == 1
+
+
 @pytest.mark.parametrize(
     ("settings", "opened_ahead"),
     [

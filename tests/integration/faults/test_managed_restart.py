@@ -1,6 +1,6 @@
 """The service's own vLLM server is SIGKILLed mid-run: it is restarted, brought back to the
-run's policy before it takes a request, and the trainer finishes with no group lost or
-trained twice.
+run's policy before it takes a request (a resend of the trainer's current version, which
+keeps the version), and the trainer finishes with no group lost or trained twice.
 
 The server killed is the session's shared one (a second vLLM would double the suite's
 start-up): the test's service supervises it, and the restart leaves it on the same port
@@ -66,6 +66,16 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
             assert not running.service.scheduler.engine.held  # the restarted server takes requests again
             info = await client.get_run(run_id)
             assert info.policy_version > version_at_kill
+            service_stats = await client.stats()
+            # The version counts new weights only: the restarted server's push, when the
+            # trainer's weights had not moved since vLLM's last commit, was a resend of that
+            # version. It had moved only if the push in flight at the kill failed.
+            assert info.policy_version == service_stats.weight_updates_committed
+            words = " ".join(log.split())  # rich wraps the trainer's log lines
+            resends = words.count("(a resend of the version vLLM serves)")
+            assert service_stats.weight_updates_resent == resends
+            if "weight push failed" not in words:
+                assert resends >= 1
             trained = json.loads((out / "rank0.json").read_text())["trained_group_ids"]
             stats = info.stats
             assert len(trained) == len(set(trained))  # none twice
