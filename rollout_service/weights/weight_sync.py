@@ -250,6 +250,15 @@ class WeightSyncCoordinator:
         await asyncio.gather(*(self._start(server, control_s, join) for server in starting))
         await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
 
+    async def _label(self, version: int) -> None:
+        """After a commit, off its path: label the servers' weights with the version, so that
+        vLLM's ``/weight_info`` (and the version it stamps on outputs) says what they serve."""
+        for server in list(self.servers):
+            try:
+                await server.set_weight_version(str(version), self.settings.control_timeout_s)
+            except WeightSyncError as exc:
+                logger.info("could not label %s's weights as version %d: %s", server.base_url, version, exc)
+
     def _prestart_next(self) -> None:
         """After a commit: open the next update on every server now, off the next push's path."""
         if self.settings.prestart and self.settings.backend in APPLIES_AT_FINISH:
@@ -361,9 +370,10 @@ class WeightSyncCoordinator:
                 update.phases["eval_hold"] = update.phases.get("eval_hold", 0.0) + held_s
                 self._progressed(update, "eval_hold")
             try:
-                await self._phase(
-                    update, "finish", *(s.finish_weight_update(str(new_version), control_s) for s in self.servers)
-                )
+                # No label here: vLLM sets it in a second engine-core call after the apply, one
+                # engine step or more (s64: 9 ms median of a 50 ms push) during which the
+                # version, and with it staleness admission, would wait. ``_label`` sets it after.
+                await self._phase(update, "finish", *(s.finish_weight_update(None, control_s) for s in self.servers))
                 if self.settings.reset_prefix_cache:
                     await self._phase(
                         update, "reset_prefix_cache", *(s.reset_prefix_cache(control_s) for s in self.servers)
@@ -378,6 +388,7 @@ class WeightSyncCoordinator:
             self._on_version(new_version)
             await self._resume(update)
             self._set_current(None)
+            self._spawn(self._label(new_version))
             self._prestart_next()
             if update.resend:
                 self.updates_resent += 1

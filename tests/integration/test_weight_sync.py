@@ -94,6 +94,12 @@ async def sync_service(vllm_server, tiny_model: Path) -> AsyncIterator[tuple[Run
         yield pair
 
 
+def vllm_weight_label(url: str) -> str:
+    """The version label vLLM reports for the weights it serves (``/weight_info``)."""
+    with urllib.request.urlopen(url + "/weight_info", timeout=10) as response:
+        return str(json.loads(response.read())["weight_version"])
+
+
 async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_server, base_model) -> None:
     service, client = sync_service
     run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
@@ -121,6 +127,12 @@ async def test_push_updates_vllm_and_the_policy_version(sync_service, vllm_serve
         assert after != before  # vLLM samples from the new weights ...
         assert await vllm_matches(vllm_server.url, new_model) <= 1e-4  # ... exactly the trainer's
         assert (await client.get_run(run.run_id)).policy_version == 1
+
+        # vLLM's own label of its weights follows, set just after the commit (off its path).
+        async def labelled_1() -> bool:
+            return await asyncio.to_thread(vllm_weight_label, vllm_server.url) == "1"
+
+        await wait_until(labelled_1, 30, "vLLM's /weight_info to say 1")
 
         stream = client.stream(run.run_id, "c", credits=64)
         async with asyncio.timeout(60):

@@ -53,6 +53,8 @@ class ScriptedControl:
         self.paused = False
         self.calls: list[str] = []
         """Every step called, in order."""
+        self.labels: list[str] = []
+        """Versions the weights were labelled with (``set_weight_version``)."""
         self.fail_once: dict[str, Exception] = {}
         """A step's next call raises this (once)."""
 
@@ -83,8 +85,11 @@ class ScriptedControl:
         finally:
             self.received.set()
 
-    async def finish_weight_update(self, version: str, timeout_s: float) -> None:
+    async def finish_weight_update(self, version: str | None, timeout_s: float) -> None:
         await self._step("finish_weight_update")
+
+    async def set_weight_version(self, version: str, timeout_s: float) -> None:
+        self.labels.append(version)  # off the update's path: no clock, no step
 
     async def reset_prefix_cache(self, timeout_s: float) -> None:
         await self._step("reset_prefix_cache")
@@ -177,6 +182,9 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
     try:
         ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(1 + 3 + 4 + 5))
+        # vLLM's label of the weights is set after the commit, off its path: the commit's
+        # seconds above hold nothing after the finish.
+        await wait_until(lambda: server.labels == ["1"], 5, lambda: f"labels {server.labels}")
     finally:
         await sync.close()
     # No prefix-cache reset by default: requests are salted by version, and vLLM refuses it
@@ -206,6 +214,7 @@ async def test_a_resend_applies_the_weights_and_keeps_the_version() -> None:
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (3, pytest.approx(1 + 2 + 7 + 5 + 7))
         ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")  # the next step's push
         assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 4
+        await wait_until(lambda: server.labels == ["3", "4"], 5, lambda: f"labels {server.labels}")
     finally:
         await sync.close()
     assert server.calls.count("finish_weight_update") == 2  # the resend was applied too
