@@ -96,6 +96,7 @@ async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing
                 joined_at = running.service.policy_version
                 assert joined_at >= 1  # pushes have committed: the checkpoint is not the policy
 
+                before = await client.stats()
                 engine = await client.add_engine(second.url)
                 assert not engine.routable and "is pushed" in engine.held_reason
 
@@ -108,7 +109,12 @@ async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing
                     return state.routable
 
                 await wait_until(released, 120, "the joined server to hold the run's policy")
-                assert running.service.policy_version > joined_at
+                # A push after the join brought it the policy: a new version, or the current
+                # one resent (the trainer's weights had not moved since vLLM's last commit).
+                after = await client.stats()
+                pushes = after.weight_updates_committed + after.weight_updates_resent
+                assert pushes > before.weight_updates_committed + before.weight_updates_resent
+                assert running.service.policy_version >= joined_at
                 assert await logprobs_at_one_version(running, vllm_server.url, second.url) <= 1e-4
 
                 membership = running.service.membership
@@ -133,8 +139,9 @@ async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing
             assert trainer.returncode == 0, (tmp_path / "t.log").read_text()[-3000:]
             report = json.loads((out / "rank0.json").read_text())
             trained = report["trained_group_ids"]
-            # Every step took its groups; the join's extra push can make a fetched group stale
-            # before its step trains, and the step then masks it (counted, acked as dropped).
+            # Every step took its groups; the join's extra push, when it is a new version, can
+            # make a fetched group stale before its step trains, and the step then masks it
+            # (counted, acked as dropped).
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             masked = sum(record["groups_masked_stale"] for record in records)
             assert masked <= report["groups_dropped_stale"]
