@@ -8,11 +8,14 @@ One update at a time, in two RPCs from the trainer:
   once, because the init and update steps wait on the trainer (it hosts the rendezvous as
   rank 0 and broadcasts only after begin returns).
 - ``commit``: waits for the pipeline, then finish_weight_update (vLLM applies the weights),
-  bumps the policy version and resumes generation. A resend (the current version's weights
-  again, for a restarted server that asked for them) commits without a bump: the weights
-  did not change, so the groups sampled before are no staler than they were. Cached KV of the old weights is not
+  bumps the policy version and resumes generation. Cached KV of the old weights is not
   reused because every request is salted with its policy version; the prefix-cache reset
-  is a setting (``WeightSyncSettings.reset_prefix_cache``).
+  is a setting (``WeightSyncSettings.reset_prefix_cache``). vLLM's own label of the weights
+  (``/weight_info``) is set after the commit, off the path that admission waits on.
+
+A resend (the current version's weights again, for a restarted server that asked for them)
+goes through the same steps but commits without a bump: the weights did not change, so the
+groups sampled before are no staler than they were.
 
 Invariant: every paused server is resumed, whatever happens. A pipeline that fails (the
 trainer died mid-broadcast), a trainer that never commits (watchdog), or an explicit abort
@@ -127,6 +130,8 @@ class WeightSyncCoordinator:
         """Started after a commit (``WeightSyncSettings.prestart``): the servers, by URL, where
         it opened the next update."""
         self._lock = asyncio.Lock()
+        self._labelling: asyncio.Task[None] | None = None
+        """The last commit's ``_label``: the next one waits for it, so labels land in order."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stuck_paused: set[str] = set()
         """Servers whose resume failed every retry; a background task keeps resuming them."""
@@ -250,9 +255,12 @@ class WeightSyncCoordinator:
         await asyncio.gather(*(self._start(server, control_s, join) for server in starting))
         await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
 
-    async def _label(self, version: int) -> None:
+    async def _label(self, version: int, after: asyncio.Task[None] | None) -> None:
         """After a commit, off its path: label the servers' weights with the version, so that
-        vLLM's ``/weight_info`` (and the version it stamps on outputs) says what they serve."""
+        vLLM's ``/weight_info`` (and the version it stamps on outputs) says what they serve.
+        ``after``: the previous commit's labelling, which must not land after this one."""
+        if after is not None:
+            await asyncio.gather(after, return_exceptions=True)
         for server in list(self.servers):
             try:
                 await server.set_weight_version(str(version), self.settings.control_timeout_s)
@@ -388,7 +396,7 @@ class WeightSyncCoordinator:
             self._on_version(new_version)
             await self._resume(update)
             self._set_current(None)
-            self._spawn(self._label(new_version))
+            self._labelling = self._spawn(self._label(new_version, self._labelling))
             self._prestart_next()
             if update.resend:
                 self.updates_resent += 1

@@ -425,6 +425,36 @@ async def test_an_update_without_pause_is_refused_where_the_engine_reloads_from_
         await sync.close()
 
 
+class SlowFirstLabel(ScriptedControl):
+    """The first label's call hangs until ``gate`` is set, as a slow HTTP request would."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.gate = asyncio.Event()
+
+    async def set_weight_version(self, version: str, timeout_s: float) -> None:
+        if not self.labels and version == "1":
+            await self.gate.wait()
+        await super().set_weight_version(version, timeout_s)
+
+
+async def test_labels_land_in_the_order_of_their_commits() -> None:
+    """A slow label of version 1 is not overtaken by version 2's: vLLM's /weight_info
+    ends on the version it serves."""
+    clock, metrics = Clock(), ServiceMetrics()
+    server = SlowFirstLabel(clock)
+    sync = coordinator(server, clock, metrics)
+    try:
+        for expected in (1, 2):
+            ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+            assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected
+        server.gate.set()
+        await wait_until(lambda: len(server.labels) == 2, 5, lambda: f"labels {server.labels}")
+    finally:
+        await sync.close()
+    assert server.labels == ["1", "2"]
+
+
 class SlowTransfer(ScriptedControl):
     """A transfer that takes real time (a large model), during which nothing else happens."""
 
