@@ -85,9 +85,19 @@ async def test_a_service_killed_mid_run_restarts_on_its_store_and_the_trainer_go
                     )
 
                 await wait_until(mid_run, 120, "the trainer to train a few groups with more buffered")
+                # Frozen, the trainer acks nothing more: the groups held now are still unacked at
+                # the kill. (Between a check and a kill a running trainer could ack them all.)
+                os.kill(trainer.pid, signal.SIGSTOP)
+
+                async def holds_groups() -> bool:
+                    stats = (await client.list_runs())[0].stats
+                    return stats.groups_buffered + stats.groups_leased >= 1
+
+                await wait_until(holds_groups, 60, "groups buffered or leased while the trainer is stopped")
                 run_id = (await client.list_runs())[0].run_id
             os.killpg(first.pid, signal.SIGKILL)
             await asyncio.to_thread(first.wait, 30)
+            os.kill(trainer.pid, signal.SIGCONT)  # it finds the service gone, and reconnects
             unacked_at_kill, acked_at_kill, version_at_kill = stored(store)
             assert unacked_at_kill and acked_at_kill and version_at_kill >= 1
 
