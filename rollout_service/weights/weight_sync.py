@@ -74,6 +74,11 @@ class _Update:
     """Loop time of the last step done (begin, a phase, the commit call): the watchdog's origin."""
     last_step: str = "begin"
 
+    @property
+    def commit_outcome(self) -> str:
+        """What its commit counts as, in the log and the metric: a new version, or a resend."""
+        return "resent" if self.resend else "committed"
+
 
 def not_in_progress(update_id: str) -> FailedPrecondition:
     """The error for a commit or abort of an update no coordinator has in progress."""
@@ -404,7 +409,7 @@ class WeightSyncCoordinator:
                 self.updates_committed += 1
             self._finished(update, committed=True)
         seconds = self._clock() - update.started
-        outcome = "resent" if update.resend else "committed"
+        outcome = update.commit_outcome
         logger.info("weight update %s %s: policy version %d (%.2fs)", update_id, outcome, new_version, seconds)
         return new_version, seconds
 
@@ -616,8 +621,7 @@ class WeightSyncCoordinator:
         """Record where the update's seconds went (``_resume`` has closed its pause)."""
         self.last_update = UpdateTimes(update.update_id, committed, dict(update.phases), update.paused_seconds)
         if self._metrics is not None:
-            outcome = "aborted" if not committed else "resent" if update.resend else "committed"
-            self._metrics.weight_updates.labels(outcome).inc()
+            self._metrics.weight_updates.labels(update.commit_outcome if committed else "aborted").inc()
             for phase, seconds in update.phases.items():
                 self._metrics.weight_update_phase_seconds.labels(phase).observe(seconds)
 
