@@ -83,6 +83,7 @@ async def trained_steps(process: asyncio.subprocess.Process, steps: int, timeout
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     sys.path.insert(0, str(HERE))  # the service imports the reward module by name; bench_vs_trl's trainer
     import bench_vs_trl
+    from vs_trl.project_side import trainer_command
 
     from rollout_service.config import load_settings
     from rollout_service.edge.app import running_service
@@ -95,7 +96,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
         run = bench_vs_trl.parse_args(["--model-dir", str(args.model_dir), "--steps", str(args.steps)])
         with tempfile.TemporaryDirectory(prefix="bench-control-") as out:
             trainer = await asyncio.create_subprocess_exec(
-                *bench_vs_trl.trainer_command(run, service.grpc_target, Path(out)),
+                *trainer_command(run, service.grpc_target, Path(out)),
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )

@@ -29,6 +29,10 @@ PUSH_ATTEMPTS = 3
 """Failed pushes in a row a trainer lives through (a vLLM server that died mid-push fails
 one; a server that cannot take weights fails every one)."""
 PUSH_RETRY_DELAY_S = 2.0
+STEP_LINE = "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d, %.3fs (waiting for groups %.3fs)"
+"""The INFO line at the end of each step (step, reward mean, policy version, groups, dropped
+stale, step seconds, seconds waiting for groups). ``benchmarks/bench_vs_trl.py`` reads it to
+time its CPU readings to the run's first and last step."""
 
 
 class StepBook:
@@ -247,7 +251,7 @@ class SyncAndAck(TrainerCallback):
             with path.open("a") as out:
                 out.write(json.dumps(record) + "\n")
         logger.info(
-            "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d, %.3fs (waiting for groups %.3fs)",
+            STEP_LINE,
             record["step"],
             record["reward_mean"],
             record["policy_version"],

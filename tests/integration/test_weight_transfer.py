@@ -35,6 +35,9 @@ from transformers import Qwen2ForCausalLM
 from rollout_service.engine.managed import ManagedVLLMServer
 from trainer_client.weights import GlooWeightSender, free_port, update_info_for
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the benchmark scripts run
+from vllm_push_log import APPLY_LINE  # what bench_vs_trl.py reads a push's cost from
+
 pytestmark = pytest.mark.integration
 logger = logging.getLogger(__name__)
 
@@ -233,6 +236,8 @@ def test_push_makes_vllm_logprobs_equal_the_trainers(
         if [line for line in applies[:-1] if " directly (" in line]:  # the first direct push recorded them
             assert " directly (loader calls replayed) in " in applies[-1], applies[-1]
         assert f"received them over {transport} in" in applies[-1], applies[-1]
+        cost = APPLY_LINE.search(applies[-1])  # the benchmarks' reading of it
+        assert cost and cost["transport"] == transport and float(cost["apply"]) > 0, applies[-1]
         joins = [line for line in log if "joined; weights travel over" in line]
         assert joins and f"over {transport}" in joins[-1], joins[-1:] or "no join logged"
         if not shared_memory:  # the worker's log says why

@@ -1,0 +1,124 @@
+"""A run's curve and what the benchmark reads off it: time and steps to the target reward.
+
+Why a module of its own: these are the numbers the speed issue is judged by (time to target,
+steps to target against TRL's, steps/s, the trainer's idle fraction), so they are computed in
+one place, without a service or a trainer, and tested (``tests/unit/test_bench_vs_trl.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLLING = 5
+"""Steps in the rolling mean that must reach the target."""
+
+
+@dataclass
+class RunResult:
+    contender: str
+    seed: int
+    wall_s: list[float]
+    """Seconds since the start of training at the end of each step."""
+    rewards: list[float]
+    idle_fraction: float
+    generated_tokens: int
+    steady_idle_fraction: float
+    """The idle fraction after the first step, whose wait is the first generation on either side
+    (the steady state that the trainer's own time split, and the speed issue's target, speak of)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall_s[-1] if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s[-1] if self.wall_s else 0.0
+
+    def to_target(self, target: float) -> tuple[float, int] | None:
+        """(wall seconds, steps) when the rolling mean of ``ROLLING`` steps first reaches ``target``."""
+        for i in range(ROLLING - 1, len(self.rewards)):
+            if statistics.fmean(self.rewards[i - ROLLING + 1 : i + 1]) >= target:
+                return self.wall_s[i], i + 1
+        return None
+
+
+def steady_fraction(idle_s: list[float], wall_s: list[float]) -> float:
+    """Idle seconds over wall seconds of every step after the first (``wall_s`` cumulative)."""
+    if len(wall_s) < 2:
+        return float("nan")
+    return sum(idle_s[1:]) / (wall_s[-1] - wall_s[0])
+
+
+def summarize(results: list[RunResult], target: float) -> dict[str, dict[str, Any]]:
+    """Per contender, in the order they first ran: medians over its runs (time and steps to
+    the target over the runs that reached it), and every reaching run's figures."""
+    summary: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r.contender for r in results):
+        mine = [r for r in results if r.contender == name]
+        reached = [hit for r in mine if (hit := r.to_target(target)) is not None]
+        summary[name] = {
+            "runs": len(mine),
+            "reached": len(reached),
+            "time_to_target_s": statistics.median(h[0] for h in reached) if reached else None,
+            "time_to_target_all_s": [h[0] for h in reached],
+            "steps_to_target": statistics.median(h[1] for h in reached) if reached else None,
+            "steps_to_target_all": [h[1] for h in reached],
+            "steps_per_s": statistics.median(r.steps_per_s for r in mine),
+            "generated_tokens_per_s": statistics.median(r.tokens_per_s for r in mine),
+            "idle_fraction": statistics.median(r.idle_fraction for r in mine),
+            "steady_idle_fraction": statistics.median(r.steady_idle_fraction for r in mine),
+        }
+    return summary
+
+
+def time_to_target_ratio(summary: dict[str, dict[str, Any]]) -> float | None:
+    """The project's median time to the target over the fastest TRL setting's (the issue's
+    headline); None unless both reached it."""
+    trl = [s["time_to_target_s"] for n, s in summary.items() if n.startswith("trl-") and s["time_to_target_s"]]
+    project = summary.get("project", {}).get("time_to_target_s")
+    return project / min(trl) if trl and project else None
+
+
+@dataclass(frozen=True)
+class StepsToTarget:
+    """The project's steps to the target against TRL's, every TRL setting's runs pooled (TRL's
+    learning does not depend on its thread count). Both the median and the mean: with three or
+    four seeds one run's luck moves a median by a step or two."""
+
+    project_median: float
+    trl_median: float
+    project_mean: float
+    trl_mean: float
+
+    @property
+    def median_ratio(self) -> float:
+        return self.project_median / self.trl_median
+
+    @property
+    def mean_ratio(self) -> float:
+        return self.project_mean / self.trl_mean
+
+
+def steps_to_target(summary: dict[str, dict[str, Any]]) -> StepsToTarget | None:
+    """``StepsToTarget`` from a ``summarize``; None unless both sides reached the target."""
+    trl = [n for name, s in summary.items() if name.startswith("trl-") for n in s["steps_to_target_all"]]
+    project = summary.get("project", {}).get("steps_to_target_all") or []
+    if not trl or not project:
+        return None
+    return StepsToTarget(
+        statistics.median(project), statistics.median(trl), statistics.fmean(project), statistics.fmean(trl)
+    )
+
+
+def against_own_round(runs: list[RunResult], rounds: list[dict[str, Any]], key: str) -> float:
+    """The median over ``runs`` of each run's steps/s over the steps/s ``key`` of the alone
+    round measured just before it (round i before seed i): the machine's speed drifts between
+    rounds, and a run is judged against the bound of its own minutes."""
+    return statistics.median(r.steps_per_s / rounds[r.seed][key] for r in runs)
