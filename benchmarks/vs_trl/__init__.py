@@ -5,6 +5,7 @@
 - ``project_side``: a ``rollout-trainer`` run against the benchmark's service;
 - ``alone``: each side measured alone, then both at once (the ideal steps/s);
 - ``cpu_use``: core-seconds by CPU and by process, and vLLM's engine steps;
+- ``training_window``: those readings, and the service's, from a run's first step to its last;
 - ``processes``: the child processes' cores, environment and output;
 - ``report``: the tables and lines the benchmark prints.
 

@@ -9,11 +9,9 @@ vLLM paid its fixed cost of an engine step.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import statistics
-import time
 
 
 def busy_seconds_since_boot() -> dict[str, float]:
@@ -118,59 +116,6 @@ def engine_steps_per_step(before: tuple[float, float], after: tuple[float, float
     if not count:
         return {}
     return {"engine_steps_per_step": count / steps, "tokens_per_engine_step": tokens / count}
-
-
-class CpuWhileTraining:
-    """Core-seconds per step each process used from the trainer's first step to its last, taken
-    when its log says those steps ended: what generation costs inside a run, to set against what
-    it costs alone (the difference is what sharing the cores and receiving pushes add)."""
-
-    STEP_LINE = re.compile(r"\bstep (\d+): reward ")
-    """The trainer's INFO line at the end of each step (``step_callback``)."""
-
-    def __init__(self, steps: int, engine_url: str) -> None:
-        self.steps = steps
-        self.engine_url = engine_url
-        self.first: dict[str, float] | None = None
-        self.last: dict[str, float] | None = None
-        self._cpus: list[tuple[float, dict[str, float]]] = []
-        """(monotonic time, ``busy_seconds_by_cpu``) at the first and the last step."""
-        self._engine: dict[str, asyncio.Task[tuple[float, float]]] = {}
-        """vLLM's engine steps at the first and the last step: read in tasks, since the service
-        runs on this event loop and vLLM's busy API server may take a while to answer."""
-
-    def on_line(self, line: str) -> None:
-        if not (match := self.STEP_LINE.search(line)):
-            return
-        step = int(match.group(1))
-        if step == 1:
-            self.first = core_seconds_by_process(os.getpid())  # the service runs in this process
-            self._engine["first"] = asyncio.ensure_future(engine_steps(self.engine_url))
-        elif step == self.steps:
-            self.last = core_seconds_by_process(os.getpid())
-            self._engine["last"] = asyncio.ensure_future(engine_steps(self.engine_url))
-        else:
-            return
-        self._cpus.append((time.monotonic(), busy_seconds_by_cpu()))
-
-    def busy_fraction_by_cpu(self) -> dict[str, float] | None:
-        """Each CPU's busy share of the wall time from the first step to the last."""
-        if len(self._cpus) < 2:
-            return None
-        (start, before), (end, after) = self._cpus[0], self._cpus[-1]
-        return {cpu: (after[cpu] - before[cpu]) / (end - start) for cpu in after}
-
-    def per_step(self) -> dict[str, float] | None:
-        if self.first is None or self.last is None:
-            return None
-        return core_seconds_per_step(self.first, self.last, self.steps - 1)
-
-    async def engine_per_step(self) -> dict[str, float] | None:
-        if len(self._engine) < 2:
-            for task in self._engine.values():
-                task.cancel()
-            return None
-        return engine_steps_per_step(await self._engine["first"], await self._engine["last"], self.steps - 1)
 
 
 def work_bound(in_runs: list[dict[str, float]], cores: int) -> tuple[float, float]:

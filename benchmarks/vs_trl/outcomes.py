@@ -122,3 +122,20 @@ def against_own_round(runs: list[RunResult], rounds: list[dict[str, Any]], key: 
     round measured just before it (round i before seed i): the machine's speed drifts between
     rounds, and a run is judged against the bound of its own minutes."""
     return statistics.median(r.steps_per_s / rounds[r.seed][key] for r in runs)
+
+
+def service_window(before: Any, after: Any) -> dict[str, float]:
+    """The service's side of a run between two ``GetStats`` answers: the share of the time
+    generation was paused for pushes, the slots busy on average, and the share of the time
+    staleness admission held the run's groups back (summed over the runs in both answers)."""
+    seconds = after.uptime_seconds - before.uptime_seconds
+    held = sum(
+        stats.admission_wait_seconds - before.runs[run_id].admission_wait_seconds
+        for run_id, stats in after.runs.items()
+        if run_id in before.runs
+    )
+    return {
+        "paused_fraction": (after.weight_update_paused_seconds - before.weight_update_paused_seconds) / seconds,
+        "slots_busy_average": (after.slot_seconds_total - before.slot_seconds_total) / seconds,
+        "admission_wait_fraction": held / seconds,
+    }

@@ -1,9 +1,10 @@
 """The project's side: one ``rollout-trainer`` process per run against the benchmark's service.
 
 A run's curve comes from the trainer's own ``metrics.jsonl`` (each step's seconds and reward,
-the seconds it waited for groups); the service's counters before and after the run give its
-slots busy, its pauses and admission's holds; ``cpu_use.CpuWhileTraining`` reads the cores'
-work while the trainer trains; the managed vLLM server's log gives what each push cost it.
+the seconds it waited for groups). ``training_window.TrainingWindow`` reads the rest from the
+end of its first step to the end of its last: the service's counters (slots busy, pauses,
+admission's holds), vLLM's engine steps and the cores' work. The managed vLLM server's log
+gives what each push cost it.
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from vllm_push_log import PushLog
 
-from vs_trl.cpu_use import CpuWhileTraining
-from vs_trl.outcomes import RunResult, steady_fraction
+from vs_trl.cpu_use import engine_steps, engine_steps_per_step
+from vs_trl.outcomes import RunResult, service_window, steady_fraction
 from vs_trl.processes import leading_env_settings, run_subprocess
+from vs_trl.training_window import TrainingWindow
 
 
 def trainer_command(args: argparse.Namespace, target: str, output_dir: Path) -> list[str]:
     """``rollout-trainer`` on the benchmark's task and settings, logging a line per step (INFO:
-    ``CpuWhileTraining`` and ``bench_control_latency.py`` read them)."""
+    ``TrainingWindow`` and ``bench_control_latency.py`` read them)."""
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
     command += ["--dataset", args.dataset, "--reward", "vowel_share", "--group-size", str(args.group_size)]
     command += ["--groups-per-step", str(args.prompts_per_step), "--max-tokens", str(args.max_tokens)]
@@ -48,29 +51,23 @@ async def run_project(
     env_settings, flags = leading_env_settings(flags)
     command = [*trainer_command(args, target, out), *flags]
     async with RolloutClient(target) as client:
-        before = await client.stats()
-        cpu = CpuWhileTraining(args.steps, engine_url)
+        window = TrainingWindow(args.steps, {"engine": lambda: engine_steps(engine_url), "service": client.stats})
         if push_log is not None:
             push_log.mark()
-        await run_subprocess(command, {**os.environ, **env_settings}, args.timeout_s, name, cpu.on_line)
-        engine = await cpu.engine_per_step()
+        await run_subprocess(command, {**os.environ, **env_settings}, args.timeout_s, name, window.on_line)
+        engine_readings = await window.readings("engine")
+        service_readings = await window.readings("service")
         push_cost = push_log.since_mark() if push_log is not None else None
         after = await client.stats()
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((out / "summary.json").read_text())
         run = await client.get_run(summary["run_id"])
         await client.delete_run(summary["run_id"])
-    seconds = after.uptime_seconds - before.uptime_seconds  # the trainer's whole process, start-up included
-    service = {
-        "paused_fraction": (after.weight_update_paused_seconds - before.weight_update_paused_seconds) / seconds,
-        "slots_busy_average": (after.slot_seconds_total - before.slot_seconds_total) / seconds,
-        "admission_wait_fraction": run.stats.admission_wait_seconds / seconds,
-        "last_update": {
-            field.name: value
-            for field, value in after.last_weight_update.ListFields()
-            if field.name.endswith("seconds")
-        },
+    service: dict[str, Any] = service_window(*service_readings) if service_readings else {}
+    service["last_update"] = {
+        field.name: value for field, value in after.last_weight_update.ListFields() if field.name.endswith("seconds")
     }
+    engine = engine_steps_per_step(*engine_readings, args.steps - 1) if engine_readings else None
     wall, elapsed = [], 0.0
     for record in records:
         elapsed += record["seconds"]["step"]
@@ -88,8 +85,8 @@ async def run_project(
             "time_split": summary["time_split"],
             "dropped_stale": summary["groups_dropped_stale"],
             "service": service,
-            "core_s_per_step_by_process": cpu.per_step(),
-            "busy_fraction_by_cpu": cpu.busy_fraction_by_cpu(),
+            "core_s_per_step_by_process": window.per_step(),
+            "busy_fraction_by_cpu": window.busy_fraction_by_cpu(),
             "engine": engine,
             "vllm_push": push_cost.to_dict() if push_cost is not None else None,
         },

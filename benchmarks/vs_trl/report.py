@@ -42,10 +42,15 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
     for r in results:
         if "service" in r.extra:
             service, split = r.extra["service"], r.extra["time_split"]
-            console.print(
-                f"{r.contender}#{r.seed}: vLLM paused {100 * service['paused_fraction']:.0f}% of the run, "
+            window = (
+                f"from its first step to its last: vLLM paused {100 * service['paused_fraction']:.0f}%, "
                 f"{service['slots_busy_average']:.1f} slots busy on average, admission held it back "
-                f"{100 * service['admission_wait_fraction']:.0f}%, {r.extra['dropped_stale']} groups dropped stale; "
+                f"{100 * service['admission_wait_fraction']:.0f}%; "
+                if "slots_busy_average" in service
+                else ""
+            )
+            console.print(
+                f"{r.contender}#{r.seed}: {window}{r.extra['dropped_stale']} groups dropped stale; "
                 f"last push {service['last_update']}; trainer: {format_split(split)}"
             )
     if (ratio := time_to_target_ratio(summary)) is not None:

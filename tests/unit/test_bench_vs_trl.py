@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from rollout_api import rollout_pb2 as pb
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the benchmark scripts run
 
 from vllm_push_log import PushLog, describe
 from vs_trl.cpu_use import (
-    CpuWhileTraining,
     core_seconds_per_step,
     engine_steps_per_step,
     parse_engine_steps,
@@ -30,12 +31,14 @@ from vs_trl.outcomes import (
     ROLLING,
     RunResult,
     against_own_round,
+    service_window,
     steady_fraction,
     steps_to_target,
     summarize,
     time_to_target_ratio,
 )
 from vs_trl.processes import leading_env_settings
+from vs_trl.training_window import TrainingWindow
 
 from trainer_client.step_callback import STEP_LINE
 
@@ -143,9 +146,9 @@ def test_work_per_step_and_the_steps_per_second_it_allows() -> None:
 
 def test_the_trainers_step_line_is_the_one_the_cpu_readings_wait_for() -> None:
     line = "INFO trainer_client.step_callback: " + STEP_LINE % (7, 0.5, 6, 4, 0, 0.16, 0.03)
-    match = CpuWhileTraining.STEP_LINE.search(line)
+    match = TrainingWindow.STEP_LINE.search(line)
     assert match is not None and match.group(1) == "7"
-    assert CpuWhileTraining.STEP_LINE.search("evaluation step 7 done") is None
+    assert TrainingWindow.STEP_LINE.search("evaluation step 7 done") is None
 
 
 def test_variant_environment_settings_come_before_its_flags() -> None:
@@ -177,3 +180,42 @@ def test_push_cost_leaves_the_warm_up_pushes_out_and_reads_only_since_the_mark(t
     assert (cost.apply_cpu_ms, cost.receive_cpu_ms, cost.cpu_ms) == (6.5, 0.8, pytest.approx(7.4))
     line = describe("project", [cost.to_dict()], steps_per_s=5.0)  # a 200 ms step
     assert "7.4 ms of vLLM's CPU per push" in line and "= 3.7% of its step" in line
+
+
+def stats(uptime: float, slot_seconds: float, paused: float, held: dict[str, float]) -> pb.GetStatsResponse:
+    answer = pb.GetStatsResponse(
+        uptime_seconds=uptime, slot_seconds_total=slot_seconds, weight_update_paused_seconds=paused
+    )
+    for run_id, seconds in held.items():
+        answer.runs[run_id].admission_wait_seconds = seconds
+    return answer
+
+
+def test_the_service_is_measured_over_the_training_window() -> None:
+    # 4 s of training: 192 slot-seconds (48 slots busy), 0.2 s paused, the run held back 1 s;
+    # a run deleted before the window's end and one created within it do not count
+    before = stats(10.0, 100.0, 1.0, {"run": 2.0, "gone": 5.0})
+    after = stats(14.0, 292.0, 1.2, {"run": 3.0, "new": 0.5})
+    assert service_window(before, after) == {
+        "paused_fraction": pytest.approx(0.05),
+        "slots_busy_average": pytest.approx(48.0),
+        "admission_wait_fraction": pytest.approx(0.25),
+    }
+
+
+async def test_the_window_reads_at_the_first_and_last_step_only() -> None:
+    reads: list[int] = []
+
+    async def read() -> int:
+        reads.append(len(reads))
+        return len(reads)
+
+    window = TrainingWindow(steps=3, readers={"counter": read})
+    for step in (1, 2, 3):
+        window.on_line("INFO trainer_client.step_callback: " + STEP_LINE % (step, 0.5, step, 4, 0, 0.16, 0.03))
+    assert await window.readings("counter") == (1, 2)
+    assert window.per_step() is not None and window.busy_fraction_by_cpu() is not None
+    unfinished = TrainingWindow(steps=3, readers={"counter": read})
+    unfinished.on_line(STEP_LINE % (1, 0.5, 1, 4, 0, 0.16, 0.03))
+    assert await unfinished.readings("counter") is None
+    assert unfinished.per_step() is None
