@@ -15,9 +15,22 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vs_trl.cpu_use import busy_seconds_by_cpu, core_seconds_by_process, core_seconds_per_step
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """What was read synchronously when a step ended."""
+
+    at: float
+    """``time.monotonic()``."""
+    by_cpu: dict[str, float]
+    """``busy_seconds_by_cpu``."""
+    by_process: dict[str, float]
+    """``core_seconds_by_process``."""
 
 
 class TrainingWindow:
@@ -31,40 +44,33 @@ class TrainingWindow:
     def __init__(self, steps: int, readers: dict[str, Callable[[], Awaitable[Any]]]) -> None:
         self.steps = steps
         self.readers = readers
-        self.first: dict[str, float] | None = None
-        self.last: dict[str, float] | None = None
-        self._cpus: list[tuple[float, dict[str, float]]] = []
-        """(monotonic time, ``busy_seconds_by_cpu``) at the first and the last step."""
+        self._marks: list[_Mark] = []
+        """The synchronous readings at the first and the last step."""
         self._reads: dict[str, list[asyncio.Future[Any]]] = {name: [] for name in readers}
         """Each reader's tasks: read in tasks, since the service runs on this event loop and
         vLLM's busy API server may take a while to answer."""
 
     def on_line(self, line: str) -> None:
-        if not (match := self.STEP_LINE.search(line)):
+        match = self.STEP_LINE.search(line)
+        if match is None or int(match.group(1)) not in (1, self.steps):
             return
-        step = int(match.group(1))
-        if step == 1:
-            self.first = core_seconds_by_process(os.getpid())  # the service runs in this process
-        elif step == self.steps:
-            self.last = core_seconds_by_process(os.getpid())
-        else:
-            return
-        self._cpus.append((time.monotonic(), busy_seconds_by_cpu()))
+        by_process = core_seconds_by_process(os.getpid())  # the service runs in this process
+        self._marks.append(_Mark(time.monotonic(), busy_seconds_by_cpu(), by_process))
         for name, read in self.readers.items():
             self._reads[name].append(asyncio.ensure_future(read()))
 
     def busy_fraction_by_cpu(self) -> dict[str, float] | None:
         """Each CPU's busy share of the wall time from the first step to the last."""
-        if len(self._cpus) < 2:
+        if len(self._marks) < 2:
             return None
-        (start, before), (end, after) = self._cpus[0], self._cpus[-1]
-        return {cpu: (after[cpu] - before[cpu]) / (end - start) for cpu in after}
+        first, last = self._marks[0], self._marks[-1]
+        return {cpu: (busy - first.by_cpu[cpu]) / (last.at - first.at) for cpu, busy in last.by_cpu.items()}
 
     def per_step(self) -> dict[str, float] | None:
         """Each process's core-seconds per step over the window (``steps - 1`` steps)."""
-        if self.first is None or self.last is None:
+        if len(self._marks) < 2:
             return None
-        return core_seconds_per_step(self.first, self.last, self.steps - 1)
+        return core_seconds_per_step(self._marks[0].by_process, self._marks[-1].by_process, self.steps - 1)
 
     async def readings(self, name: str) -> tuple[Any, Any] | None:
         """Reader ``name``'s values at the first and the last step; None if the run logged
