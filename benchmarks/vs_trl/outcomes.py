@@ -117,6 +117,58 @@ def steps_to_target(summary: dict[str, dict[str, Any]]) -> StepsToTarget | None:
     )
 
 
+CORRECTION_METRICS = {
+    "logp_gap": "sampling/sampling_logp_difference/mean",
+    "ratio_mean": "sampling/importance_sampling_ratio/mean",
+    "masked_fraction": "sampling/importance_sampling_masked_fraction",
+}
+"""The trainer's vLLM-mismatch metrics (TRL's ``sampling/*`` names in ``metrics.jsonl``) that a
+run's correction is summed up by: how far its log-probs were from vLLM's, the importance-sampling
+ratio it trained with, and the share of that ratio it masked."""
+
+
+def correction_over_run(records: list[dict[str, Any]]) -> dict[str, float]:
+    """``CORRECTION_METRICS``' means over a run's steps (those every step logged). Why: a
+    correction that shrinks the updates costs steps to the target, not seconds a step, so the
+    benchmark shows it beside the steps (s67-learning: ``sequence_mask``'s ratio averaged 0.4-0.5
+    and took half again as many steps)."""
+    return {
+        name: statistics.fmean(record[key] for record in records)
+        for name, key in CORRECTION_METRICS.items()
+        if records and all(key in record for record in records)
+    }
+
+
+@dataclass(frozen=True)
+class LearningRow:
+    """One contender's learning side: its steps to the target seed by seed (None where a run
+    did not reach it) and its correction's figures (medians over its runs; none for TRL)."""
+
+    contender: str
+    steps_by_seed: dict[int, int | None]
+    correction: dict[str, float]
+
+    @property
+    def mean_steps(self) -> float | None:
+        reached = [steps for steps in self.steps_by_seed.values() if steps is not None]
+        return statistics.fmean(reached) if reached else None
+
+
+def learning_side(results: list[RunResult], target: float) -> list[LearningRow]:
+    """A ``LearningRow`` per contender, in the order they first ran: staleness and the
+    correction are judged by steps to the target over many seeds (the issue's learning side),
+    and a median of three hides a seed's luck."""
+    rows = []
+    for name in dict.fromkeys(r.contender for r in results):
+        mine = sorted((r for r in results if r.contender == name), key=lambda r: r.seed)
+        steps = {r.seed: hit[1] if (hit := r.to_target(target)) is not None else None for r in mine}
+        corrections = [c for r in mine if (c := r.extra.get("correction"))]
+        shared = set.intersection(*(set(c) for c in corrections)) if corrections else set()
+        medians = {key: statistics.median(c[key] for c in corrections) for key in CORRECTION_METRICS if key in shared}
+        rows.append(LearningRow(name, steps, medians))
+    return rows
+
+
 def against_own_round(runs: list[RunResult], rounds: list[dict[str, Any]], key: str) -> float:
     """The median over ``runs`` of each run's steps/s over the steps/s ``key`` of the alone
     round measured just before it (round i before seed i): the machine's speed drifts between

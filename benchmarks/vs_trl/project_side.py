@@ -19,7 +19,7 @@ from typing import Any
 from vllm_push_log import PushLog
 
 from vs_trl.cpu_use import engine_steps, engine_steps_per_step
-from vs_trl.outcomes import RunResult, service_window, steady_fraction
+from vs_trl.outcomes import RunResult, correction_over_run, service_window, steady_fraction
 from vs_trl.processes import leading_env_settings, run_subprocess
 from vs_trl.training_window import TrainingWindow
 
@@ -89,5 +89,6 @@ async def run_project(
             "busy_fraction_by_cpu": window.busy_fraction_by_cpu(),
             "engine": engine,
             "vllm_push": push_cost.to_dict() if push_cost is not None else None,
+            "correction": correction_over_run(records),
         },
     )

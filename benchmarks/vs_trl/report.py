@@ -13,7 +13,15 @@ from vllm_push_log import describe
 
 from vs_trl.alone import median_alone
 from vs_trl.cpu_use import work_bound
-from vs_trl.outcomes import ROLLING, RunResult, against_own_round, steps_to_target, summarize, time_to_target_ratio
+from vs_trl.outcomes import (
+    ROLLING,
+    RunResult,
+    against_own_round,
+    learning_side,
+    steps_to_target,
+    summarize,
+    time_to_target_ratio,
+)
 
 
 def report(results: list[RunResult], target: float, alone_rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -56,6 +64,7 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
     if (ratio := time_to_target_ratio(summary)) is not None:
         console.print(f"project time to target / fastest TRL setting: {ratio:.2f}")
     report_steps_to_target(console, summary)
+    report_learning_side(console, results, target)
     report_push_cost(console, results, summary)
     report_alone(console, results, alone_rounds)
     return summary
@@ -77,6 +86,26 @@ def report_steps_to_target(console: Any, summary: dict[str, dict[str, Any]]) -> 
         f"project steps to target / TRL's: median {steps.project_median:g} / {steps.trl_median:g} = "
         f"{steps.median_ratio:.2f}x, mean {steps.project_mean:.1f} / {steps.trl_mean:.1f} = {steps.mean_ratio:.2f}x"
     )
+
+
+def report_learning_side(console: Any, results: list[RunResult], target: float) -> None:
+    """Each contender's steps to the target seed by seed, and the project's correction beside
+    them (``outcomes.learning_side``): how staleness and the correction cost learning."""
+    console.print(
+        "steps to the target by seed (mean over the runs that reached it); the project's correction, "
+        "means over a run's steps (medians over runs):"
+    )
+    labels = {
+        "logp_gap": "|log-prob - vLLM's| {:.3f}",
+        "ratio_mean": "ratio {:.2f}",
+        "masked_fraction": "masked {:.1%}",
+    }
+    for row in learning_side(results, target):
+        seeds = ", ".join("-" if steps is None else str(steps) for steps in row.steps_by_seed.values())
+        mean = "-" if row.mean_steps is None else f"{row.mean_steps:.1f}"
+        shown = [label.format(row.correction[key]) for key, label in labels.items() if key in row.correction]
+        correction = "; " + ", ".join(shown) if shown else ""
+        console.print(f"  {row.contender}: {seeds} (mean {mean}){correction}")
 
 
 def report_alone(console: Any, results: list[RunResult], alone_rounds: list[dict[str, Any]]) -> None:

@@ -28,9 +28,12 @@ from vs_trl.cpu_use import (
     work_bound,
 )
 from vs_trl.outcomes import (
+    CORRECTION_METRICS,
     ROLLING,
     RunResult,
     against_own_round,
+    correction_over_run,
+    learning_side,
     service_window,
     steady_fraction,
     steps_to_target,
@@ -94,6 +97,32 @@ def test_no_ratio_unless_both_sides_reached_the_target() -> None:
     summary = summarize([run("trl-2t", 0, [0.1] * 8), run("project", 0, [0.9] * 8)], target=0.8)
     assert time_to_target_ratio(summary) is None
     assert steps_to_target(summary) is None
+
+
+def test_the_correction_is_averaged_over_a_runs_steps_and_its_medians_over_runs() -> None:
+    def step(gap: float, ratio: float, masked: float) -> dict[str, float]:
+        names = ("logp_gap", "ratio_mean", "masked_fraction")
+        return {CORRECTION_METRICS[name]: value for name, value in zip(names, (gap, ratio, masked), strict=True)}
+
+    records = [step(0.2, 0.5, 0.0), step(0.4, 0.3, 0.1)]
+    assert correction_over_run(records) == pytest.approx({"logp_gap": 0.3, "ratio_mean": 0.4, "masked_fraction": 0.05})
+    assert correction_over_run([*records, {"reward_mean": 0.5}]) == {}  # a step that did not log them
+    assert correction_over_run([]) == {}
+
+    late = [0.2] * 6 + [0.9] * 6  # steps 7-11 reach 0.8: 11 steps
+    results = [
+        run("trl-2t", 0, late),
+        run("project", 1, [0.9] * 8),  # 5 steps
+        run("project", 0, late),
+        run("project", 2, [0.1] * 8),  # never
+    ]
+    for r, ratio in zip(results[1:], (0.9, 0.5, 0.7), strict=True):
+        r.extra["correction"] = {"logp_gap": 0.2, "ratio_mean": ratio, "masked_fraction": 0.0}
+    trl, project = learning_side(results, target=0.8)
+    assert (trl.contender, trl.steps_by_seed, trl.correction, trl.mean_steps) == ("trl-2t", {0: 11}, {}, 11)
+    assert list(project.steps_by_seed.items()) == [(0, 11), (1, 5), (2, None)]  # by seed, whatever the run order
+    assert project.mean_steps == pytest.approx(8.0)  # over the runs that reached the target
+    assert project.correction["ratio_mean"] == pytest.approx(0.7)
 
 
 def test_each_run_is_judged_against_the_alone_round_just_before_it() -> None:
