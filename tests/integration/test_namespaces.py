@@ -100,6 +100,25 @@ async def test_a_push_crosses_three_namespaces(tiny_model: Path, tmp_path: Path)
             assert await vllm_matches(vllm.url, perturbed(base, 5), cache_salt="pushed") <= 1e-4
 
 
+async def all_exit_cleanly(nodes: dict[str, asyncio.subprocess.Process], logs: Path, timeout_s: float) -> None:
+    """Wait for every node's torchrun together, and fail at the first that exits non-zero, with
+    its log: waited for one by one, a node whose partner had died waited out the whole timeout."""
+    waits = {asyncio.ensure_future(process.wait()): node for node, process in nodes.items()}
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    pending = set(waits)
+    try:
+        while pending:
+            remaining = deadline - asyncio.get_running_loop().time()
+            done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            assert done, f"{', '.join(waits[task] for task in pending)} still running after {timeout_s:.0f} s"
+            for task in done:
+                log = (logs / f"{waits[task]}.log").read_text()[-3000:]
+                assert task.result() == 0, f"{waits[task]} exited {task.result()}: {log}"
+    finally:
+        for task in pending:
+            task.cancel()
+
+
 @pytest.mark.timeout(480)
 async def test_an_fsdp_trainer_on_two_nodes_pushes_the_gathered_weights(tiny_model: Path, tmp_path: Path) -> None:
     """``torchrun --nnodes 2 --nproc-per-node 1``, one node per namespace, FSDP2 on gloo: the
@@ -122,9 +141,7 @@ async def test_an_fsdp_trainer_on_two_nodes_pushes_the_gathered_weights(tiny_mod
                     command += ["--max-tokens", "16", "--output-dir", str(out), "--save-model"]
                     env = dict(os.environ, GLOO_SOCKET_IFNAME=net.interfaces[node], OMP_NUM_THREADS="1")
                     nodes.append(await start(command, tmp_path / f"{node}.log", env))
-                for node, process in zip(("node0", "node1"), nodes, strict=True):
-                    await asyncio.wait_for(process.wait(), 300)
-                    assert process.returncode == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
+                await all_exit_cleanly(dict(zip(("node0", "node1"), nodes, strict=True)), tmp_path, 300)
             finally:
                 for process in nodes:
                     if process.returncode is None:
