@@ -313,7 +313,12 @@ def train(
         "sharded": fsdp.is_sharded(trainer.model),
     }
     (output_dir / f"rank{config.process_index}.json").write_text(json.dumps(rank_report))
-    leave_process_group()  # the fingerprint above was the last collective
+    # The fingerprint above was the last collective: every rank meets the others and tears the
+    # process group down (accelerate's end of training). A rank that exited with its gloo group
+    # alive once aborted in C++ at shutdown ("terminate called without an active exception", the
+    # second rank of a two-node FSDP run), and torchrun on the other node waited for it.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     if not main:
         return rank_report  # rank 0 writes the run's summary
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -327,19 +332,6 @@ def train(
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_reward_curve(records, output_dir / "reward_curve.svg")
     return summary
-
-
-def leave_process_group() -> None:
-    """Meet the other data-parallel ranks, then tear the default process group down.
-
-    Why: a rank that exits with its gloo group alive can abort in C++ as the interpreter
-    shuts down ("terminate called without an active exception": the second rank of a two-node
-    FSDP run did, after its last step and its ``rank1.json``), and torchrun's agent on the
-    other node then waits for it for minutes. PyTorch asks for ``destroy_process_group`` before
-    exit for this reason. No-op on one process."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 def start_prompt_feeder(feed: GroupFeed, run_id: str, options: RunOptions) -> Future[None] | None:
