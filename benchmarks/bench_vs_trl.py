@@ -18,9 +18,10 @@ Contenders (each ``--seeds`` times, in rotated order):
   environment, as in a shell (e.g. ``t2="OMP_NUM_THREADS=2 --torch-threads 2"``).
 
 Same on every side: the model (``--model-size tiny``: the embedded default, 0.43M
-parameters; ``small``: 1.64M, the size the issue was measured at; both built locally if
-missing), float32 weights without gradient checkpointing (TRL's GPU default, made its step
-slower on this CPU), the built-in ``letters`` prompts, the
+parameters; ``small``: 1.64M, the size the issue was measured at; ``medium``: 6.7M, 4 layers,
+where a trainer step costs more than a step's generation; each built locally if missing),
+float32 weights without gradient checkpointing (TRL's GPU default, made its step slower on
+this CPU), the built-in ``letters`` prompts, the
 ``vowel_share`` reward (``bench_rewards.py``, TRL's signature), group size, prompts per
 step, max tokens, learning rate, loss type (dapo), temperature 1, no KL. Time runs from the
 start of training (after model loading and, for the project, after its first weight push).
@@ -82,6 +83,16 @@ MODEL_SIZES = {
     "small": (  # 1.64M parameters, the size the issue was measured at
         "models/small-qwen2",
         {"hidden_size": 256, "intermediate_size": 640, "num_attention_heads": 4, "num_key_value_heads": 2},
+    ),
+    "medium": (  # 6.7M parameters, 4 layers: training-bound on 2 cores
+        "models/medium-qwen2",
+        {
+            "hidden_size": 384,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+        },
     ),
 }
 
