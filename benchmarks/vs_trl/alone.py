@@ -80,7 +80,7 @@ def train_alone_worker(args: argparse.Namespace) -> None:
     times: list[float] = []
     window: list[float] = []  # wall clock (epoch) at the first and last measured step
     step = 0
-    while step < 25 or (args.seconds and time.time() - window[0] < args.seconds):
+    while step < TRAIN_ALONE_MIN_STEPS or (args.seconds and time.time() - window[0] < args.seconds):
         if step == 5:  # warmed up
             busy = busy_core_seconds()
             window.append(time.time())
@@ -160,16 +160,33 @@ async def measure_alone(args: argparse.Namespace, target: str, engine_url: str, 
     # core-seconds spread over every core, however well they overlap.
     cores = os.cpu_count() or 1
     core_bound = cores / (measured["train_core_s"] + measured["generate_core_s"])
-    together = await measure_together(args, target, engine_url)
+    together = await measure_together(args, target, engine_url, measured["train_step_s"])
     return {**measured, "ideal_steps_per_s": 1 / slowest, "core_bound_steps_per_s": core_bound, **together}
 
 
+TRAIN_ALONE_MIN_STEPS = 25
+"""``train-alone`` runs at least this many steps (the first 5 warm up, the rest are measured)."""
 TOGETHER_SECONDS = {"generate-alone": 16.0, "train-alone": 8.0}
-"""Measured windows of the two sides run at once: the trainer's (after its start-up, about 4 s
-on 2 busy cores) must fall inside generation's."""
+"""The shortest measured windows of the two sides run at once (``together_seconds``)."""
+TRAINER_START_UP_S = 4.0
+"""A ``train-alone`` process's start-up (imports, the model) on 2 busy cores."""
 
 
-async def measure_together(args: argparse.Namespace, target: str, engine_url: str) -> dict[str, float]:
+def together_seconds(train_step_s: float) -> dict[str, float]:
+    """The measured windows of the two sides run at once, from a trainer step alone: the trainer's
+    window (its start-up, then at least ``TRAIN_ALONE_MIN_STEPS`` steps, up to 1.5x slower beside
+    generation) must fall inside generation's.
+
+    Why: with fixed windows a slower model's trainer (a 1.2 s step: 30 s for its steps) outlasted
+    generation's 16 s, which then covered 2-13% of it, and its rate read 50-140x its time alone."""
+    trainer_s = max(TOGETHER_SECONDS["train-alone"], TRAIN_ALONE_MIN_STEPS * train_step_s)
+    generate_s = max(TOGETHER_SECONDS["generate-alone"], TRAINER_START_UP_S + 1.5 * trainer_s)
+    return {"generate-alone": generate_s, "train-alone": TOGETHER_SECONDS["train-alone"]}
+
+
+async def measure_together(
+    args: argparse.Namespace, target: str, engine_url: str, train_step_s: float
+) -> dict[str, float]:
     """Both sides at once, nothing coupling them: generation through the service with every slot
     busy (no staleness bound, no pushes) and the trainer's math in a loop, pinned where
     ``rollout-trainer`` pins itself next to a local service; each side's seconds per step.
@@ -179,8 +196,9 @@ async def measure_together(args: argparse.Namespace, target: str, engine_url: st
     onto the trainer's). This shows what sharing them costs each side with nothing else in the
     way. It is not a bound on a run: a run holds generation back (admission), which leaves the
     trainer more of its core than here."""
-    generate_mode = ["generate-alone", "--seconds", str(TOGETHER_SECONDS["generate-alone"])]
-    train_mode = ["train-alone", "--seconds", str(TOGETHER_SECONDS["train-alone"]), "--pin"]
+    seconds = together_seconds(train_step_s)
+    generate_mode = ["generate-alone", "--seconds", str(seconds["generate-alone"])]
+    train_mode = ["train-alone", "--seconds", str(seconds["train-alone"]), "--pin"]
     generate, train = await asyncio.gather(
         measure_side(args, generate_mode, target, engine_url), measure_side(args, train_mode, target, engine_url)
     )
