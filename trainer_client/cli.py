@@ -94,8 +94,8 @@ def main(
     max_staleness: Annotated[
         int,
         typer.Option(
-            help="Drop groups older than this many versions (2 reached the target fastest: generation never "
-            "waits for a push; 1 trains a step fresher but waits for each push)"
+            help="Drop groups older than this many versions (2 reached the target fastest where generation is "
+            "the slower side; where the summary says training-bound, 1 was faster, in fewer steps)"
         ),
     ] = 2,
     weight_sync_steps: Annotated[int, typer.Option(help="Push weights every this many steps")] = 1,
