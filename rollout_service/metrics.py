@@ -122,6 +122,13 @@ class ServiceMetrics:
             ["run"],
             registry=r,
         )
+        self.lookahead_versions = Gauge(
+            "rollout_admission_lookahead_versions",
+            "Versions ahead of the trainer a paced run may start groups (max_staleness at most), "
+            "learned from how long its trainer waited and its groups sat buffered",
+            ["run"],
+            registry=r,
+        )
         self.slot_seconds = Counter(
             "rollout_slot_seconds", "Slot-seconds held by each run's episodes", ["run"], registry=r
         )

@@ -30,7 +30,7 @@ MAX_DISPLAY_NAME_CHARS = 256
 
 PromptSourceKind = Literal["dataset", "prompts", "submitted", "external"]
 RunState = Literal["running", "stopped", "failed", "completed"]
-AdmissionMode = Literal["staleness", "buffer"]
+AdmissionMode = Literal["staleness", "paced", "buffer"]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
+from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.delivery.state_store import MemoryStore, StateStore, run_state
 from rollout_service.delivery.watchdog import RunWatchdog
 from rollout_service.engine.protocol import Engine
@@ -330,14 +331,17 @@ class RolloutService:
     def _broker(self, run_id: str, spec: RunSpec, max_buffered: int) -> RunBroker:
         version = 0 if spec.serve_adapter else self.policy_version
         trains = spec.eval is None  # an evaluation's groups are never trained: staleness does not apply
+        bounded = spec.admission in ("staleness", "paced") and trains
+        paced = spec.admission == "paced" and trains and spec.max_staleness > 0
         admission = RunAdmission(
             run_id,
             self.metrics,
-            max_staleness=spec.max_staleness if spec.admission == "staleness" and trains else None,
+            max_staleness=spec.max_staleness if bounded else None,
             policy_version=version,
             await_version=version + 1 if spec.await_first_update and trains else 0,
             free_clock=self.scheduler.slots.free_seconds,
             doomed_after=spec.max_staleness if self.settings.abort_stale_inflight and trains else None,
+            lookahead=Lookahead(spec.max_staleness) if paced else None,
         )
         lease_timeout_s = spec.lease_timeout_s or self.settings.lease_timeout_s
         store = self.store if trains else None  # an evaluation is not resumed after a restart: nothing to keep

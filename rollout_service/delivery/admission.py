@@ -26,6 +26,10 @@ version (the trainer's first push), so no group is generated from weights its tr
 refuse, and ``doomed`` (with either admission) holds it while the servers' version is more
 than max_staleness behind the trainer's, for the same reason.
 
+Paced admission (``lookahead``, ``delivery/lookahead.py``): the same bound with the run's
+learned lookahead in place of max_staleness, so a run whose trainer is the slower side
+generates only as far ahead as keeps it busy, and trains fresher groups.
+
 Admission wait: the seconds a reservation waited are measured on ``free_clock``, which the
 service makes a clock that runs only while a slot is free: a run held back while every slot
 was busy lost nothing to admission.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.metrics import ServiceMetrics
 
 
@@ -51,8 +56,11 @@ class RunAdmission:
         await_version: int = 0,
         free_clock: Callable[[], float] = time.monotonic,
         doomed_after: int | None = None,
+        lookahead: Lookahead | None = None,
     ) -> None:
         self.run_id = run_id
+        self.lookahead = lookahead
+        """Paced admission: the lookahead that replaces max_staleness in the bound; None: staleness as given."""
         self.doomed_after = doomed_after
         """The trainer's max_staleness, when groups that could only go stale must not start
         (``abort_stale_inflight``); None: no such check (buffer admission as it was)."""
@@ -107,8 +115,16 @@ class RunAdmission:
         if self.max_staleness is None or per_version is None:
             return True
         lag = self.trainer_version - self.policy_version
-        budget = (self.max_staleness - lag + 1) * per_version - self.trained_at_version
+        budget = (self.lookahead_versions - lag + 1) * per_version - self.trained_at_version
         return pending < budget or (lag == 0 and pending < per_version)
+
+    @property
+    def lookahead_versions(self) -> float:
+        """How many versions ahead of the trainer groups may start: max_staleness, or less
+        under paced admission (0 without a staleness bound)."""
+        if self.lookahead is not None:
+            return self.lookahead.versions
+        return float(self.max_staleness or 0)
 
     @property
     def groups_per_version(self) -> float | None:
@@ -156,6 +172,9 @@ class RunAdmission:
         if version <= ended:
             return
         self.trainer_version = version
+        if self.lookahead is not None:
+            self.lookahead.version_ended()
+            self.metrics.lookahead_versions.labels(self.run_id).set(self.lookahead.versions)
         trained = self.trained_by_version.pop(ended, 0)
         if trained:
             sample = trained / (version - ended)

@@ -93,6 +93,9 @@ class RunBroker:
         restart may ack them without holding a lease now (``ack``)."""
         self.deliveries: dict[str, int] = {}
         """Times each group not yet acked has been leased (1: once); a redelivery says so."""
+        self.buffered_at: dict[str, float] = {}
+        """group id -> when ``put`` buffered it: how long it waited for a consumer tells paced
+        admission how much earlier than needed it started."""
         self.reserved = 0
         self.closed = False
         self.draining = False
@@ -172,6 +175,8 @@ class RunBroker:
         async with self._changed:
             self.reserved -= 1
             self.buffered.append(group)
+            if self.admission.lookahead is not None:
+                self.buffered_at[group.group_id] = self.clock()
             self._update_gauges()
             self._changed.notify_all()
 
@@ -193,25 +198,35 @@ class RunBroker:
         Cancellation-safe: the group is leased only on return, with no await in between.
         """
         async with self._changed:
-            while True:
-                self._expire_leases()
-                index = self._first_for(consumer_id)
-                if (
-                    (index is not None and not self.draining)
-                    or self.closed
-                    or consumer_id not in self.leases
-                    or self.exhausted
-                ):
-                    break
-                try:
-                    async with asyncio.timeout(self._seconds_to_next_expiry()):
-                        await self._changed.wait()
-                except TimeoutError:
-                    pass  # a lease expired: loop to return it to the buffer
+            lookahead, starving = self.admission.lookahead, False
+            try:
+                while True:
+                    self._expire_leases()
+                    index = self._first_for(consumer_id)
+                    if (
+                        (index is not None and not self.draining)
+                        or self.closed
+                        or consumer_id not in self.leases
+                        or self.exhausted
+                    ):
+                        break
+                    if lookahead is not None and not starving:
+                        lookahead.consumer_waits()
+                        starving = True
+                    try:
+                        async with asyncio.timeout(self._seconds_to_next_expiry()):
+                            await self._changed.wait()
+                    except TimeoutError:
+                        pass  # a lease expired: loop to return it to the buffer
+            finally:
+                if starving and lookahead is not None:
+                    lookahead.consumer_served()
             if index is None or self.draining or consumer_id not in self.leases:
                 return None
             group = self.buffered[index]
             del self.buffered[index]
+            if (buffered_at := self.buffered_at.pop(group.group_id, None)) is not None and lookahead is not None:
+                lookahead.group_taken(self.clock() - buffered_at)
             self.expired_holder.pop(group.group_id, None)
             self.deliveries[group.group_id] = self.deliveries.get(group.group_id, 0) + 1
             self.leases[consumer_id][group.group_id] = group
@@ -339,6 +354,7 @@ class RunBroker:
         expiries and versions; returns how many groups were buffered or leased."""
         freed = len(self.buffered) + self.num_leased
         self.buffered.clear()
+        self.buffered_at.clear()
         self.leases.clear()
         self.deliveries.clear()
         self.lease_deadlines.clear()

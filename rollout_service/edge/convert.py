@@ -43,8 +43,13 @@ _ADMISSION_FROM_PB: dict[int, AdmissionMode] = {
     pb.ADMISSION_MODE_UNSPECIFIED: "staleness",
     pb.ADMISSION_MODE_STALENESS: "staleness",
     pb.ADMISSION_MODE_BUFFER: "buffer",
+    pb.ADMISSION_MODE_PACED: "paced",
 }
-_ADMISSION_TO_PB = {"staleness": pb.ADMISSION_MODE_STALENESS, "buffer": pb.ADMISSION_MODE_BUFFER}
+_ADMISSION_TO_PB = {
+    "staleness": pb.ADMISSION_MODE_STALENESS,
+    "paced": pb.ADMISSION_MODE_PACED,
+    "buffer": pb.ADMISSION_MODE_BUFFER,
+}
 _STATE_TO_PB = {
     "running": pb.RUN_STATE_RUNNING,
     "stopped": pb.RUN_STATE_STOPPED,
@@ -234,6 +239,7 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         groups_per_version=a.groups_per_version or 0.0,
         slot_seconds=c.slot_seconds,
         admission_wait_seconds=a.admission_wait_seconds,
+        lookahead_versions=a.lookahead_versions,
         groups_partial=c.groups_partial,
     )
 
