@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,5 +91,7 @@ async def run_project(
             "engine": engine,
             "vllm_push": push_cost.to_dict() if push_cost is not None else None,
             "correction": correction_over_run(records),
+            "lookahead_versions": run.stats.lookahead_versions,
+            "staleness_trained": statistics.fmean(r["max_staleness_trained"] for r in records[1:] or records),
         },
     )

@@ -59,7 +59,7 @@ def report(results: list[RunResult], target: float, alone_rounds: list[dict[str,
             )
             console.print(
                 f"{r.contender}#{r.seed}: {window}{r.extra['dropped_stale']} groups dropped stale; "
-                f"last push {service['last_update']}; trainer: {format_split(split)}"
+                f"{staleness_line(r.extra)}last push {service['last_update']}; trainer: {format_split(split)}"
             )
     if (ratio := time_to_target_ratio(summary)) is not None:
         console.print(f"project time to target / fastest TRL setting: {ratio:.2f}")
@@ -197,4 +197,15 @@ def report_capacity(console: Any, achieved: float, in_runs: list[dict[str, float
         f"{alone['train_core_s'] + alone['generate_core_s']:.3f}) -> on {cores} cores at most {bound:.2f} steps/s; "
         f"project achieved {achieved / bound:.2f}x of that. 0.9x the ideal ({wanted:.2f} steps/s) needs at most "
         f"{cores / wanted:.3f} core-seconds per step"
+    )
+
+
+def staleness_line(extra: dict[str, Any]) -> str:
+    """How stale the trained groups were (each step's oldest, averaged after the first step) and
+    the lookahead admission ended at (below max_staleness only under paced admission)."""
+    if "staleness_trained" not in extra:
+        return ""  # a results.json written before these were recorded
+    return (
+        f"staleness trained {extra['staleness_trained']:.2f} (each step's oldest, mean), "
+        f"lookahead at the end {extra['lookahead_versions']:.2f} versions; "
     )
