@@ -139,8 +139,13 @@ def main(
         typer.Option(help="Push while the next step trains (needs --max-staleness >= 1); --no-background-push waits"),
     ] = True,
     admission: Annotated[
-        str, typer.Option(help="staleness: generate only what trains within max-staleness; buffer: fill the buffer")
-    ] = "staleness",
+        str,
+        typer.Option(
+            help="paced: generate only what trains within max-staleness, and only as far ahead as keeps this "
+            "trainer busy (fresher groups where training is the slower side); staleness: as far ahead as "
+            "max-staleness allows; buffer: fill the buffer"
+        ),
+    ] = "paced",
     output_dir: Annotated[Path, typer.Option(help="metrics.jsonl, summary.json, reward_curve.svg")] = Path(
         "outputs/train"
     ),
@@ -307,7 +312,7 @@ def _train(o: SimpleNamespace, training_arguments: dict[str, Any]) -> None:
             param_hint="--eval-every",
         )
     if o.admission not in ADMISSION_MODES:
-        raise typer.BadParameter(f"--admission {o.admission!r}: choose {' or '.join(ADMISSION_MODES)}")
+        raise typer.BadParameter(f"--admission {o.admission!r}: choose {', '.join(ADMISSION_MODES)}")
     if o.scale_rewards not in SCALE_REWARDS:
         raise typer.BadParameter(f"--scale-rewards {o.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}")
     prompts = None

@@ -45,7 +45,11 @@ from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
-ADMISSION_MODES = {"staleness": pb.ADMISSION_MODE_STALENESS, "buffer": pb.ADMISSION_MODE_BUFFER}
+ADMISSION_MODES = {
+    "staleness": pb.ADMISSION_MODE_STALENESS,
+    "paced": pb.ADMISSION_MODE_PACED,
+    "buffer": pb.ADMISSION_MODE_BUFFER,
+}
 """``RunOptions.admission`` -> the proto's AdmissionMode (the one list of the trainer's names)."""
 SCALE_REWARDS = {
     "group": pb.ADVANTAGE_SCALING_GROUP,
@@ -66,9 +70,10 @@ class RunOptions:
     """Groups the service may hold started or scored but not yet handed to this trainer; 0:
     ``buffered_groups``' default, what ``max_staleness`` lets start ahead of the step being
     trained."""
-    admission: Literal["staleness", "buffer"] = "staleness"
-    """staleness: the service generates only what this trainer trains within max_staleness;
-    buffer: up to max_buffered_groups whatever their age (for comparison)."""
+    admission: Literal["staleness", "paced", "buffer"] = "paced"
+    """paced: the service generates only what this trainer trains within max_staleness, and no
+    further ahead than keeps it busy; staleness: as far ahead as max_staleness allows; buffer:
+    up to max_buffered_groups whatever their age (for comparison)."""
     max_inflight: int = 0
     """Episodes of this run generating at once; 0: as many as the service's slots allow."""
     group_deadline_s: float = 0.0

@@ -77,6 +77,8 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         assert summary["groups_trained"] == STEPS * 2
         held = stats.groups_buffered + stats.groups_leased
         assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + held
+        # Paced admission, the trainer's default, learned a lookahead within max_staleness.
+        assert 0 <= stats.lookahead_versions <= MAX_STALENESS, stats
         await restore_base_weights(client, summary["run_id"], tiny_model)
 
 
