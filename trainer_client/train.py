@@ -421,6 +421,7 @@ def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained
         "groups_trained": trained,
         "groups_dropped_stale": dropped,
         "max_staleness_trained": max((r["max_staleness_trained"] for r in records), default=0),
+        "mean_staleness_trained": statistics.fmean(r["mean_staleness_trained"] for r in records) if records else 0.0,
         "time_split": summarize_seconds(records),
     }
 

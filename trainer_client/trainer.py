@@ -406,10 +406,11 @@ class AsyncGRPOTrainer(Trainer):
                 counters.dropped_stale,
                 counters.trained,
                 counters.received,
+                sum(book.staleness),
             ],
             [max(book.staleness, default=0)],
         )
-        reward_sum, rewards, groups, masked, dropped, trained, received = (
+        reward_sum, rewards, groups, masked, dropped, trained, received, staleness_sum = (
             int(v) if i else v for i, v in enumerate(sums)
         )
         record: dict[str, Any] = {
@@ -422,6 +423,8 @@ class AsyncGRPOTrainer(Trainer):
             # of the loss and acked as dropped, so the step trained fewer groups than it fetched
             "groups_masked_stale": masked,
             "max_staleness_trained": int(maxima[0]),
+            # per sample: paced admission lowers it where training is the slower side
+            "mean_staleness_trained": staleness_sum / rewards if rewards else 0.0,
             "dropped_stale": dropped,
             "groups_trained": trained,
             "groups_received": received,

@@ -92,6 +92,6 @@ async def run_project(
             "vllm_push": push_cost.to_dict() if push_cost is not None else None,
             "correction": correction_over_run(records),
             "lookahead_versions": run.stats.lookahead_versions,
-            "staleness_trained": statistics.fmean(r["max_staleness_trained"] for r in records[1:] or records),
+            "staleness_trained": statistics.fmean(r["mean_staleness_trained"] for r in records[1:] or records),
         },
     )

@@ -201,11 +201,11 @@ def report_capacity(console: Any, achieved: float, in_runs: list[dict[str, float
 
 
 def staleness_line(extra: dict[str, Any]) -> str:
-    """How stale the trained groups were (each step's oldest, averaged after the first step) and
-    the lookahead admission ended at (below max_staleness only under paced admission)."""
+    """How stale the trained samples were (per sample, after the first step) and the lookahead
+    admission ended at (below max_staleness only under paced admission)."""
     if "staleness_trained" not in extra:
         return ""  # a results.json written before these were recorded
     return (
-        f"staleness trained {extra['staleness_trained']:.2f} (each step's oldest, mean), "
+        f"staleness trained {extra['staleness_trained']:.2f} versions (mean), "
         f"lookahead at the end {extra['lookahead_versions']:.2f} versions; "
     )

@@ -48,6 +48,7 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     versions = [r["policy_version"] for r in records]
     assert versions == sorted(versions) and versions[-1] > versions[0]  # a push after every step
     assert all(r["max_staleness_trained"] <= MAX_STALENESS for r in records)  # nothing stale reached the loss
+    assert all(0 <= r["mean_staleness_trained"] <= r["max_staleness_trained"] for r in records)
     assert (out / "reward_curve.svg").read_text().startswith("<svg")
     # The trainer next to its service takes the cores the managed vLLM leaves it.
     assert summary["torch_threads"] == CpuBudget.split().trainer_threads
