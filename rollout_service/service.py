@@ -262,6 +262,8 @@ class RolloutService:
             admission.set_trainer_version(max(state.get("trainer_version", 0), self.policy_version))
             admission.trained_per_version = state.get("trained_per_version")  # not re-learned from nothing
             admission.version_bumped = state.get("version_bumped", admission.version_bumped)
+            if admission.lookahead is not None and state.get("lookahead_versions") is not None:
+                admission.lookahead.restore(state["lookahead_versions"])  # paced admission's, likewise
             run.broker.restore(saved.groups, saved.acked)
             if isinstance(run.source, SubmittedPromptSource):
                 run.source.restore(saved.prompts, saved.prompts_submitted)

@@ -84,6 +84,10 @@ class Lookahead:
         """A group was taken after sitting ``seconds_buffered`` in the buffer."""
         self._slack = seconds_buffered if self._slack is None else min(self._slack, seconds_buffered)
 
+    def restore(self, versions: float) -> None:
+        """A restarted service's stored lookahead, within this run's bounds."""
+        self.versions = min(float(self.max_versions), max(0.0, versions))
+
     @property
     def consumers_waiting(self) -> int:
         return self._waiting

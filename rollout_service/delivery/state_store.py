@@ -413,4 +413,5 @@ def run_state(run: Run) -> dict[str, Any]:
         "await_version": admission.await_version,
         "trained_per_version": admission.trained_per_version,  # staleness admission's estimate
         "version_bumped": admission.version_bumped,
+        "lookahead_versions": admission.lookahead.versions if admission.lookahead is not None else None,
     }

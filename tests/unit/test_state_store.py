@@ -85,6 +85,24 @@ async def test_a_restarted_service_gets_its_runs_unacked_groups_and_acked_ids_ba
     assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
 
 
+async def test_a_restarted_service_keeps_a_paced_runs_lookahead(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = durable_service(path)
+    run = await first.create_run(spec(admission="paced", max_staleness=2))
+    await first.scheduler.stop_run(run)
+    assert run.admission.lookahead is not None and run.admission.lookahead_versions == 2.0
+    run.admission.lookahead.versions = 0.75  # learned: the trainer is the slower side
+    first.set_policy_version(1)  # as at a push: the runs' state is written
+    first.store.close()
+
+    second = durable_service(path)
+    assert await second.restore() == 1
+    restored = second.runs[run.run_id]
+    assert restored.admission.lookahead_versions == 0.75  # not relearned from max_staleness
+    await second.delete_run(run.run_id)
+    second.store.close()
+
+
 async def test_a_store_write_is_durable_when_put_group_returns(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "state.db", WireCodec(), flush_interval_s=0.001)
     service = make_service(ScriptedEngine(), max_buffered=1)
