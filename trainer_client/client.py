@@ -262,6 +262,17 @@ class RolloutClient:
             await self.stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=self.timeout_s, metadata=self._metadata)
         ).run
 
+    async def paced_lookahead(self, run_id: str) -> float | None:
+        """How many versions ahead of its trainer a paced run starts groups now
+        (``RunStats.lookahead_versions``); None for a run under another admission, or when the
+        service cannot say (logged: a summary is still written without it)."""
+        try:
+            run = await self.get_run(run_id)
+        except grpc.RpcError as exc:
+            logger.warning("the lookahead of run %s is unknown: %s", run_id, exc)
+            return None
+        return run.stats.lookahead_versions if run.spec.admission == pb.ADMISSION_MODE_PACED else None
+
     async def list_runs(self) -> list[pb.Run]:
         """The runs this caller may see (its own; every run for an admin)."""
         return list(

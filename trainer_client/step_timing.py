@@ -125,6 +125,21 @@ def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dic
     }
 
 
+def with_lookahead(split: dict[str, Any], lookahead_versions: float | None, max_staleness: int) -> dict[str, Any]:
+    """The split with the run's lookahead under paced admission (``RunStats.lookahead_versions``).
+
+    Where paced admission came down below max_staleness, generation could have kept this
+    trainer busy by starting groups further ahead: the trainer's waits are what fresher groups
+    cost, not generation falling behind, so the run is training-bound whatever it waited.
+    """
+    if not split or lookahead_versions is None:
+        return split
+    paced = {**split, "lookahead_versions": round(lookahead_versions, 3), "max_staleness": max_staleness}
+    if lookahead_versions < max_staleness:
+        paced["bound"] = "training"
+    return paced
+
+
 def format_split(split: dict[str, Any]) -> str:
     """One line a person reads: the big phases, as percentages of the steady-state wall time."""
     if not split:
@@ -141,4 +156,10 @@ def format_split(split: dict[str, Any]) -> str:
     share = split.get("compute_cpu_share")
     if share is not None:
         line += f"; the training thread was on a CPU {100 * share:.0f}% of its forward/backward/optimizer time"
+    lookahead, most = split.get("lookahead_versions"), split.get("max_staleness")
+    if lookahead is not None and most is not None and lookahead < most:
+        line += (
+            f"; paced admission started groups {lookahead:.2f} of at most {most} versions ahead, "
+            "so the waits bought fresher groups"
+        )
     return line

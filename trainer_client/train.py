@@ -38,7 +38,7 @@ from trainer_client.client import RolloutClient, dataset_run_spec, wait_until_se
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.prompt_feeder import feed_prompts, fits_inline
 from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
-from trainer_client.step_timing import summarize_seconds
+from trainer_client.step_timing import summarize_seconds, with_lookahead
 from trainer_client.stream import GroupFeed
 from trainer_client.svg_plot import line_plot
 from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -186,6 +186,13 @@ def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) ->
     return requested or max(1, max_staleness) * groups_per_step
 
 
+async def paced_lookahead(target: str, run_id: str) -> float | None:
+    """The run's lookahead under paced admission at the end of training (None for another
+    admission, or when the service cannot say): the time split's verdict needs it."""
+    async with RolloutClient(target) as client:
+        return await client.paced_lookahead(run_id)
+
+
 async def _create_run(
     target: str, config: AsyncGRPOConfig, options: RunOptions, serve_adapter: bool, pushes: bool
 ) -> str:
@@ -328,6 +335,8 @@ def train(
         return rank_report  # rank 0 writes the run's summary
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records, run_id, *(int(total) for total in totals))
+    lookahead = asyncio.run(paced_lookahead(target, run_id))
+    summary["time_split"] = with_lookahead(summary["time_split"], lookahead, config.max_staleness)
     summary["torch_threads"] = threads
     summary["precision"] = precision.name(config.bf16)
     if evaluator is not None:

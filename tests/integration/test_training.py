@@ -80,6 +80,7 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + held
         # Paced admission, the trainer's default, learned a lookahead within max_staleness.
         assert 0 <= stats.lookahead_versions <= MAX_STALENESS, stats
+        assert split["lookahead_versions"] == pytest.approx(stats.lookahead_versions, abs=1e-3)  # the verdict saw it
         await restore_base_weights(client, summary["run_id"], tiny_model)
 
 

@@ -13,6 +13,7 @@ from trainer_client.step_timing import (
     format_split,
     step_seconds,
     summarize_seconds,
+    with_lookahead,
 )
 
 
@@ -58,6 +59,17 @@ def test_summary_skips_the_first_step_and_names_the_bound() -> None:
     assert summarize_seconds([record(0.38, 0.62)] * 3)["bound"] == "generation"
     assert "training-bound" in format_split(split) and "forward 92%" in format_split(split)
     assert summarize_seconds([]) == {}
+
+
+def test_a_trainer_that_waits_while_paced_admission_holds_generation_back_is_training_bound() -> None:
+    waiting = summarize_seconds([record(0.15, 0.35)] * 3)
+    assert waiting["bound"] == "generation"  # 30% waiting
+    paced = with_lookahead(waiting, 1.4, max_staleness=2)
+    assert paced["bound"] == "training" and paced["lookahead_versions"] == 1.4
+    assert "1.40 of at most 2 versions ahead" in format_split(paced)
+    at_most = with_lookahead(waiting, 2.0, max_staleness=2)  # generation could not get further ahead
+    assert at_most["bound"] == "generation" and "paced admission" not in format_split(at_most)
+    assert with_lookahead(waiting, None, max_staleness=2) == waiting  # a service without the field
 
 
 def test_compute_cpu_counts_the_training_threads_cpu_not_its_waits() -> None:
