@@ -33,6 +33,7 @@ RUN_COLUMNS = (
     "dropped stale",
     "dropped other",
     "returned",
+    "lookahead",
 )
 
 
@@ -64,6 +65,7 @@ def render(stats: pb.GetStatsResponse, runs: Mapping[str, pb.Run]) -> Group:
             str(counters.groups_dropped_stale),
             str(counters.groups_dropped),
             str(counters.groups_returned),
+            f"{counters.lookahead_versions:.2f}",
         )
     if not stats.runs:
         table.add_row("(no runs this caller may see)", *[""] * (len(RUN_COLUMNS) - 1))

@@ -28,7 +28,9 @@ async def test_the_screen_shows_each_run_with_its_version_and_where_its_groups_a
     target = f"127.0.0.1:{port}"
     try:
         async with RolloutClient(target, timeout_s=5) as client:
-            run = await client.create_run(run_spec())
+            spec = run_spec()
+            spec.admission, spec.max_staleness = pb.ADMISSION_MODE_PACED, 2
+            run = await client.create_run(spec)
             stream = client.stream(run.run_id, "trainer", credits=1)
             group = await anext(aiter(stream))
             stream.ack([group.group_id])
@@ -52,6 +54,7 @@ async def test_the_screen_shows_each_run_with_its_version_and_where_its_groups_a
     assert row[1:3] == ["running", "0"]
     assert int(row[5]) >= counters.groups_started >= 1
     assert int(row[8]) == counters.groups_trained == 1
+    assert header[-1] == "lookahead" and row[-1] == "2.00" and counters.lookahead_versions == 2.0  # no push yet
 
 
 def test_no_service_is_one_line_not_a_traceback() -> None:
