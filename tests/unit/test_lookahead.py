@@ -8,7 +8,11 @@ import pytest
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import ACK_TRAINED, RunBroker
 from rollout_service.delivery.lookahead import Lookahead
+from rollout_service.generation.prompts import PromptSpec
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.runs import RunSpec
+from rollout_service.types import SamplingParams
+from tests.unit.scripted import ScriptedGroupEngine, make_service
 from tests.unit.test_broker import Clock, group
 
 
@@ -162,3 +166,46 @@ async def train(broker: RunBroker, clock: Clock, trained_at: int, seconds: float
     taken = [(await broker.take("c")).group_id for _ in range(4)]
     clock.now += seconds
     broker.ack("c", taken, ACK_TRAINED, trained_at=trained_at)
+
+
+async def trained_staleness(admission: str, steps: int = 20) -> tuple[float, float]:
+    """A trainer slower than generation on the real scheduler, broker and admission (a
+    scripted engine): 4 groups a step, pushes that commit at once. Returns the mean staleness
+    of the groups its last 10 steps trained, and the run's lookahead at the end."""
+    service = make_service(ScriptedGroupEngine(), max_inflight=16)
+    spec = RunSpec(
+        source_kind="prompts",
+        prompts=(PromptSpec(token_ids=[1]),),
+        sampling=SamplingParams(max_tokens=4),
+        group_size=2,
+        rewards=(("completion_length", 1.0),),
+        max_staleness=2,
+        admission=admission,  # type: ignore[arg-type]
+        max_buffered_groups=8,  # as rollout-trainer asks for: max_staleness steps' worth
+        await_first_update=True,
+    )
+    run = await service.create_run(spec)
+    run.broker.subscribe("trainer", credits=4)
+    service.set_trainer_version(1)  # the trainer's first push
+    service.set_policy_version(1)
+    staleness: list[int] = []
+    try:
+        for version in range(1, steps + 1):
+            groups = [await asyncio.wait_for(run.broker.take("trainer"), 5) for _ in range(4)]
+            await asyncio.sleep(0.04)  # the trainer's step: its compute, while generation goes on
+            run.broker.ack("trainer", [g.group_id for g in groups], ACK_TRAINED, trained_at=version)
+            staleness += [version - g.policy_version for g in groups] if version > steps - 10 else []
+            service.set_trainer_version(version + 1)  # the push begins ...
+            service.set_policy_version(version + 1)  # ... and commits
+        return sum(staleness) / len(staleness), run.admission.lookahead_versions
+    finally:
+        await service.close()
+
+
+async def test_a_trainer_slower_than_generation_trains_fresher_groups_under_paced_admission() -> None:
+    full, full_lookahead = await trained_staleness("staleness")
+    paced, paced_lookahead = await trained_staleness("paced")
+    # Staleness admission keeps two steps' worth buffered: every group waits two versions.
+    assert full_lookahead == 2.0 and full >= 1.9
+    # Paced admission starts them about one step ahead, or just in time.
+    assert paced_lookahead < 1.5 and paced <= 1.0, (paced, paced_lookahead)
