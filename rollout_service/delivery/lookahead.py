@@ -22,7 +22,7 @@ At the end of each version of ``step`` seconds the lookahead moves by
 ``gain * (target_slack * step - slack + starved) / step`` versions: up when the trainer
 waited or the groups only just made it, down when every group waited longer than
 ``target_slack`` of a step. A generation-bound run starves a little every step, so it stays
-at ``max_staleness`` (today's admission); a training-bound one comes down until its last
+at ``max_staleness`` (staleness admission's bound); a training-bound one comes down until its last
 group arrives just before it is needed. The error is in seconds and divided by the step, so
 one gain fits any model size; the gain below one damps the one or two versions it takes a
 change to show up (the groups in flight were admitted under the old bound).
