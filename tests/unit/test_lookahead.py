@@ -12,8 +12,9 @@ from rollout_service.generation.prompts import PromptSpec
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
+from tests.support import wait_until
 from tests.unit.scripted import ScriptedGroupEngine, make_service
-from tests.unit.test_broker import Clock, group
+from tests.unit.test_broker import Clock, produce
 
 
 def version(lookahead: Lookahead, clock: Clock, seconds: float, slack: float | None, starved: float = 0.0) -> None:
@@ -103,7 +104,7 @@ async def test_groups_that_waited_in_the_broker_lower_what_admission_lets_start(
     broker.subscribe("c", credits=4)
     admission.set_trainer_version(1)
     admission.set_policy_version(1)
-    await put(broker, *(f"a{i}" for i in range(12)))  # at t = 0
+    await produce(broker, *(f"a{i}" for i in range(12)))  # at t = 0
     await train(broker, clock, trained_at=1, seconds=1.0)  # a0-a3, taken at once
     admission.set_trainer_version(2)  # error (0.1 - 0) / 1: stays at max_staleness
     assert lookahead.versions == 2.0
@@ -117,7 +118,7 @@ async def test_groups_that_waited_in_the_broker_lower_what_admission_lets_start(
     assert lookahead.versions == pytest.approx(1.55)
     admission.set_policy_version(4)
     assert admission.groups_per_version == 4
-    await put(broker, *(f"b{i}" for i in range(11)))  # (1.55 + 1) * 4 = 10.2: the 11th starts at 10
+    await produce(broker, *(f"b{i}" for i in range(11)))  # (1.55 + 1) * 4 = 10.2: the 11th starts at 10
     assert not broker.has_room()  # staleness admission would let 12 be pending
 
 
@@ -129,10 +130,9 @@ async def test_a_consumer_that_waits_for_a_group_raises_the_lookahead() -> None:
     broker = RunBroker("r", 100, ServiceMetrics(), clock=clock, admission=admission)
     broker.subscribe("c", credits=1)
     waiting = asyncio.ensure_future(broker.take("c"))
-    await asyncio.sleep(0)  # the take runs up to its wait on the empty buffer
-    assert lookahead.consumers_waiting == 1
+    await wait_until(lambda: lookahead.consumers_waiting == 1, 5, "the take to wait on the empty buffer")
     clock.now += 0.4
-    await put(broker, "a0")
+    await produce(broker, "a0")
     assert (await asyncio.wait_for(waiting, 5)).group_id == "a0"
     assert lookahead.consumers_waiting == 0
     clock.now += 0.6
@@ -147,18 +147,10 @@ async def test_a_cancelled_take_stops_counting_as_a_wait() -> None:
     broker = RunBroker("r", 100, ServiceMetrics(), clock=clock, admission=admission)
     broker.subscribe("c", credits=1)
     waiting = asyncio.ensure_future(broker.take("c"))
-    await asyncio.sleep(0)
-    assert lookahead.consumers_waiting == 1
+    await wait_until(lambda: lookahead.consumers_waiting == 1, 5, "the take to wait on the empty buffer")
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     assert lookahead.consumers_waiting == 0
-
-
-async def put(broker: RunBroker, *ids: str) -> None:
-    for group_id in ids:
-        assert broker.has_room(), f"no room for {group_id}"
-        assert await broker.reserve()
-        await broker.put(group(group_id))
 
 
 async def train(broker: RunBroker, clock: Clock, trained_at: int, seconds: float) -> None:
