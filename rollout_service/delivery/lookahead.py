@@ -19,9 +19,9 @@ times the broker sees at each trainer version:
   0.1-0.4 s every second step).
 
 At the end of each version of ``step`` seconds the lookahead moves by
-``gain * (target_slack * step - slack + starved) / step`` versions: up when the trainer
+``GAIN * (TARGET_SLACK * step - slack + starved) / step`` versions: up when the trainer
 waited or the groups only just made it, down when every group waited longer than
-``target_slack`` of a step. A generation-bound run starves a little every step, so it stays
+``TARGET_SLACK`` of a step. A generation-bound run starves a little every step, so it stays
 at ``max_staleness`` (staleness admission's bound); a training-bound one comes down until its last
 group arrives just before it is needed. The error is in seconds and divided by the step, so
 one gain fits any model size; the gain below one damps the one or two versions it takes a
@@ -32,27 +32,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class PaceSettings:
-    """The controller's constants (``Lookahead``)."""
-
-    gain: float = 0.5
-    """Share of a version's error corrected at once."""
-    target_slack: float = 0.1
-    """Wanted margin, as a share of a step: the last group of a step ready this early."""
+GAIN = 0.5
+"""Share of a version's error corrected at once."""
+TARGET_SLACK = 0.1
+"""Wanted margin, as a share of a step: the last group of a step ready this early."""
 
 
 class Lookahead:
     """The lookahead of one run, in trainer versions, learned from its consumers' waits."""
 
-    def __init__(
-        self, max_versions: int, settings: PaceSettings | None = None, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, max_versions: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_versions = max_versions
-        self.settings = settings or PaceSettings()
         self.clock = clock
         now = clock()
         self.versions = float(max_versions)
@@ -85,7 +76,11 @@ class Lookahead:
         self._slack = seconds_buffered if self._slack is None else min(self._slack, seconds_buffered)
 
     def restore(self, versions: float) -> None:
-        """A restarted service's stored lookahead, within this run's bounds."""
+        """A restarted service's stored lookahead."""
+        self._set(versions)
+
+    def _set(self, versions: float) -> None:
+        """Within this run's bounds: 0 to max_staleness versions."""
         self.versions = min(float(self.max_versions), max(0.0, versions))
 
     @property
@@ -108,6 +103,6 @@ class Lookahead:
         slack = slack or 0.0
         steady_slack = min(slack, self._previous_slack)
         self._previous_slack = slack
-        error = (self.settings.target_slack * step - steady_slack + starved) / step
-        self.versions = min(float(self.max_versions), max(0.0, self.versions + self.settings.gain * error))
+        error = (TARGET_SLACK * step - steady_slack + starved) / step
+        self._set(self.versions + GAIN * error)
         self.updates += 1
