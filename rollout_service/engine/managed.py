@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, move_process
 from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
 from rollout_service.engine import place_and_exec
@@ -74,7 +75,7 @@ class ManagedVLLMServer:
             "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--dtype", s.dtype,
+            "--dtype", self.dtype(),
             "--max-model-len", str(s.max_model_len),
             # Behaviour logprobs must be those of the distribution actually sampled from.
             "--logprobs-mode", "processed_logprobs",
@@ -85,6 +86,12 @@ class ManagedVLLMServer:
             *self._lora_args(),
             *s.extra_args,
         ]  # fmt: skip
+
+    def dtype(self) -> str:
+        """``settings.dtype``, or for None bfloat16 on a CPU with native bf16 and float32 elsewhere."""
+        if self.settings.dtype is not None:
+            return self.settings.dtype
+        return "bfloat16" if self.settings.device == "cpu" and cpu_features.has_native_bf16() else "float32"
 
     def _block_size_args(self) -> list[str]:
         block_size = self.settings.block_size
@@ -184,7 +191,9 @@ class ManagedVLLMServer:
         command, cores, nice = self.command(), self.pinned_cores(), self.niceness()
         if cores or nice:  # placed before vLLM starts, so its engine and worker processes inherit both
             command = place_and_exec.launcher(cores, nice, command)
-        logger.info("starting vLLM on %s serving %s (log: %s)", self.url, self.settings.model, self.log_path)
+        logger.info(
+            "starting vLLM on %s serving %s in %s (log: %s)", self.url, self.settings.model, self.dtype(), self.log_path
+        )
         with open(self.log_path, "ab") as log:
             # A neutral working directory: a folder named like a vLLM plugin package in the
             # cwd would shadow the installed one.

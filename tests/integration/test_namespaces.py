@@ -55,7 +55,11 @@ async def serving_stack(net: Namespaces, tiny_model: Path, tmp_path: Path) -> As
     vllm = NamespacedVLLM(
         net,
         ManagedServerSettings(
-            model=tiny_model, max_model_len=1024, log_file=tmp_path / "vllm.log", pin_processes=False
+            model=tiny_model,
+            max_model_len=1024,
+            dtype="float32",  # held to a float32 reference within 1e-4, as the session's server
+            log_file=tmp_path / "vllm.log",
+            pin_processes=False,
         ),
     )
     await asyncio.to_thread(vllm.start)

@@ -23,7 +23,7 @@ from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.edge.app import RunningService
-from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.conftest import second_vllm_server, service_settings, service_with_client
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.policy_weights import policy_weights
@@ -31,6 +31,8 @@ from trainer_client.weight_push import WeightPusher, tensor_meta
 from trainer_client.weights import GlooWeightSender, UpdateAbandoned, free_port
 
 pytestmark = pytest.mark.integration
+BF16_LOGPROB_TOLERANCE = 0.05
+"""vLLM in bf16 against a float32 reference (0.01 measured after a push; 1.0 before it)."""
 PROMPT = [1, 89, 87, 266, 203, 59, 965, 73, 293, 908, 88, 2, 203, 1, 69, 391, 522, 340, 88, 203]
 
 
@@ -352,3 +354,23 @@ async def test_a_join_the_service_gave_up_frees_the_waiting_trainer(sync_service
         sender.close()
         pusher.close()
         await client.delete_run(run.run_id)
+
+
+async def test_a_bf16_server_samples_from_the_float32_push(tiny_model: Path, base_model, tmp_path: Path) -> None:
+    """A managed server's default on a CPU with bf16 instructions (``ManagedServerSettings.dtype``):
+    the trainer pushes float32 weights, vLLM's loaders cast them, and vLLM then samples from the
+    pushed policy, to bf16's precision."""
+    server = second_vllm_server(tiny_model, tmp_path / "bf16.log", dtype="bfloat16")
+    await asyncio.to_thread(server.start)
+    try:
+        settings = service_settings([server.url], tiny_model, weight_sync={"transfer_timeout_s": 30})
+        async with service_with_client(settings) as (_, client):
+            run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2))
+            new_model = perturbed(base_model)
+            gap_before = await vllm_matches(server.url, new_model)
+            pusher = WeightPusher(client, run.run_id, transfer_timeout_s=30)
+            assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 1
+            gap_after = await vllm_matches(server.url, new_model)
+            assert gap_after <= BF16_LOGPROB_TOLERANCE < gap_before
+    finally:
+        await asyncio.to_thread(server.stop)

@@ -8,6 +8,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
+from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV
 from rollout_service.config import ManagedServerSettings
 from rollout_service.engine.managed import ManagedVLLMServer
@@ -83,3 +84,14 @@ def test_a_cpu_server_not_pinned_to_one_core_keeps_its_worker_process(two_cores:
     two_cores.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     two_cores.setenv(VLLM_BIND_ENV, "0")  # the user's own binding: the server is not pinned
     assert multiprocessing(ManagedServerSettings(port=1)) is None
+
+
+def test_a_cpu_server_computes_in_bf16_where_the_cpu_has_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the trainer's own default (bf16 autocast) does; float32 elsewhere and on a GPU."""
+    monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: True)
+    assert flag(ManagedVLLMServer(ManagedServerSettings(port=1)).command(), "--dtype") == "bfloat16"
+    assert flag(ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).command(), "--dtype") == "float32"
+    chosen = ManagedServerSettings(port=1, dtype="float32")  # a choice wins
+    assert flag(ManagedVLLMServer(chosen).command(), "--dtype") == "float32"
+    monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: False)
+    assert flag(ManagedVLLMServer(ManagedServerSettings(port=1)).command(), "--dtype") == "float32"
