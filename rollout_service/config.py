@@ -92,9 +92,10 @@ class ManagedServerSettings(Section):
     dtype: str | None = None
     """vLLM's ``--dtype``. None: bfloat16 on a CPU that multiplies bf16 in hardware (AVX512-BF16
     or AMX, ``rollout_common.cpu_features``; there the trainer's default is bf16 autocast too),
-    float32 on other CPUs and on a GPU. At 1.6M parameters a bf16 server generated one step's 32
-    completions in 0.81x the wall time and 0.84x the CPU of a float32 one (alternated, 12
-    rounds, 2-core AVX-512 CPU); the weights pushed stay float32 and vLLM's loaders cast them.
+    float32 on other CPUs and on a GPU. A bf16 server generated one step's 32 completions in
+    0.73-0.76x the wall time and 0.77-0.78x the CPU of a float32 one at 1.6M and 6.7M parameters
+    (``benchmarks/bench_vllm_dtype.py``, 2-core AVX-512 CPU); the weights pushed stay float32
+    and vLLM's loaders cast them.
     float32 keeps vLLM's logprobs equal to a float32 trainer's (within 1e-4 after a push),
     which the tests of the weight path compare against."""
     block_size: int | None = Field(default=None, ge=1)
