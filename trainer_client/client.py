@@ -93,6 +93,20 @@ class ServiceNotServing(Exception):
     """The service did not say SERVING within the wait (``wait_until_serving``)."""
 
 
+async def paced_lookahead(target: str, run_id: str, timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> float | None:
+    """How many versions ahead of its trainer a paced run starts groups now
+    (``RunStats.lookahead_versions``), which the trainer's time-split verdict reads after its
+    last step. None for a run under another admission, or when the service cannot say, not
+    reached or refusing (logged: the summary of a finished run is still written without it)."""
+    try:
+        async with RolloutClient(target, timeout_s=timeout_s) as client:
+            run = await client.get_run(run_id)
+    except (grpc.RpcError, TimeoutError) as exc:
+        logger.warning("the lookahead of run %s is unknown: %r", run_id, exc)
+        return None
+    return run.stats.lookahead_versions if run.spec.admission == pb.ADMISSION_MODE_PACED else None
+
+
 async def wait_until_serving(target: str, timeout_s: float, poll_s: float = 2.0) -> None:
     """Until the service answers SERVING, which it does once start-up is done and a vLLM
     server answers: a trainer started beside a service and servers that are still coming up
@@ -261,17 +275,6 @@ class RolloutClient:
         return (
             await self.stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=self.timeout_s, metadata=self._metadata)
         ).run
-
-    async def paced_lookahead(self, run_id: str) -> float | None:
-        """How many versions ahead of its trainer a paced run starts groups now
-        (``RunStats.lookahead_versions``); None for a run under another admission, or when the
-        service cannot say (logged: a summary is still written without it)."""
-        try:
-            run = await self.get_run(run_id)
-        except grpc.RpcError as exc:
-            logger.warning("the lookahead of run %s is unknown: %s", run_id, exc)
-            return None
-        return run.stats.lookahead_versions if run.spec.admission == pb.ADMISSION_MODE_PACED else None
 
     async def list_runs(self) -> list[pb.Run]:
         """The runs this caller may see (its own; every run for an admin)."""

@@ -34,7 +34,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from trainer_client import fsdp, precision
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
-from trainer_client.client import RolloutClient, dataset_run_spec, wait_until_serving
+from trainer_client.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.prompt_feeder import feed_prompts, fits_inline
 from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
@@ -184,13 +184,6 @@ def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) ->
     8 did: at 8 groups a step, ``max_staleness`` 2 generated one step ahead, not two, and in
     the benchmark (4 groups a step) 3 was no different from 2."""
     return requested or max(1, max_staleness) * groups_per_step
-
-
-async def paced_lookahead(target: str, run_id: str) -> float | None:
-    """The run's lookahead under paced admission at the end of training (None for another
-    admission, or when the service cannot say): the time split's verdict needs it."""
-    async with RolloutClient(target) as client:
-        return await client.paced_lookahead(run_id)
 
 
 async def _create_run(

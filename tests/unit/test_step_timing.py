@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from trainer_client.client import paced_lookahead
 from trainer_client.step_timing import (
     COMPUTE_CPU,
     PHASES,
@@ -15,6 +16,7 @@ from trainer_client.step_timing import (
     summarize_seconds,
     with_lookahead,
 )
+from trainer_client.weights import free_port
 
 
 def test_clock_accumulates_phases_from_several_threads_and_starts_afresh() -> None:
@@ -96,3 +98,10 @@ def test_summary_reports_the_share_of_compute_time_the_training_thread_was_on_a_
     # Records without the field (a trainer before it) leave the share out, not 0%.
     old = summarize_seconds([record(0.02, 0.23)] * 3)
     assert old["compute_cpu_share"] is None and "on a CPU" not in format_split(old)
+
+
+async def test_a_service_gone_after_training_leaves_the_lookahead_unknown(caplog: pytest.LogCaptureFixture) -> None:
+    """The verdict's lookahead is read after the last step: a service no longer there costs
+    the summary that figure (logged), not the summary."""
+    assert await paced_lookahead(f"127.0.0.1:{free_port()}", "run-1", timeout_s=0.5) is None
+    assert "the lookahead of run run-1 is unknown" in caplog.text
