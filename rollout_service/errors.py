@@ -3,6 +3,15 @@
 
 from __future__ import annotations
 
+MAX_ECHO_CHARS = 128
+"""What an error message repeats of a caller's input: a 1 MB id must not make a 1 MB status."""
+
+
+def echo(value: object) -> str:
+    """A caller's input as an error message quotes it (``repr``), cut at ``MAX_ECHO_CHARS``."""
+    text = str(value)
+    return repr(text if len(text) <= MAX_ECHO_CHARS else text[:MAX_ECHO_CHARS] + "…")
+
 
 class ServiceError(Exception):
     """An error a client caused or can act on; its message says what to change. The kind
@@ -43,6 +52,11 @@ class EngineError(Exception):
     def __init__(self, server: str, message: str) -> None:
         super().__init__(f"{server}: {message}")
         self.server = server
+
+
+class RequestRejected(EngineError):
+    """vLLM refused the request itself (HTTP 4xx): retrying cannot help, and the server is
+    not at fault, so it stays routable and healthy."""
 
 
 class EnvironmentFailure(Exception):

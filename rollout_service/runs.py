@@ -10,7 +10,7 @@ from typing import Literal
 
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
-from rollout_service.errors import InvalidArgument
+from rollout_service.errors import InvalidArgument, echo
 from rollout_service.evaluation import EvalSpec, EvalTally
 from rollout_service.generation.episode import MultiTurnConfig
 from rollout_service.generation.prompts import PromptSource, PromptSpec
@@ -27,6 +27,12 @@ MAX_TOKENS = 1 << 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 MAX_DISPLAY_NAME_CHARS = 256
+MAX_TEMPERATURE = 2.0
+"""vLLM refuses a higher temperature, so a run with one could never sample."""
+MAX_SEED = 1 << 62
+"""Member seeds count up from the base seed and must stay within vLLM's int64."""
+MAX_SECONDS = 7 * 86_400
+"""Timeouts and deadlines: a week is beyond any real one, and keeps timers finite."""
 
 PromptSourceKind = Literal["dataset", "prompts", "submitted", "external"]
 RunState = Literal["running", "stopped", "failed", "completed"]
@@ -103,24 +109,21 @@ class RunSpec:
                 f"sampling.stop has {len(s.stop)} strings of up to {max(map(len, s.stop))} characters; "
                 f"give at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each"
             )
-        if s.temperature < 0:
-            raise InvalidArgument(f"sampling.temperature is {s.temperature}; it must be >= 0")
-        if not 0 < s.top_p <= 1:
+        if not all(s.stop):
+            raise InvalidArgument("sampling.stop has an empty string; every stop string needs a character")
+        _check_range("sampling.temperature", s.temperature, 0, MAX_TEMPERATURE, "0 is greedy")
+        if not 0 < s.top_p <= 1:  # chained comparisons are False for NaN, so NaN is refused too
             raise InvalidArgument(f"sampling.top_p is {s.top_p}; it must be in (0, 1]")
         if s.top_k < 0:
             raise InvalidArgument(f"sampling.top_k is {s.top_k}; it must be >= 0 (0 disables)")
+        if s.seed is not None and abs(s.seed) > MAX_SEED:
+            raise InvalidArgument(f"sampling.seed is {s.seed}; it must be within +-2^62 (member seeds add to it)")
         if not math.isfinite(self.weight) or not 0 < self.weight <= MAX_RUN_WEIGHT:
             raise InvalidArgument(
                 f"weight is {self.weight}; it must be a number in (0, {MAX_RUN_WEIGHT:g}] (0 on the wire means 1)"
             )
-        if not math.isfinite(self.lease_timeout_s) or self.lease_timeout_s < 0:
-            raise InvalidArgument(
-                f"lease_timeout_seconds is {self.lease_timeout_s}; it must be a finite number >= 0 (0: the default)"
-            )
-        if not math.isfinite(self.group_deadline_s) or self.group_deadline_s < 0:
-            raise InvalidArgument(
-                f"group_deadline_seconds is {self.group_deadline_s}; it must be a finite number >= 0 (0: no deadline)"
-            )
+        _check_range("lease_timeout_seconds", self.lease_timeout_s, 0, MAX_SECONDS, "0: the default")
+        _check_range("group_deadline_seconds", self.group_deadline_s, 0, MAX_SECONDS, "0: no deadline")
         if self.min_group_size and not 2 <= self.min_group_size <= self.group_size:
             raise InvalidArgument(
                 f"min_group_size is {self.min_group_size}; it must be between 2 and group_size "
@@ -166,7 +169,7 @@ class RunSpec:
         for name, weight in self.rewards:
             if not math.isfinite(weight) or abs(weight) > MAX_REWARD_WEIGHT:
                 raise InvalidArgument(
-                    f"reward function {name!r} has weight {weight}; it must be a finite number "
+                    f"reward function {echo(name)} has weight {weight}; it must be a finite number "
                     f"within +-{MAX_REWARD_WEIGHT:g}"
                 )
 
@@ -183,10 +186,7 @@ class RunSpec:
             raise InvalidArgument(
                 f"episode.max_episode_tokens is {e.max_episode_tokens}; it must be >= 0 (0: bounded by the context)"
             )
-        if not math.isfinite(e.tool_timeout_s) or e.tool_timeout_s < 0:
-            raise InvalidArgument(
-                f"episode.tool_timeout_seconds is {e.tool_timeout_s}; it must be a finite number >= 0 (0: the default)"
-            )
+        _check_range("episode.tool_timeout_seconds", e.tool_timeout_s, 0, MAX_SECONDS, "0: the default")
         if e.tool_timeout_s and not e.tools:
             raise InvalidArgument("episode.tool_timeout_seconds is set but episode.tools is empty; name the tools")
         if e.tool_parser and not e.tools:
@@ -196,6 +196,12 @@ class RunSpec:
                 f"episode.max_turns is {e.max_turns} but the run has neither tools nor an environment, "
                 "so every episode ends after one turn; set episode.tools or episode.environment"
             )
+
+
+def _check_range(name: str, value: float, low: float, high: float, note: str) -> None:
+    """Refuse a number outside [low, high]: NaN and infinities too (``x < 0`` lets NaN through)."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidArgument(f"{name} is {value}; it must be a finite number in [{low:g}, {high:g}] ({note})")
 
 
 @dataclass

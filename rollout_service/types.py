@@ -18,6 +18,10 @@ call, or the environment said done); ``length``: a turn hit ``sampling.max_token
 the next tool result or turn."""
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat message may have (rollout.v1.ChatMessage, the OpenAI endpoint)."""
+
+
 class AdvantageScaling(StrEnum):
     """Denominator of the advantage, as TRL's ``scale_rewards``."""
 

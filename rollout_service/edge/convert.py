@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
 from typing import TYPE_CHECKING
+
+from google.protobuf.descriptor import Descriptor
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service import __version__
@@ -62,13 +65,59 @@ ACK_FROM_PB = {
     pb.ACK_STATUS_DROPPED_STALE: ACK_DROPPED_STALE,
 }
 
-DEFAULT_MAX_TOKENS = 64
 PAUSE_MODE_FROM_PB = {
     pb.PAUSE_MODE_KEEP: "keep",
     pb.PAUSE_MODE_ABORT: "abort",
     pb.PAUSE_MODE_WAIT: "wait",
     pb.PAUSE_MODE_NONE: "none",
 }
+
+
+def undecodable(data: bytes, message: Descriptor) -> str:
+    """Why ``data`` does not parse as ``message``, naming the string field that is not UTF-8
+    when there is one (protobuf's own error names only the message type)."""
+    try:
+        field = _bad_utf8_field(data, message)
+    except IndexError:  # truncated: not a message at all
+        field = None
+    if field is None:
+        return f"the request is not a valid {message.name}; send it encoded as protobuf"
+    return f"{message.name}.{field} is not valid UTF-8; send strings as UTF-8"
+
+
+def _bad_utf8_field(data: bytes, message: Descriptor) -> str | None:
+    """The path of the first string field in ``data`` that is not UTF-8, if any."""
+    position, seen = 0, Counter[int]()
+    while position < len(data):
+        tag, position = _varint(data, position)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type != 2:  # a number (varint, 64 or 32 bits): no text inside
+            position = _varint(data, position)[1] if wire_type == 0 else position + (8 if wire_type == 1 else 4)
+            continue
+        size, position = _varint(data, position)
+        value, position = data[position : position + size], position + size
+        field = message.fields_by_number.get(number)
+        if field is None:
+            continue
+        name = f"{field.name}[{seen[number]}]" if field.is_repeated else field.name
+        seen[number] += 1
+        if field.type == field.TYPE_STRING:
+            try:
+                value.decode()
+            except UnicodeDecodeError:
+                return name
+        elif field.type == field.TYPE_MESSAGE and (inner := _bad_utf8_field(value, field.message_type)):
+            return f"{name}.{inner}"
+    return None
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[position]
+        value, shift, position = value | (byte & 0x7F) << shift, shift + 7, position + 1
+        if byte < 0x80:
+            return value, position
 
 
 def tensors_from_pb(tensors: list[pb.TensorMeta]) -> list[TensorSpec]:
@@ -92,7 +141,7 @@ def prompt_from_pb(prompt: pb.Prompt) -> PromptSpec:
 
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=s.max_tokens,  # the proto says > 0: RunSpec.validate refuses 0
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p or 1.0,
         top_k=s.top_k,

@@ -40,9 +40,10 @@ from rollout_service.errors import (
     ResourceExhausted,
     ServiceError,
     Unauthenticated,
+    echo,
 )
 from rollout_service.generation.external import TextRequest, TurnReply, TurnRequest
-from rollout_service.runs import Run
+from rollout_service.runs import MAX_TEMPERATURE, Run
 from rollout_service.service import RolloutService
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class _Endpoint:
         run_id = request.match_info["run_id"]
         run = self.service.runs.get(run_id)
         if run is None or not (caller.admin or run.owner == caller.name):
-            raise NotFound(f"no run {run_id!r} of yours; create one with prompt_source.external (CreateRun)")
+            raise NotFound(f"no run {echo(run_id)} of yours; create one with prompt_source.external (CreateRun)")
         return run
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -154,7 +155,9 @@ class _Endpoint:
         if reward is not None and (
             isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward)
         ):
-            raise InvalidArgument(f"reward is {reward!r}; give a finite number, or leave it out to score with the run")
+            raise InvalidArgument(
+                f"reward is {echo(reward)}; give a finite number, or leave it out to score with the run"
+            )
         episode_id = request.match_info["episode_id"]
         waiting = await self.service.external.close(run, episode_id, None if reward is None else float(reward))
         return web.json_response({"episode_id": episode_id, "group_complete": waiting == 0, "task_waiting": waiting})
@@ -194,7 +197,7 @@ def _episode_and_sampling(request: web.Request, body: dict[str, Any]) -> dict[st
     return {
         "episode_id": _named(request, body, EPISODE_HEADER, "episode_id", required=True),
         "task_id": _named(request, body, TASK_HEADER, "task_id", required=False),
-        "temperature": _number(body, "temperature", 0.0, 2.0),
+        "temperature": _number(body, "temperature", 0.0, MAX_TEMPERATURE),
         "top_p": _number(body, "top_p", 1e-9, 1.0),
         "stop": _stop(body.get("stop")),
     }
@@ -258,7 +261,7 @@ def _positive_int(body: dict[str, Any], field: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgument(f"{field} is {value!r}; give a positive integer")
+        raise InvalidArgument(f"{field} is {echo(value)}; give a positive integer")
     return value
 
 
@@ -267,7 +270,7 @@ def _number(body: dict[str, Any], field: str, low: float, high: float) -> float 
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise InvalidArgument(f"{field} is {value!r}; give a number in [{low:g}, {high:g}]")
+        raise InvalidArgument(f"{field} is {echo(value)}; give a number in [{low:g}, {high:g}]")
     return float(value)
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rollout_api import rollout_pb2 as pb
@@ -35,6 +36,7 @@ from rollout_service.edge.convert import (
     server_info_to_pb,
     stats_to_pb,
     tensors_from_pb,
+    undecodable,
 )
 from rollout_service.edge.reflection import enable_reflection
 from rollout_service.edge.security import (
@@ -57,6 +59,7 @@ from rollout_service.errors import (
     ResourceExhausted,
     ServiceError,
     Unauthenticated,
+    echo,
 )
 from rollout_service.runs import Run
 from rollout_service.service import RolloutService
@@ -70,6 +73,8 @@ RUNS_HEALTH_NAME = f"{SERVICE_NAME}/runs"
 which and why). The service itself stays SERVING: other runs may be fine."""
 SUBSCRIBE_TIMEOUT_S = 30.0
 """A stream must send its Subscribe within this long."""
+MAX_STATUS_MESSAGE_CHARS = 2048
+"""A status message is cut here, whatever it quotes (``errors.echo`` bounds each input it repeats)."""
 
 T = TypeVar("T")
 
@@ -96,7 +101,10 @@ def status_code(error: ServiceError) -> grpc.StatusCode:
 async def _abort_with(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
     """Answer an exception as a status: a service error's own, else INTERNAL, logged."""
     if isinstance(exc, ServiceError):
-        await context.abort(status_code(exc), str(exc))
+        message = str(exc)
+        if len(message) > MAX_STATUS_MESSAGE_CHARS:
+            message = message[:MAX_STATUS_MESSAGE_CHARS] + "…"
+        await context.abort(status_code(exc), message)
     else:
         logger.error("%s failed", name, exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -152,7 +160,7 @@ async def _adapter_files(requests: AsyncIterator[pb.PushAdapterRequest]) -> tupl
             if not run_id:
                 raise InvalidArgument("the first PushAdapter message must name the run (run_id)")
         elif request.run_id and request.run_id != run_id:
-            raise InvalidArgument(f"PushAdapter chunks name two runs: {run_id!r} and {request.run_id!r}")
+            raise InvalidArgument(f"PushAdapter chunks name two runs: {echo(run_id)} and {echo(request.run_id)}")
         if not request.file_name:
             raise InvalidArgument("every PushAdapter message must name the file its data belongs to (file_name)")
         check_adapter_file_name(request.file_name)
@@ -185,12 +193,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def _run(self, run_id: str, caller: Principal) -> Run:
         """The caller's run; NOT_FOUND naming only its own runs if it is another's."""
-        if caller.admin:
-            return self.service.get_run(run_id)
         run = self.service.find_run(run_id)
-        if run is None or run.owner != caller.name:
+        if run is None or not (caller.admin or run.owner == caller.name):
             yours = ", ".join(r.run_id for r in self._visible(caller)) or "none"
-            raise NotFound(f"no run {run_id!r}; your runs: {yours}")
+            raise NotFound(f"no run {echo(run_id)}; {'runs' if caller.admin else 'your runs'}: {yours}")
         return run
 
     @_edge
@@ -276,7 +282,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         same = trainer_address == peer or (is_loopback(trainer_address) and is_loopback(peer))
         if not same and trainer_address not in self.security.trainer_addresses:
             raise PermissionDenied(
-                f"trainer_address {trainer_address!r} is not the caller's own address ({peer}); vLLM's workers "
+                f"trainer_address {echo(trainer_address)} is not the caller's own address ({peer}); vLLM's workers "
                 "would load weights from there. Add it to security.trainer_addresses if it is the trainer's"
             )
 
@@ -406,15 +412,70 @@ def _stream_response_bytes(response: pb.StreamSamplesResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """A request message that did not parse, and why: its handler answers INVALID_ARGUMENT
+    (grpc.aio parses before the handler runs, and answers a parse error UNKNOWN)."""
+
+    why: str
+
+
+def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` with requests that do not parse (a string that is not UTF-8) refused as
+    INVALID_ARGUMENT naming the field, in unary and streaming requests alike."""
+    message = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name[method].input_type
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError:
+            return _Undecodable(undecodable(data, message))
+
+    handler = handler._replace(request_deserializer=deserialize)
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def checked_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            return await unary(request, context)
+
+        return handler._replace(unary_unary=checked_unary)
+    if handler.stream_unary is not None:
+        stream_unary = handler.stream_unary
+
+        async def checked_stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            return await stream_unary(_parsed(requests), context)
+
+        return handler._replace(stream_unary=checked_stream_unary)
+    stream_stream = handler.stream_stream
+
+    async def checked_stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        async with contextlib.aclosing(stream_stream(_parsed(requests), context)) as responses:
+            async for response in responses:
+                yield response
+
+    return handler._replace(stream_stream=checked_stream_stream)
+
+
+async def _parsed(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A stream's requests; one that did not parse ends it with INVALID_ARGUMENT (the handlers' ``_edge``)."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise InvalidArgument(request.why)
+        yield request
+
+
 def _add_rollout_servicer(servicer: RolloutServicer, server: grpc.aio.Server) -> None:
-    """The generated ``add_RolloutServiceServicer_to_server``, with one change: StreamSamples
+    """The generated ``add_RolloutServiceServicer_to_server``, with two changes: StreamSamples
     may yield a response as bytes, so a group is sent as encoded once, not re-encoded per
-    delivery. The handlers are the generated ones; only that serializer is replaced."""
+    delivery; and a request that does not parse is INVALID_ARGUMENT (``_tolerant``)."""
     collector = _HandlerCollector()
     pb_grpc.add_RolloutServiceServicer_to_server(servicer, collector)
     if collector.handlers is None:
         raise RuntimeError("rollout_pb2_grpc registers no method handlers: regenerate it with `make proto`")
-    handlers = dict(collector.handlers)
+    handlers = {method: _tolerant(handler, method) for method, handler in collector.handlers.items()}
     handlers["StreamSamples"] = handlers["StreamSamples"]._replace(response_serializer=_stream_response_bytes)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -12,8 +12,9 @@ objects per token's logprob), and the standard library's parser was a quarter to
 the service's event-loop time in a run (0.37 ms an answer against orjson's 0.10), on a host
 where the service shares the trainer's core.
 
-Retries only what can succeed (connection errors, timeouts, 5xx, 429) with exponential
-backoff inside a bounded budget; a 4xx is the request's fault and fails at once. Timeouts
+Retries only what can succeed (connection errors, timeouts, 5xx, 408, 429) with exponential
+backoff inside a bounded budget; any other 4xx is the request's fault: it fails at once with
+vLLM's message (``RequestRejected``) and does not count against the server's health. Timeouts
 are per phase (connect, read) per attempt, never one total around retries.
 """
 
@@ -29,13 +30,13 @@ import orjson
 
 from rollout_service.config import EngineSettings
 from rollout_service.engine.server_load import ServerLoad, parse_server_load
-from rollout_service.errors import EngineError
+from rollout_service.errors import EngineError, RequestRejected
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import Completion, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+_RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -229,6 +230,9 @@ class VLLMServerClient:
         start = time.perf_counter()
         try:
             completions = await self._request(prompt_ids, params, n)
+        except RequestRejected:
+            self.metrics.request_failures.labels(self.base_url).inc()
+            raise  # the request's fault, not the server's: its health stands
         except EngineError:
             self.consecutive_failures += 1
             self.metrics.request_failures.labels(self.base_url).inc()
@@ -243,6 +247,11 @@ class VLLMServerClient:
         return completions
 
     async def _request(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
+        if n > 1 and params.temperature == 0:  # vLLM refuses n > 1 when greedy: its n samples would be one
+            [one] = await self._request(prompt_ids, params, 1)
+            return [
+                Completion(list(one.token_ids), list(one.logprobs), one.finish_reason, one.server) for _ in range(n)
+            ]
         if self.token_endpoint and not params.stop:
             body = generate_body(self.model, prompt_ids, params, n)
             try:
@@ -322,6 +331,8 @@ class VLLMServerClient:
                     raise _NoTokenEndpoint(f"HTTP {resp.status}")
                 if resp.status in _RETRYABLE_STATUS:
                     raise _Retryable(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                if 400 <= resp.status < 500:
+                    raise RequestRejected(self.base_url, f"vLLM refused the request: {await _reason(resp)}")
                 if resp.status >= 400:
                     raise EngineError(self.base_url, f"HTTP {resp.status}: {(await resp.text())[:500]}")
                 payload = await resp.read()
@@ -334,3 +345,13 @@ class VLLMServerClient:
         if not isinstance(answer, dict):
             raise EngineError(self.base_url, f"{path} answered with JSON that is not an object: {payload[:200]!r}")
         return answer
+
+
+async def _reason(resp: aiohttp.ClientResponse) -> str:
+    """A refusal's status and vLLM's own message (``{"error": {"message"}}``, else the body's start)."""
+    text = await resp.text()
+    try:
+        message = orjson.loads(text)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
+        message = text
+    return f"HTTP {resp.status}: {str(message)[:500]}"

@@ -17,6 +17,7 @@ rewards is scored by the run's reward functions, like a group the service genera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -24,10 +25,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError
+from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError, echo
 from rollout_service.generation.episode import Transcript, TurnTemplate, salted
 from rollout_service.generation.tools import ToolCall, parse_hermes
-from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams, ScoredGroup
+from rollout_service.types import (
+    CHAT_ROLES,
+    Completion,
+    EpisodeResult,
+    FinishReason,
+    PromptItem,
+    SamplingParams,
+    ScoredGroup,
+)
 
 if TYPE_CHECKING:
     from rollout_service.engine.protocol import Engine
@@ -144,6 +153,7 @@ class ExternalEpisodes:
     async def turn(self, run: Run, request: TurnRequest) -> TurnReply:
         """One assistant turn of a chat episode (``/chat/completions``)."""
         source = _running_source(run)
+        self.renderer.check_chars(_chars(request.messages), "messages")
         episode = source.open.get(request.episode_id)
         if episode is None:
             episode = await self._open(run, source, request)
@@ -160,6 +170,7 @@ class ExternalEpisodes:
         """One completion of a text episode (``/completions``): the prompt must repeat the
         episode's text so far; what it adds is tokenized on its own and masked."""
         source = _running_source(run)
+        self.renderer.check_chars(len(request.prompt), "prompt")
         episode = source.open.get(request.episode_id)
         if episode is None:
             _check_new(run, source, request.episode_id, request.task_id)
@@ -175,11 +186,11 @@ class ExternalEpisodes:
             _not_busy(episode)
             if episode.template is not None:
                 raise InvalidArgument(
-                    f"episode {episode.episode_id!r} is a chat episode; continue it with chat/completions"
+                    f"episode {echo(episode.episode_id)} is a chat episode; continue it with chat/completions"
                 )
             if not request.prompt.startswith(episode.text):
                 raise InvalidArgument(
-                    f"the prompt does not start with the text so far of episode {episode.episode_id!r} "
+                    f"the prompt does not start with the text so far of episode {echo(episode.episode_id)} "
                     f"({len(episode.text)} characters: the previous prompt and completion); send it unchanged and "
                     "append to it"
                 )
@@ -233,21 +244,22 @@ class ExternalEpisodes:
     def _extend(self, run: Run, episode: _OpenEpisode, request: TurnRequest) -> None:
         """Append the messages this request adds after the episode's last assistant turn."""
         if episode.template is None:
-            raise InvalidArgument(f"episode {episode.episode_id!r} is a text episode; continue it with completions")
+            raise InvalidArgument(f"episode {echo(episode.episode_id)} is a text episode; continue it with completions")
         if request.task_id and request.task_id != episode.task_id:
             raise InvalidArgument(
-                f"episode {episode.episode_id!r} belongs to task {episode.task_id!r}, not {request.task_id!r}"
+                f"episode {echo(episode.episode_id)} belongs to task {echo(episode.task_id)}, "
+                f"not {echo(request.task_id)}"
             )
         messages, known = request.messages, episode.known
         if len(messages) <= len(known):
             raise InvalidArgument(
-                f"episode {episode.episode_id!r} has {len(known)} messages and this request sends {len(messages)}: "
+                f"episode {echo(episode.episode_id)} has {len(known)} messages and this request sends {len(messages)}: "
                 "repeat the conversation so far and append the new messages (tool results, a user turn)"
             )
         for index, (sent, held) in enumerate(zip(messages, known, strict=False)):
             if not _same_message(sent, held):
                 raise InvalidArgument(
-                    f"message {index} of episode {episode.episode_id!r} differs from the conversation the service "
+                    f"message {index} of episode {echo(episode.episode_id)} differs from the conversation the service "
                     f"holds ({held.get('role')}: {str(held.get('content'))[:60]!r}); send the conversation as it was, "
                     "the assistant's replies unchanged, and append new messages"
                 )
@@ -255,7 +267,7 @@ class ExternalEpisodes:
         _check_messages(added, first=False)
         if any(m.get("role") == "assistant" for m in added):
             raise InvalidArgument(
-                f"episode {episode.episode_id!r}: a request may add tool, user or system messages, not assistant "
+                f"episode {echo(episode.episode_id)}: a request may add tool, user or system messages, not assistant "
                 "ones: only the model's own turns, generated here, can be trained on"
             )
         try:
@@ -280,7 +292,7 @@ class ExternalEpisodes:
         room = self.renderer.max_model_len - context
         if room <= 0:
             raise InvalidArgument(
-                f"episode {episode.episode_id!r} holds {context} tokens, the model's whole context "
+                f"episode {echo(episode.episode_id)} holds {context} tokens, the model's whole context "
                 f"({self.renderer.max_model_len}); close it"
             )
         params = SamplingParams(
@@ -339,22 +351,23 @@ class ExternalEpisodes:
         source = _source(run)
         episode = source.open.get(episode_id)
         if episode is None:
-            raise NotFound(f"run {run.run_id} has no open episode {episode_id!r}")
+            raise NotFound(f"run {run.run_id} has no open episode {echo(episode_id)}")
         if episode.busy:
-            raise FailedPrecondition(f"a request of episode {episode_id!r} is still running; close it after")
+            raise FailedPrecondition(f"a request of episode {echo(episode_id)} is still running; close it after")
         if not episode.turns:
-            raise FailedPrecondition(f"episode {episode_id!r} has no assistant turn yet; nothing to train on")
+            raise FailedPrecondition(f"episode {echo(episode_id)} has no assistant turn yet; nothing to train on")
         waiting = source.closed.setdefault(episode.task_id, [])
         if waiting and (waiting[0].reward is None) != (reward is None):
             given = "without" if waiting[0].reward is None else "with"
             raise InvalidArgument(
-                f"the episodes of task {episode.task_id!r} so far were closed {given} a reward; close every episode "
-                "of a group the same way (rewards from the client, or from the run's reward functions)"
+                f"the episodes of task {echo(episode.task_id)} so far were closed {given} a reward; close every "
+                "episode of a group the same way (rewards from the client, or from the run's reward functions)"
             )
         if waiting and waiting[0].prompt.token_ids != episode.prompt.token_ids:
             raise InvalidArgument(
-                f"episode {episode_id!r} starts from other messages than the episodes of task {episode.task_id!r} "
-                "closed before it: a group is G samples of one prompt, so give each distinct prompt its own task id"
+                f"episode {echo(episode_id)} starts from other messages than the episodes of task "
+                f"{echo(episode.task_id)} closed before it: a group is G samples of one prompt, so give each "
+                "distinct prompt its own task id"
             )
         del source.open[episode_id]
         waiting.append(_Closed(episode.prompt, _result(episode, self.renderer), reward, episode.started))
@@ -396,7 +409,7 @@ class ExternalEpisodes:
             self.metrics.groups_dropped.labels(run.run_id, "reward").inc()
             logger.warning("external group %s of run %s could not be scored: %s", group_id, run.run_id, exc)
             raise FailedPrecondition(
-                f"the group of task {task_id!r} could not be scored by the run's reward functions ({exc}); it is "
+                f"the group of task {echo(task_id)} could not be scored by the run's reward functions ({exc}); it is "
                 'dropped and counted (dropped{reason="reward"})'
             ) from None
         except BaseException:
@@ -435,7 +448,7 @@ def _running_source(run: Run) -> ExternalSource:
 def _check_new(run: Run, source: ExternalSource, episode_id: str, task_id: str) -> None:
     if not task_id:
         raise InvalidArgument(
-            f"episode {episode_id!r} is new: name its task (header x-rollout-task-id or field task_id); "
+            f"episode {echo(episode_id)} is new: name its task (header x-rollout-task-id or field task_id); "
             f"{run.spec.group_size} episodes of one task form a group"
         )
     if len(source.open) >= MAX_OPEN_EPISODES:
@@ -447,7 +460,7 @@ def _check_new(run: Run, source: ExternalSource, episode_id: str, task_id: str) 
 def _not_busy(episode: _OpenEpisode) -> None:
     if episode.busy:
         raise FailedPrecondition(
-            f"a request of episode {episode.episode_id!r} is still running; send its turns one after another"
+            f"a request of episode {echo(episode.episode_id)} is still running; send its turns one after another"
         )
 
 
@@ -477,15 +490,12 @@ def _result(episode: _OpenEpisode, renderer: PromptRenderer) -> EpisodeResult:
     )
 
 
-_ROLES = ("system", "user", "assistant", "tool")
-
-
 def _check_messages(messages: list[dict[str, Any]], first: bool) -> None:
     if first and not messages:
         raise InvalidArgument("messages is empty; send at least one message")
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
-            raise InvalidArgument(f"message {index} needs a role, one of {', '.join(_ROLES)}")
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise InvalidArgument(f"message {index} needs a role, one of {', '.join(CHAT_ROLES)}")
         if first and message["role"] in ("assistant", "tool"):
             raise InvalidArgument(
                 f"message {index} of a new episode is a {message['role']} message: an episode starts from system "
@@ -493,10 +503,39 @@ def _check_messages(messages: list[dict[str, Any]], first: bool) -> None:
             )
 
 
-def _same_message(sent: dict[str, Any], held: dict[str, Any]) -> bool:
-    """The client's copy of a message the service holds. Assistant turns compare by role
-    only: their ids are what counts, and clients re-serialize them freely (content None or
-    "", tool-call arguments re-encoded)."""
-    if sent.get("role") != held.get("role"):
+def _same_message(sent: Any, held: dict[str, Any]) -> bool:
+    """The client's copy of a message the service holds. Assistant turns compare as clients
+    re-serialize them: content None or "" alike, text parts joined, tool calls by name and
+    parsed arguments (the ids and the JSON's spacing are the client's)."""
+    if not isinstance(sent, dict) or sent.get("role") != held.get("role"):
         return False
-    return held.get("role") == "assistant" or (sent.get("content") or "") == (held.get("content") or "")
+    if _text(sent.get("content")) != _text(held.get("content")):
+        return False
+    return held.get("role") != "assistant" or _calls(sent) == _calls(held)
+
+
+def _text(content: Any) -> Any:
+    """A message's text: a string, or OpenAI's list of text parts; None is ""."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) if isinstance(part, dict) else str(part) for part in content)
+    return content or ""
+
+
+def _calls(message: dict[str, Any]) -> list[Any]:
+    """An assistant message's tool calls as (name, arguments), the arguments parsed when JSON."""
+    calls: list[Any] = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            calls.append(call)
+            continue
+        arguments = function.get("arguments")
+        with contextlib.suppress(TypeError, ValueError):
+            arguments = json.loads(arguments)
+        calls.append((function.get("name"), arguments))
+    return calls
+
+
+def _chars(messages: list[Any]) -> int:
+    """The characters a request's messages give the chat template (what its size check reads)."""
+    return sum(len(str(_text(m.get("content")))) for m in messages if isinstance(m, dict))

@@ -11,8 +11,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rollout_service.errors import InvalidArgument, ResourceExhausted
-from rollout_service.types import PromptItem
+from rollout_service.errors import InvalidArgument, ResourceExhausted, echo
+from rollout_service.types import CHAT_ROLES, PromptItem
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def builtin_dataset(name: str) -> list[PromptSpec]:
         return BUILTIN_DATASETS[name]()
     except KeyError:
         raise InvalidArgument(
-            f"unknown dataset {name!r}; built-in datasets: {', '.join(sorted(BUILTIN_DATASETS))}"
+            f"unknown dataset {echo(name)}; built-in datasets: {', '.join(sorted(BUILTIN_DATASETS))}"
         ) from None
 
 
@@ -146,6 +146,7 @@ class PromptRenderer:
         if spec.messages is not None:
             if not spec.messages:
                 raise InvalidArgument("a chat prompt needs at least one message")
+            _check_roles(spec.messages)
             ids = list(
                 self.tokenizer.apply_chat_template(
                     spec.messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -178,21 +179,34 @@ class PromptRenderer:
                 f"prompt metadata is {metadata_bytes} bytes; keep it within {MAX_METADATA_BYTES} "
                 "(it travels with every group of the prompt)"
             )
-        chars = len(spec.text or "") + sum(len(m.get("content") or "") for m in spec.messages or [])
-        max_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
-        if chars > max_chars:
-            raise InvalidArgument(
-                f"prompt of {chars} characters cannot fit the model's context of {self.max_model_len} tokens "
-                f"(at most {max_chars} characters are read); shorten it"
-            )
+        self.check_chars(len(spec.text or "") + sum(len(m.get("content") or "") for m in spec.messages or []))
         if spec.token_ids is not None and len(spec.token_ids) > self.max_model_len:
             raise InvalidArgument(
                 f"prompt of {len(spec.token_ids)} token ids exceeds the model's context of {self.max_model_len}"
             )
 
+    def check_chars(self, chars: int, what: str = "prompt") -> None:
+        """Refuse text that cannot fit the context before a tokenizer reads it: that takes
+        seconds, and memory, for text that is refused anyway."""
+        max_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > max_chars:
+            raise InvalidArgument(
+                f"{what} of {chars} characters cannot fit the model's context of {self.max_model_len} tokens "
+                f"(at most {max_chars} characters are read); shorten it"
+            )
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Special tokens are kept unless asked: samples and tool parsers see them, rewards do not."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _check_roles(messages: list[dict[str, str]]) -> None:
+    """A role the chat template does not know would be rendered as whatever it makes of it."""
+    for index, message in enumerate(messages):
+        if message.get("role") not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"message {index} has role {echo(message.get('role'))}; use one of {', '.join(CHAT_ROLES)}"
+            )
 
 
 class PromptSource(Protocol):

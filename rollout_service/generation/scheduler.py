@@ -36,7 +36,7 @@ from typing import Any, cast
 
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinity, samples_groups_at_once
-from rollout_service.errors import EngineError, EnvironmentFailure, RewardError
+from rollout_service.errors import EngineError, EnvironmentFailure, RequestRejected, RewardError
 from rollout_service.evaluation import Evaluations
 from rollout_service.generation.episode import run_episode, run_single_turn, run_single_turn_group
 from rollout_service.generation.external import ExternalSource
@@ -416,7 +416,7 @@ class Scheduler:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
                 error = failed[0].exception() if failed else None
-                reason = "environment" if isinstance(error, EnvironmentFailure) else "engine"
+                reason = _failure_reason(error)
                 await self._drop(run, prompt, group_id, reason, error)
                 if isinstance(error, EngineError):
                     self.engine_failures += 1
@@ -478,6 +478,14 @@ class Scheduler:
         run.counters.groups_dropped += 1
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()
         logger.warning("dropped group %s (%s): %s", group_id, reason, error)
+
+
+def _failure_reason(error: BaseException | None) -> str:
+    """The drop reason of a failed member: vLLM refusing the request (its parameters, not
+    the server, are at fault), an environment, or the engine."""
+    if isinstance(error, RequestRejected):
+        return "rejected"
+    return "environment" if isinstance(error, EnvironmentFailure) else "engine"
 
 
 def _episodes(result: EpisodeResult | list[EpisodeResult]) -> list[EpisodeResult]:

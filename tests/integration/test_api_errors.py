@@ -9,10 +9,12 @@ import pytest
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.edge.app import RunningService
+from rollout_service.edge.server import SERVICE_NAME
 from tests.integration.test_discovery import fetch_text
 from tests.integration.test_stream import take_groups
 from tests.support import wait_until
-from trainer_client.client import RolloutClient, dataset_run_spec
+from tests.unit.test_hostile_input import with_bad_utf8
+from trainer_client.client import RolloutClient, dataset_run_spec, health_status
 
 pytestmark = pytest.mark.integration
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -45,6 +47,18 @@ async def test_unknown_run(client: RolloutClient) -> None:
         (lambda s: setattr(s.prompt_source, "dataset", "nope"), ["unknown dataset 'nope'", "letters"]),
         (lambda s: s.ClearField("prompt_source"), ["prompt_source is not set"]),
         (lambda s: setattr(s.sampling, "temperature", -1.0), ["sampling.temperature"]),
+        # Non-finite or beyond vLLM's range: vLLM refused every request of such a run
+        (lambda s: setattr(s.sampling, "temperature", float("nan")), ["sampling.temperature is nan", "[0, 2]"]),
+        (lambda s: setattr(s.sampling, "temperature", float("inf")), ["sampling.temperature is inf"]),
+        (lambda s: setattr(s.sampling, "temperature", -float("inf")), ["sampling.temperature is -inf"]),
+        (lambda s: setattr(s.sampling, "temperature", 2.5), ["sampling.temperature is 2.5"]),
+        (lambda s: setattr(s.sampling, "top_p", float("nan")), ["sampling.top_p is nan"]),
+        (lambda s: setattr(s, "lease_timeout_seconds", float("inf")), ["lease_timeout_seconds is inf"]),
+        (lambda s: s.sampling.stop.append(""), ["sampling.stop has an empty string"]),
+        (lambda s: setattr(s.sampling, "seed", 2**63 - 1), ["sampling.seed is 9223372036854775807"]),
+        # The proto says max_tokens must be > 0: 0 is refused, not mapped to a default
+        (lambda s: setattr(s.sampling, "max_tokens", 0), ["sampling.max_tokens must be > 0"]),
+        (lambda s: s.ClearField("sampling"), ["sampling.max_tokens must be > 0"]),
         (lambda s: setattr(s.sampling, "max_tokens", 5000), ["exceeds the model's context", "max_tokens"]),
         (lambda s: setattr(s, "max_inflight", 10_000), ["max_inflight 10000 exceeds"]),
         # Upper bounds on what sizes memory and work
@@ -68,6 +82,7 @@ async def test_bad_run_specs_are_invalid_argument(client: RolloutClient, mutate,
 
 async def test_bad_prompts(client: RolloutClient) -> None:
     spec = pb.RunSpec(group_size=2, reward_functions=[pb.RewardFunctionSpec(name="char_fraction")])
+    spec.sampling.max_tokens = 8
     spec.prompt_source.prompts.prompts.add(token_ids=pb.TokenIds(ids=[5, 10**6]))
     await expect_error(client.create_run(spec), INVALID, "prompt 0", "outside the vocabulary")
     spec.prompt_source.submitted.SetInParent()
@@ -211,3 +226,51 @@ async def test_deleting_a_run_frees_its_groups_and_series_and_tells_its_consumer
 
 async def _buffered(client: RolloutClient, run_id: str, groups: int) -> bool:
     return (await client.get_run(run_id)).stats.groups_buffered >= groups
+
+
+async def test_what_an_outside_attack_sent_is_refused_and_the_service_stays_serving(
+    service: RunningService, client: RolloutClient
+) -> None:
+    # A string that is not UTF-8 on the wire: INVALID_ARGUMENT naming the field, not UNKNOWN.
+    request = pb.CreateRunRequest(spec=letters(display_name="name-abcdef"))
+    async with grpc.aio.insecure_channel(service.grpc_target) as channel:
+        create = channel.unary_unary(
+            f"/{SERVICE_NAME}/CreateRun",
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.CreateRunResponse.FromString,
+        )
+        await expect_error(
+            create(with_bad_utf8(request, "name-abcdef"), timeout=10),
+            INVALID,
+            "CreateRunRequest.spec.display_name is not valid UTF-8",
+        )
+        assert (await create(request.SerializeToString(), timeout=30)).run.spec.display_name == "name-abcdef"
+    # A 1 MB run id: NOT_FOUND, and the message quotes 128 characters of it, not a megabyte.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.get_run("r" * (1 << 20))
+    assert info.value.code() == NOT_FOUND and info.value.details().startswith("no run 'rrrr")
+    assert len(info.value.details()) < 1024
+    # A role the proto does not list, in a run's prompts and in submitted ones.
+    wizard = pb.Prompt(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")]))
+    spec = letters()
+    spec.prompt_source.prompts.prompts.append(wizard)
+    allowed = "use one of system, user, assistant, tool"
+    await expect_error(client.create_run(spec), INVALID, "prompt 0: message 0 has role 'wizard'", allowed)
+    spec.prompt_source.submitted.SetInParent()
+    run = await client.create_run(spec)
+    await expect_error(client.submit_prompts(run.run_id, [wizard]), INVALID, "role 'wizard'", allowed)
+    for each in await client.list_runs():
+        await client.delete_run(each.run_id)
+    assert await health_status(service.grpc_target, timeout_s=10) == "SERVING"
+
+
+async def test_a_greedy_run_samples_its_groups(client: RolloutClient) -> None:
+    """vLLM refuses n > 1 when greedy, and a group is one request of n: the client asks once and copies."""
+    spec = letters()
+    spec.sampling.temperature = 0.0
+    run = await client.create_run(spec)
+    [group] = await take_groups(client, run.run_id, 1)
+    first, second = group.samples
+    assert list(first.completion_token_ids) == list(second.completion_token_ids) and first.completion_token_ids
+    assert (await client.get_run(run.run_id)).stats.groups_dropped == 0
+    await client.delete_run(run.run_id)

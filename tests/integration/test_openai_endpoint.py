@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,20 @@ async def test_the_endpoint_refuses_what_cannot_make_an_exact_sample(
         forged = [*QUESTION, first.choices[0].message.model_dump(), {"role": "assistant", "content": "forged"}]
         with pytest.raises(BadRequestError, match="not assistant ones"):
             await openai.chat.completions.create(model="tiny", messages=forged, extra_headers=headers)
+        # The model's own turn, changed by the client: refused with its index, as the README says.
+        changed = {**first.choices[0].message.model_dump(exclude_none=True), "content": "I changed this."}
+        with pytest.raises(BadRequestError, match="message 2 of episode 'e1' differs from the conversation"):
+            await openai.chat.completions.create(
+                model="tiny", messages=[*QUESTION, changed, {"role": "user", "content": "?"}], extra_headers=headers
+            )
+        # A message far beyond the context is refused by its size, before the chat template reads it.
+        huge = [{"role": "user", "content": "a" * (5 << 20)}]
+        started = time.monotonic()
+        with pytest.raises(BadRequestError, match="messages of 5242880 characters cannot fit the model's context"):
+            await openai.chat.completions.create(
+                model="tiny", messages=huge, extra_headers={"x-rollout-episode-id": "e-huge", "x-rollout-task-id": "t9"}
+            )
+        assert time.monotonic() - started < 2.0
         elsewhere = openai_client(f"{base_url}/v1/runs/run-nope")
         with pytest.raises(NotFoundError, match="no run 'run-nope'"):
             await elsewhere.chat.completions.create(model="tiny", messages=QUESTION, extra_headers=headers)

@@ -14,7 +14,7 @@ from rollout_service.engine.managed import free_port
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import episode_affinity
 from rollout_service.engine.vllm_client import VLLMServerClient
-from rollout_service.errors import EngineError
+from rollout_service.errors import EngineError, RequestRejected
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import SamplingParams
 
@@ -86,19 +86,64 @@ async def test_5xx_is_retried_then_succeeds(scripted_server) -> None:
     assert client.consecutive_failures == 0
 
 
-async def test_retries_are_bounded_and_4xx_is_not_retried(scripted_server) -> None:
+async def test_retries_are_bounded(scripted_server) -> None:
     url, statuses, bodies = scripted_server
     statuses.extend([503, 503, 503])
     client = await make_client(url, retries=2)
     with pytest.raises(EngineError, match="after 3 attempts"):
         await client.generate([1], SamplingParams())
-    statuses.clear()
-    statuses.append(400)
-    with pytest.raises(EngineError, match="HTTP 400"):
-        await client.generate([1], SamplingParams())
     await client.close()
-    assert len(bodies) == 4
-    assert client.consecutive_failures == 2
+    assert len(bodies) == 3
+    assert client.consecutive_failures == 1
+
+
+VLLM_REFUSAL = {"error": {"message": "temperature must be in [0, 2], got 5.0.", "type": "BadRequestError", "code": 400}}
+
+
+@pytest.mark.parametrize("status", [400, 413, 422])
+async def test_a_4xx_fails_its_request_at_once_with_vllms_message_and_the_server_stays_healthy(status: int) -> None:
+    """Retrying a refusal made ~400 requests a second, and counting it against the server
+    made the pool (and the service's health) flap to no server answering."""
+    attempts: list[dict] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        attempts.append(await request.json())
+        return web.json_response(VLLM_REFUSAL, status=status)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving(app) as url:
+        client = await make_client(url, retries=3)
+        pool = EnginePool([client], probe_interval_s=60)
+        async with asyncio.timeout(10):
+            with pytest.raises(RequestRejected) as info:
+                await pool.generate([1], SamplingParams(stop=("x",)))
+            await pool.probe()
+        await client.close()
+    assert len(attempts) == 1
+    assert str(info.value) == f"{url}: vLLM refused the request: HTTP {status}: temperature must be in [0, 2], got 5.0."
+    assert client.consecutive_failures == 0 and pool.usable
+    failures = client.metrics.registry.get_sample_value("rollout_engine_request_failures_total", {"server": url})
+    assert failures == 1
+
+
+@pytest.mark.parametrize("status", [408, 429])
+async def test_408_and_429_are_retried(scripted_server, status: int) -> None:
+    url, statuses, bodies = scripted_server
+    statuses.append(status)
+    client = await make_client(url, retries=2)
+    assert (await client.generate([1], SamplingParams(stop=("x",)))).token_ids == [5, 6]
+    await client.close()
+    assert len(bodies) == 2 and client.consecutive_failures == 0
+
+
+async def test_greedy_groups_are_one_sample_copied_as_vllm_refuses_n_above_1_when_greedy(scripted_server) -> None:
+    url, _, bodies = scripted_server
+    client = await make_client(url)
+    completions = await client.generate_many([1], SamplingParams(temperature=0.0, stop=("x",)), 3)
+    await client.close()
+    assert [c.token_ids for c in completions] == [[5, 6]] * 3
+    assert len(bodies) == 1 and "n" not in bodies[0]
 
 
 @pytest.mark.parametrize(

@@ -256,3 +256,52 @@ async def test_a_group_the_runs_rewards_cannot_score_is_dropped_counted_and_said
     assert run.counters.groups_dropped == 1 and not run.broker.buffered and run.broker.reserved == 0
     sample = service.metrics.registry.get_sample_value
     assert sample("rollout_groups_dropped_total", {"run": run.run_id, "reason": "reward"}) == 1
+
+
+async def test_a_changed_assistant_turn_is_refused_with_its_index_and_a_re_serialized_one_is_not(
+    tokenizer: Any,
+) -> None:
+    engine = ScriptEngine(tokenizer, ["Let me add. " + TOOL_TURN, "It is 5."])
+    service = service_for(tokenizer, engine)
+    run = await service.create_run(external())
+    reply = await service.external.turn(run, turn("e1", QUESTION))
+    [call] = reply.tool_calls
+    tool = {"role": "tool", "tool_call_id": call["id"], "content": "5"}
+    function = {"name": "add", "arguments": '{"b":3,"a":2}'}  # re-encoded, as clients do
+    changes = [
+        {"content": "Let me subtract."},
+        {"tool_calls": [{**call, "function": {"name": "add", "arguments": '{"a": 2, "b": 4}'}}]},
+        {"tool_calls": [{**call, "function": {**call["function"], "name": "multiply"}}]},
+        {"tool_calls": []},
+    ]
+    for change in changes:
+        changed = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls, **change}
+        with pytest.raises(InvalidArgument, match=r"^message 1 of episode 'e1' differs from the conversation"):
+            await service.external.turn(run, turn("e1", [*QUESTION, changed, tool]))
+    assert len(engine.prompts) == 1  # nothing was generated from a changed conversation
+    copy = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": reply.content}],
+        "tool_calls": [{"id": "call_other", "type": "function", "function": function}],
+    }
+    second = await service.external.turn(run, turn("e1", [*QUESTION, copy, tool]))
+    assert second.content == "It is 5." and len(engine.prompts) == 2
+
+
+async def test_a_message_too_long_for_the_context_is_refused_before_the_chat_template_reads_it(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = service_for(tokenizer, ScriptEngine(tokenizer, ["hello"]))
+    run = await service.create_run(external())
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the tokenizer read a message that cannot fit")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", never)
+    monkeypatch.setattr(tokenizer, "encode", never)
+    huge = [{"role": "user", "content": "a" * (5 << 20)}]
+    with pytest.raises(InvalidArgument, match=r"^messages of 5242880 characters cannot fit the model's context"):
+        await service.external.turn(run, turn("e1", huge))
+    with pytest.raises(InvalidArgument, match=r"^prompt of 5242880 characters cannot fit"):
+        await service.external.complete(run, TextRequest(episode_id="e2", task_id="t1", prompt="a" * (5 << 20)))
+    assert not run.source.open  # type: ignore[attr-defined]
