@@ -1,8 +1,10 @@
 """Launch a local vLLM server as a subprocess, wait until it is healthy, stop it cleanly.
 
 Used by the service for the embedded default and by the test suite (one server per
-session). The server runs in its own process group, so stopping it ends vLLM's engine and
-worker processes too, and nothing else.
+session). The server runs in its own process group, led by a guard (``vllm_guard``), so
+stopping it ends vLLM's engine and worker processes too, and nothing else; and the guard
+ends them when the service dies. The group is recorded in a pid file, so that a service
+started after one whose guard died too stops the server left behind.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +29,7 @@ from pathlib import Path
 from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, move_process
 from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
-from rollout_service.engine import place_and_exec
+from rollout_service.engine import vllm_guard
 from rollout_service.errors import StartupError
 
 logger = logging.getLogger(__name__)
@@ -38,10 +41,70 @@ the prefix cache shares whole blocks only. 32 made a step's generation 25% faste
 benchmark task (G = 8, 34-token prompts), because a group's samples share their prompt."""
 
 
+ORPHAN_GRACE_S = 10.0
+"""How long an orphaned server may take to shut down before it is killed."""
+
+KILL_WAIT_S = 10.0
+"""How long SIGKILLed processes may take to be gone (a GPU's memory is freed on the way)."""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+RECORD_KEYS = ("pgid", "started", "service", "service_started")
+"""A pid file's fields: the server's process group, its leader's start time, the service's pid
+and start time (a start time tells a process from a later one with its pid)."""
+
+
+def pid_file(port: int) -> Path:
+    """Where the process group of the managed server on ``port`` is recorded while it runs."""
+    runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    return runtime / f"rollout-service-{os.getuid()}" / f"vllm-{port}.pid"
+
+
+def _runs_our_group(pgid: int, leader_started: int) -> bool:
+    """Whether process group ``pgid`` still runs, led (or last led) by the recorded guard, with
+    a vLLM process in it (a pid reused since names another process)."""
+    started = vllm_guard.start_time(pgid)
+    if started is not None and started != leader_started:
+        return False
+    return any(b"vllm" in _cmdline(pid).lower() for pid in vllm_guard.group_members(pgid))
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def end_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM process group ``pgid`` and give it ``grace_s``, then SIGKILL what is left; return
+    once none of it lives (so its port is free)."""
+    if grace_s > 0:
+        _signal_group(pgid, signal.SIGTERM)
+        if _group_gone(pgid, grace_s):
+            return
+    _signal_group(pgid, signal.SIGKILL)
+    if not _group_gone(pgid, KILL_WAIT_S):
+        logger.error("processes %s of vLLM's group %d outlived SIGKILL", vllm_guard.group_members(pgid), pgid)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while vllm_guard.group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling other processes: there is no event to wait on
+    return True
 
 
 class ManagedServerError(StartupError):
@@ -64,8 +127,18 @@ class ManagedVLLMServer:
         self.port = settings.port or free_port()
         self.served_model_name = served_model_name or str(settings.model)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = settings.log_file or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
+        self._log_dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        """``settings.log_file``, or server.log in a temporary folder made when first asked for
+        (a server that is never started leaves none) and removed by a clean stop."""
+        if self.settings.log_file is not None:
+            return self.settings.log_file
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="vllm-"))
+        return self._log_dir / "server.log"
 
     def command(self) -> list[str]:
         s = self.settings
@@ -183,14 +256,22 @@ class ManagedVLLMServer:
 
     @property
     def pid(self) -> int | None:
-        """The API server's process id while it runs (its engine and workers are its children)."""
+        """The guard's process id while the server runs (``vllm_guard``): it leads the server's
+        process group and exits when vLLM's API server does."""
         return None if self._process is None else self._process.pid
+
+    @property
+    def api_server_pid(self) -> int | None:
+        """vLLM's API server process, the guard's child (its engine and workers are its children)."""
+        guard = self.pid
+        children = [pid for pid, state, parent, _, _ in vllm_guard.processes() if parent == guard and state != "Z"]
+        return children[0] if guard is not None and children else None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command, cores, nice = self.command(), self.pinned_cores(), self.niceness()
-        if cores or nice:  # placed before vLLM starts, so its engine and worker processes inherit both
-            command = place_and_exec.launcher(cores, nice, command)
+        self._stop_orphan()
+        self._check_port_free()
+        command = vllm_guard.launcher(os.getpid(), self.pinned_cores(), self.niceness(), self.command())
         logger.info(
             "starting vLLM on %s serving %s in %s (log: %s)", self.url, self.settings.model, self.dtype(), self.log_path
         )
@@ -205,21 +286,60 @@ class ManagedVLLMServer:
                 cwd=tempfile.gettempdir(),
                 start_new_session=True,
             )
+        self._record_group(self._process.pid)
         try:
             self._wait_healthy()
             self._move_front_end()
         except BaseException:
-            self.stop()
+            self._halt()
             raise
+
+    def _stop_orphan(self) -> None:
+        """Stop a server that a dead service left running on this port (its guard killed
+        with it, say): a second vLLM beside it would find the port taken."""
+        path = pid_file(self.port)
+        try:
+            record = json.loads(path.read_text())
+            pgid, started, service, service_started = (record[key] for key in RECORD_KEYS)
+        except (OSError, ValueError, KeyError, TypeError):  # none, or not one of ours
+            return
+        if vllm_guard.start_time(service) == service_started:
+            return  # its service lives: not an orphan, and not this service's to stop
+        if _runs_our_group(pgid, started):
+            logger.warning(
+                "vLLM's process group %d, left on port %d by a service that died (pid %d), still runs; stopping it",
+                pgid, self.port, service,
+            )  # fmt: skip
+            end_group(pgid, ORPHAN_GRACE_S)
+        path.unlink(missing_ok=True)
+
+    def _check_port_free(self) -> None:
+        """Fail now, naming the port, rather than with vLLM's own error a minute later."""
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT does not count
+            try:
+                sock.bind(("127.0.0.1", self.port))
+            except OSError as exc:
+                raise ManagedServerError(
+                    f"port {self.port} of the managed vLLM server is taken by another process ({exc.strerror})"
+                ) from None
+
+    def _record_group(self, pgid: int) -> None:
+        """Name the server's process group where a later service looks for orphans (``_stop_orphan``)."""
+        path = pid_file(self.port)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        service = os.getpid()
+        values = (pgid, vllm_guard.start_time(pgid), service, vllm_guard.start_time(service))
+        path.write_text(json.dumps(dict(zip(RECORD_KEYS, values, strict=True))))
 
     def _move_front_end(self) -> None:
         """Move every thread of the API server process (not its children, which started on
         the worker's cores and stay there) to the front-end cores. Threads it starts later
         inherit the cores of the thread that starts them."""
-        cores = self.front_end_cores()
-        if cores is None or self._process is None:
+        cores, api_server = self.front_end_cores(), self.api_server_pid
+        if cores is None or api_server is None:
             return
-        move_process(cores, self._process.pid)
+        move_process(cores, api_server)
         logger.info("vLLM's API server moved to cores %s; engine and worker stay on %s", cores, self.pinned_cores())
 
     def _wait_healthy(self) -> None:
@@ -251,27 +371,34 @@ class ManagedVLLMServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the server and reap its whole process group, also when the API server has
-        already died and left its engine core and worker behind."""
+        already died and left its engine core and worker behind. The temporary log folder
+        goes too, unless the server had failed or died (the error named its log)."""
+        running = self._process is not None and self._process.poll() is None
+        self._halt(timeout_s)
+        if running and self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
+
+    def _halt(self, timeout_s: float = 30.0) -> None:
         process, self._process = self._process, None
         if process is None:
             return
-        pgid = process.pid  # start_new_session: the API server leads its own group
+        pgid = process.pid  # start_new_session: the guard leads the group
         if process.poll() is None:
-            os.killpg(pgid, signal.SIGTERM)
+            os.kill(pgid, signal.SIGTERM)  # the guard passes it on to the group, once
             try:
                 process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 logger.warning("vLLM did not stop within %.0fs; killing it", timeout_s)
                 os.killpg(pgid, signal.SIGKILL)
                 process.wait(timeout=10)
-        # Reap the rest of the group (engine core, worker) if they outlived the API server.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
+        end_group(pgid, grace_s=0)  # what outlived the guard, if it was killed itself
+        pid_file(self.port).unlink(missing_ok=True)
         logger.info("vLLM on %s stopped", self.url)
 
     def restart(self) -> None:
-        """Reap what is left of the server and start it again on the same port."""
-        self.stop()
+        """Reap what is left of the server and start it again on the same port (and log)."""
+        self._halt()
         self.start()
 
     def __enter__(self) -> ManagedVLLMServer:

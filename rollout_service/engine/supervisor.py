@@ -1,16 +1,17 @@
 """Restarts a managed vLLM server whose API process died, a bounded number of times.
 
 Why: a managed server is this service's to keep alive. Its API process can die (out of
-memory, a crash in a request path) while its engine and worker linger as orphans. Without
-a supervisor the pool probes a dead port for ever and every run stops producing.
+memory, a crash in a request path). Without a supervisor the pool probes a dead port for
+ever and every run stops producing.
 
-The supervisor waits on the process itself (a pidfd, readable once it exits; no polling),
-then tells ``on_down`` at once, so routing stops sending requests to it, reaps the whole
-process group, starts the server again on the same port and tells ``on_restarted``. The
-restarted server holds the checkpoint's weights and no adapters: what it takes to bring
-it back to the runs' policies is the service's part (``server_recovery.ServerRecovery``).
-After ``max_restarts`` restarts it gives up and leaves the server down, with an error
-in the log that says where vLLM's own log is.
+The supervisor waits on the server's guard (``vllm_guard``, which exits when the API
+server does; a pidfd, readable once it exits; no polling), then tells ``on_down`` at once,
+so routing stops sending requests to it, reaps the whole process group, starts the server
+again on the same port and tells ``on_restarted``. The restarted server holds the
+checkpoint's weights and no adapters: what it takes to bring it back to the runs' policies
+is the service's part (``server_recovery.ServerRecovery``). After ``max_restarts``
+restarts it gives up and leaves the server down, with an error in the log that says where
+vLLM's own log is.
 """
 
 from __future__ import annotations

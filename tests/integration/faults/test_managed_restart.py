@@ -48,9 +48,9 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
             await wait_until(lambda: _trained_steps(out, 2), 180, "the trainer's first steps")
             (run_id,) = running.service.runs
             version_at_kill = (await client.get_run(run_id)).policy_version
-            old_pid = vllm_server.pid
-            assert old_pid is not None
-            os.kill(old_pid, signal.SIGKILL)  # the API server only: its engine and worker are orphaned
+            old_group, api_server = vllm_server.pid, vllm_server.api_server_pid
+            assert old_group is not None and api_server is not None
+            os.kill(api_server, signal.SIGKILL)  # the API server only: its guard ends the rest of the group
             await asyncio.wait_for(trainer.wait(), 400)  # restart (about a minute), then the steps left
         finally:
             kill_if_running(trainer)
@@ -58,8 +58,8 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
             log = (tmp_path / "t.log").read_text()
             assert trainer.returncode == 0, log[-3000:]
 
-            assert vllm_server.pid not in (None, old_pid)
-            assert not _alive_in_group(old_pid), "the killed server's engine or worker outlived it"
+            assert vllm_server.pid not in (None, old_group)
+            assert not _alive_in_group(old_group), "the killed server's engine or worker outlived it"
             run = running.service.get_run(run_id)
             assert run.admission.weights_requests >= 1  # the trainer was asked for its weights ...
             assert "pushing the weights now, as the service asks" in log  # ... and pushed them
