@@ -164,6 +164,8 @@ async def running_service(
             store=store,
         )
         stack.push_async_callback(service.close)
+        recovery = ServerRecovery(service, pool)
+        recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
         if restored := await service.restore():
             logger.info(
                 "restored %d runs from %s (policy version %d)", restored, settings.state_store, service.policy_version
@@ -173,7 +175,6 @@ async def running_service(
             service.scheduler.resize(monitor.capacity)
         watchdog = asyncio.create_task(service.watch_runs(), name="run-watchdog")
         stack.push_async_callback(_cancelled, watchdog)
-        recovery = ServerRecovery(service, pool)
         service.membership = PoolMembership(
             service,
             pool,
@@ -185,6 +186,7 @@ async def running_service(
         stack.push_async_callback(service.membership.close)  # after weight sync's close, which may resume them
         metrics.engines.set(len(pool.clients))
         await _attach_weights(service, recovery, controls, settings, managed, stack, fresh_urls)
+        await recovery.check_restored(settings.weight_sync.control_timeout_s)
         membership = service.membership
         if discovery is not None:
             found = functools.partial(membership.add, remember=False)  # discovery finds them again after a restart

@@ -13,18 +13,29 @@ on-policy that are not. So it stays held out of routing until it holds what the 
   message on its streams): with one server, the trainer is waiting for groups that no
   server may generate, and would otherwise never push.
 
+The same rule holds when the service itself restarts on its state store: its servers may
+be fresh (a managed server started anew) or restarted behind its back, and hold the
+checkpoint whatever version the store says. So every server starts held
+(``hold_until_checked``) until its own label of the weights (vLLM's ``/weight_info``, set
+after each commit) says it holds the restored version (``check_restored``).
+
 With pool partitions the same rule holds per run: the server's run asks its own trainer
-(``PoolPartitions.server_restarted``).
+(``PoolPartitions.server_restarted``), and a restored partition takes a server only after
+its run's next push.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
+from rollout_service.engine.control import WeightControl, WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.service import RolloutService
 
 logger = logging.getLogger(__name__)
+
+STARTUP_HOLD = "the service is starting: which policy version this server holds is not checked yet"
 
 
 class ServerRecovery:
@@ -33,6 +44,33 @@ class ServerRecovery:
         self.pool = pool
         self.awaiting_weights: set[str] = set()
         """Restarted servers held until the next full-weight push commits."""
+
+    def hold_until_checked(self) -> None:
+        """At start-up, before the stored runs start: no server takes a request until
+        ``check_restored`` has seen which weights it holds."""
+        for client in self.pool.clients:
+            self.pool.hold(client.base_url, STARTUP_HOLD)
+
+    async def check_restored(self, timeout_s: float) -> None:
+        """After the restore and weight sync's start: release the servers that hold the
+        restored policy version by their own label; hold the others until it is pushed, and
+        ask for that push. A server that cannot say counts as not holding it."""
+        service, sync = self.service, self.service.weight_sync
+        version = service.policy_version
+        if service.partitions is not None or sync is None or version == 0:
+            for client in self.pool.clients:  # partitions route by their own readiness; 0: the checkpoint
+                self.pool.release(client.base_url)
+            return
+        labels = await asyncio.gather(*(_label(server, timeout_s) for server in sync.servers))
+        for server, label in zip(sync.servers, labels, strict=True):
+            if label == str(version):
+                self.pool.release(server.base_url)
+                continue
+            logger.warning(
+                "%s serves weights labelled %r, not the restored policy version %d", server.base_url, label, version
+            )
+            self.awaiting_weights.add(server.base_url)
+            self._wait_for_policy(server.base_url, f"serves weights labelled {label!r} after the service restarted")
 
     def server_down(self, url: str) -> None:
         self.pool.hold(url, "its vLLM process exited; restarting it")
@@ -83,3 +121,11 @@ class ServerRecovery:
         for url in self.awaiting_weights & synced:
             self.pool.release(url)
         self.awaiting_weights -= synced
+
+
+async def _label(server: WeightControl, timeout_s: float) -> str | None:
+    try:
+        return await server.weight_version(timeout_s)
+    except WeightSyncError as exc:
+        logger.warning("could not ask %s which weights it serves: %s", server.base_url, exc)
+        return None

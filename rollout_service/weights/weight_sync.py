@@ -600,8 +600,8 @@ class WeightSyncCoordinator:
                 await server.shutdown_weight_transfer(timeout)
                 return True
             await server.init_weight_transfer(leave_info(), timeout)
-            try:
-                await server.finish_weight_update(str(self.version), timeout)
+            try:  # no label: only a commit says which version a server holds (``ServerRecovery``)
+                await server.finish_weight_update(None, timeout)
                 logger.info("closed the weight update a previous service left open on %s", server.base_url)
             except WeightSyncError as exc:
                 if "without a matching start" not in str(exc):

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout_service.config import EngineSettings
+import pytest
+
+from rollout_service.config import EngineSettings, WeightSyncSettings
 from rollout_service.delivery.consumer import ConsumerSession, WeightsWanted
+from rollout_service.engine.control import WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.weights.server_recovery import ServerRecovery
+from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec
 
@@ -104,4 +108,57 @@ async def test_a_resend_of_the_current_version_brings_the_server_back_at_that_ve
     done, _ = await asyncio.wait({first}, timeout=0.2)
     assert not done  # nothing is wanted any more
     first.cancel()
+    await service.delete_run(run.run_id)
+
+
+class LabelledControl:
+    """The one control call start-up makes: the label of the weights a server serves."""
+
+    base_url = URL
+
+    def __init__(self, label: str | None) -> None:
+        self.label = label
+
+    async def weight_version(self, timeout_s: float) -> str:
+        if self.label is None:
+            raise WeightSyncError(URL, "/weight_info", "connection refused")
+        return self.label
+
+
+async def restarted_at(version: int, label: str | None):  # type: ignore[no-untyped-def]
+    """A service restored at policy version ``version`` (a run pushes its base weights) over
+    one server whose weights are labelled ``label`` (None: it does not answer)."""
+    service, pool, recovery = recovery_on_one_server()
+    recovery.hold_until_checked()
+    run = await service.create_run(spec())
+    service.set_policy_version(version)
+    service.base_weights_run = run.run_id
+    service.weight_sync = WeightSyncCoordinator(
+        [LabelledControl(label)], WeightSyncSettings(), recovery.version_committed, version=version
+    )
+    await recovery.check_restored(timeout_s=1)
+    return service, pool, recovery, run
+
+
+@pytest.mark.parametrize("label", ["default", "11", None])
+async def test_a_restored_service_holds_a_server_that_does_not_serve_the_restored_version(label) -> None:
+    """A fresh managed server (labelled "default"), one an older commit labelled, or one that
+    cannot say: none takes a request under version 12 until version 12 is pushed, asked for now."""
+    service, pool, recovery, run = await restarted_at(12, label)
+    assert "policy version 12 is pushed" in pool.held[URL]
+    assert run.admission.weights_requests == 1 and run.admission.weights_wanted
+    recovery.version_committed(12)  # the trainer's resend committed
+    assert not pool.held and not run.admission.weights_wanted
+    await service.delete_run(run.run_id)
+
+
+async def test_a_restored_service_routes_to_a_server_labelled_with_the_restored_version() -> None:
+    service, pool, _recovery, run = await restarted_at(12, "12")
+    assert not pool.held and run.admission.weights_requests == 0
+    await service.delete_run(run.run_id)
+
+
+async def test_before_any_push_the_checkpoint_is_the_policy_whatever_the_label() -> None:
+    service, pool, _recovery, run = await restarted_at(0, "default")
+    assert not pool.held and run.admission.weights_requests == 0
     await service.delete_run(run.run_id)
