@@ -63,6 +63,7 @@ logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 ENGINE_NAME = "gloo"
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_JOIN_TIMEOUT_S = 10.0
 
 
 def register() -> None:
@@ -85,7 +86,10 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     """Where the trainer (rank 0) hosts the rendezvous and where this server's workers sit.
 
     ``timeout_s`` bounds every gloo operation: vLLM puts no timeout on the weight RPCs, so
-    it is the only bound on how long a stuck transfer can stall generation.
+    it is the only bound on how long a stuck transfer can stall generation. ``join_timeout_s``
+    bounds reaching the rendezvous and forming the group: the engine generates nothing while
+    a worker waits there, and a trainer that is not listening would otherwise hold it for
+    ``timeout_s``.
     """
 
     master_address: str
@@ -93,6 +97,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     epoch: int = 0
     """Which join this is: keys of each join live under their own store prefix, so a trainer
     re-joining through the same long-lived store never meets a previous join's keys."""
@@ -107,8 +112,8 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
             raise ValueError(f"rank_offset must be >= 1 (the trainer is rank 0), got {self.rank_offset}")
         if self.world_size < 2:
             raise ValueError(f"world_size must be >= 2 (trainer + workers), got {self.world_size}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise ValueError(f"timeouts must be positive, got {self.timeout_s} and {self.join_timeout_s}")
 
 
 @dataclass
@@ -176,19 +181,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         )
         # vLLM's stateless_init_torch_distributed_process_group, with the join's epoch in the
         # store prefix (see GlooWeightTransferInitInfo.epoch).
-        timeout = timedelta(seconds=init_info.timeout_s)
+        join_timeout = timedelta(seconds=init_info.join_timeout_s)
         host, port = init_info.master_address, init_info.master_port
-        store = TCPStore(host, port, init_info.world_size, is_master=False, timeout=timeout)
+        store = TCPStore(host, port, init_info.world_size, is_master=False, timeout=join_timeout)
         prefix_store = PrefixStore(f"{get_tcp_uri(host, port)}/epoch-{init_info.epoch}", store)
         # vLLM's init_gloo_process_group, with the device on the address that reaches the
         # trainer (``groups``): the default would announce whatever the host name resolves to.
         local = local_address_towards(host, port)
-        self._group = gloo_group(prefix_store, rank, init_info.world_size, timeout, local)
+        self._group = gloo_group(prefix_store, rank, init_info.world_size, join_timeout, local)
         try:
             self._shared, why_not = accept_shared_memory(self._group)
         except Exception:
             self.shutdown()
             raise
+        self._group.set_timeout(timedelta(seconds=init_info.timeout_s))  # joined: transfers get the long bound
         logger.info("joined; weights travel over %s", f"gloo ({why_not})" if self._shared is None else "shared memory")
 
     def _worker_rank(self, rank_offset: int) -> int:

@@ -307,6 +307,7 @@ async def _attach_weights(
             metrics=service.metrics,
             on_trainer_version=service.set_trainer_version,
             holds=service.holds,
+            on_stuck=recovery.pool.set_stuck,
         )
         stack.push_async_callback(service.weight_sync.close)
     service.adapters = AdapterPublisher(

@@ -48,12 +48,15 @@ class AdapterControl(Protocol):
 
 
 class WeightSyncError(Exception):
-    """A control step failed or timed out on one server."""
+    """A control step failed or timed out on one server. ``answered``: the server answered
+    (with an error status), so the call no longer runs there; a timeout or a lost
+    connection says nothing of what vLLM still does."""
 
-    def __init__(self, server: str, step: str, message: str) -> None:
+    def __init__(self, server: str, step: str, message: str, answered: bool = False) -> None:
         super().__init__(f"{server} {step}: {message}")
         self.server = server
         self.step = step
+        self.answered = answered
 
 
 class VLLMControlClient:
@@ -87,7 +90,7 @@ class VLLMControlClient:
             ) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
-                    raise WeightSyncError(self.base_url, path, f"HTTP {resp.status}: {text[:500]}")
+                    raise WeightSyncError(self.base_url, path, f"HTTP {resp.status}: {text[:500]}", answered=True)
                 return _json_or_text(text)
         except TimeoutError:
             raise WeightSyncError(self.base_url, path, f"no answer within {timeout_s:.0f}s") from None

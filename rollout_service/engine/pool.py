@@ -18,7 +18,10 @@ requests are abandoned at once instead of at their deadline, and it counts as fa
 
 A server can also be held out of routing (``hold``): while its managed process restarts,
 and after, while it holds other weights than the runs' policy. Requests then go to the
-others; with every server held they wait for a ``release`` instead of failing.
+others; with every server held they wait for a ``release`` instead of failing. A server
+whose engine is still busy with a weight-transfer call of an aborted update is held too
+(``set_stuck``), and unlike a held one it counts as unable to generate for ``on_usable``:
+health says so while no other server can.
 
 Servers join and leave while the service runs (``add``, ``remove``; ``PoolMembership``
 decides when). A leaving server is held while its requests drain; a request it abandons
@@ -72,6 +75,8 @@ class EnginePool:
         self._prober: asyncio.Task[None] | None = None
         self.held: dict[str, str] = {}
         """Servers (by URL) that take no requests, and why."""
+        self.stuck: dict[str, str] = {}
+        """Servers (by URL) whose engine runs a call the service gave up, and which call."""
         self._changed = asyncio.Event()
         """Set (then replaced) when a server may have become routable: ``routable`` waits on it."""
 
@@ -115,7 +120,11 @@ class EnginePool:
         """Bring back failed servers that answer /health, give up on busy ones that do not,
         and report whether any server works."""
         await asyncio.gather(*(self._probe(client) for client in list(self.clients)))
-        usable = any(c.consecutive_failures == 0 for c in self.clients)
+        self._report_usable()
+
+    def _report_usable(self) -> None:
+        """Tell ``on_usable`` when the pool starts or stops having a server that can generate."""
+        usable = any(c.consecutive_failures == 0 and c.base_url not in self.stuck for c in self.clients)
         if usable != self.usable:
             self.usable = usable
             if not usable:
@@ -155,6 +164,7 @@ class EnginePool:
             raise ValueError(f"{url} is the pool's only server")
         self.clients.remove(client)
         self.held.pop(client.base_url, None)
+        self.stuck.pop(client.base_url, None)
         self._affinity = {key: chosen for key, chosen in self._affinity.items() if chosen is not client}
         self._last_pick.pop(client.base_url, None)
         if self.monitor is not None:
@@ -173,6 +183,17 @@ class EnginePool:
             logger.info("%s takes requests again", url)
             self.notify_changed()
 
+    def set_stuck(self, url: str, reason: str | None) -> None:
+        """Hold ``url`` out of routing while its engine is busy with ``reason``; None: it is free."""
+        url = url.rstrip("/")
+        if reason is not None:
+            logger.warning("holding %s out of routing: %s", url, reason)
+            self.stuck[url] = reason
+        elif self.stuck.pop(url, None) is not None:
+            logger.info("%s is free of the aborted weight update; it takes requests again", url)
+            self.notify_changed()
+        self._report_usable()
+
     def notify_changed(self) -> None:
         """A server may have become routable (released, or given to a run's partition)."""
         self._changed.set()
@@ -183,7 +204,8 @@ class EnginePool:
         for a change."""
         while True:
             names = allowed() if allowed is not None else None
-            free = [c for c in self.clients if c.base_url not in self.held and (names is None or c.base_url in names)]
+            out = self.held.keys() | self.stuck.keys()
+            free = [c for c in self.clients if c.base_url not in out and (names is None or c.base_url in names)]
             if free:
                 return free
             await self._changed.wait()

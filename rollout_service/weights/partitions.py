@@ -168,6 +168,7 @@ class PoolPartitions:
             version=version,
             on_trainer_version=lambda v: self._on_trainer_version(run_id, v),
             metrics=self.metrics,
+            on_stuck=self.pool.set_stuck,
         )
         self.partitions[run_id] = _Partition(run_id, weight, coordinator)
         self._rebalance_soon()

@@ -97,7 +97,7 @@ class PoolMembership:
 
     def _state(self, client: VLLMServerClient) -> EngineState:
         url = client.base_url
-        reason, owner = self.pool.held.get(url, ""), ""
+        reason, owner = self.pool.stuck.get(url) or self.pool.held.get(url, ""), ""
         if (partitions := self.service.partitions) is not None:
             owner = partitions.owner.get(url) or ""
             reason = reason or partitions.unready_reason(url)

@@ -70,13 +70,20 @@ def validate_begin(address: str, port: int, tensors: list[TensorSpec]) -> None:
 
 
 def init_info(
-    backend: str, address: str, port: int, rank_offset: int, world_size: int, timeout_s: float, epoch: int
+    backend: str,
+    address: str,
+    port: int,
+    rank_offset: int,
+    world_size: int,
+    timeout_s: float,
+    epoch: int,
+    join_timeout_s: float,
 ) -> dict[str, Any]:
     """The ``/init_weight_transfer_engine`` body for one server.
 
     vLLM builds the backend's init-info dataclass from these keys and rejects unknown ones,
     so only this project's gloo engine is sent the extras it understands: the group's
-    timeout and the join epoch that keys its rendezvous (vLLM's nccl rendezvous has no
+    timeouts (joining, and each transfer) and the join epoch that keys its rendezvous (vLLM's nccl rendezvous has no
     epochs; its trainer hosts a fresh store, on a fresh port, per join).
     """
     info: dict[str, Any] = {
@@ -86,7 +93,7 @@ def init_info(
         "world_size": world_size,
     }
     if backend == "gloo":
-        info |= {"timeout_s": timeout_s, "epoch": epoch}
+        info |= {"timeout_s": timeout_s, "join_timeout_s": join_timeout_s, "epoch": epoch}
     return info
 
 

@@ -22,6 +22,12 @@ trainer died mid-broadcast), a trainer that never commits (watchdog), or an expl
 all end in ``_abort``: the update is dropped, servers resume on the old weights and the
 next update re-joins the transfer group, because a failed group cannot be trusted.
 
+vLLM cannot cancel a weight-transfer call: a join or receive the service stopped waiting
+for goes on in the server's engine, which generates nothing meanwhile (a join is bounded by
+``join_timeout_s``, a receive by ``transfer_timeout_s``). Such a server is held out of
+routing, as stuck, until a leave queued behind that call answers (``_free``), and the
+next begin waits for it instead of queueing another join behind it.
+
 Time accounting: every update records the wall time of each phase (over all servers at
 once) and how long generation was paused, from the first pause call to the end of resume,
 so users see what a push costs the rollouts and where it goes.
@@ -64,6 +70,8 @@ class _Update:
     resend: bool = False
     """The weights of the current version again (``BeginWeightUpdateRequest.resend``)."""
     paused: set[str] = field(default_factory=set)
+    in_vllm: dict[str, str] = field(default_factory=dict)
+    """Servers running a call of this update that keeps their engine busy, by URL: which call."""
     aborted: str | None = None
     epoch: int = 0
     phases: dict[str, float] = field(default_factory=dict)
@@ -99,7 +107,10 @@ class WeightSyncCoordinator:
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         holds: VersionHolds | None = None,
+        on_stuck: Callable[[str, str | None], None] = lambda url, reason: None,
     ) -> None:
+        """``on_stuck``: told a server whose engine still runs a call of an aborted update,
+        and why (its routing holds it), then None once it is free."""
         self.servers = list(servers)
         self.holds = holds or VersionHolds()
         """Evaluations holding the current version: an update waits for them (``version_holds``)."""
@@ -140,6 +151,9 @@ class WeightSyncCoordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stuck_paused: set[str] = set()
         """Servers whose resume failed every retry; a background task keeps resuming them."""
+        self._on_stuck = on_stuck
+        self._freeing: dict[str, asyncio.Task[None]] = {}
+        """Servers being freed of an aborted update's call (``_free``), by URL."""
 
     # -- begin ---------------------------------------------------------------------------
     async def begin(
@@ -160,6 +174,7 @@ class WeightSyncCoordinator:
                 raise FailedPrecondition(
                     f"weight update {self._current.update_id} is in progress; commit or abort it first"
                 )
+            await self._await_freed()
             held_s = 0.0
             self.pausing_update_pending = mode != "none"
             try:
@@ -227,19 +242,36 @@ class WeightSyncCoordinator:
         update_info: dict[str, Any],
         mode: PauseModeName,
     ) -> None:
-        transfer_s, control_s = self.settings.transfer_timeout_s, self.settings.control_timeout_s
+        settings = self.settings
+        transfer_s, control_s = settings.transfer_timeout_s, settings.control_timeout_s
         if join:
             self._group = None
             epoch = update.epoch
             offsets = [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
             world = 1 + sum(world_sizes)
+            # gloo's workers give up the join themselves; wait a little longer than they do
+            join_s = settings.join_timeout_s + control_s if settings.backend == "gloo" else transfer_s
             await self._phase(
                 update,
                 "join",
                 *(
-                    server.init_weight_transfer(
-                        init_info(self.settings.backend, address, port, offset, world, transfer_s, epoch),
-                        transfer_s,
+                    self._in_vllm(
+                        update,
+                        server,
+                        "join",
+                        server.init_weight_transfer(
+                            init_info(
+                                settings.backend,
+                                address,
+                                port,
+                                offset,
+                                world,
+                                transfer_s,
+                                epoch,
+                                settings.join_timeout_s,
+                            ),
+                            join_s,
+                        ),
                     )
                     for server, offset in zip(self.servers, offsets, strict=True)
                 ),
@@ -250,15 +282,35 @@ class WeightSyncCoordinator:
             # (on a busy loop that is milliseconds later), so it spans every phase it holds.
             update.paused_at = self._clock()
             await self._phase(update, "pause", *(self._pause(update, server, mode) for server in self.servers))
-        await self._phase(update, "transfer", self._transfer(update_info, control_s, transfer_s, join))
+        await self._phase(update, "transfer", self._transfer(update, update_info, control_s, transfer_s, join))
 
-    async def _transfer(self, update_info: dict[str, Any], control_s: float, transfer_s: float, join: bool) -> None:
+    async def _transfer(
+        self, update: _Update, update_info: dict[str, Any], control_s: float, transfer_s: float, join: bool
+    ) -> None:
         prestarted = await self._take_prestarted()
         # Joins trust it too (a trainer's new port changes nothing in the servers): a
         # restarted server drops the record (``server_restarted``), an added one is not in it.
         starting = [server for server in self.servers if server.base_url not in prestarted]
         await asyncio.gather(*(self._start(server, control_s, join) for server in starting))
-        await asyncio.gather(*(server.update_weights(update_info, transfer_s) for server in self.servers))
+        await asyncio.gather(
+            *(
+                self._in_vllm(update, server, "receive", server.update_weights(update_info, transfer_s))
+                for server in self.servers
+            )
+        )
+
+    @staticmethod
+    async def _in_vllm(update: _Update, server: WeightControl, call: str, answer: Awaitable[None]) -> None:
+        """Await a call that keeps the server's engine busy; one not answered (cancelled by
+        an abort, timed out) stays in ``update.in_vllm``: vLLM still runs it."""
+        update.in_vllm[server.base_url] = call
+        try:
+            await answer
+        except WeightSyncError as exc:
+            if exc.answered:
+                del update.in_vllm[server.base_url]
+            raise
+        del update.in_vllm[server.base_url]
 
     async def _label(self, version: int, after: asyncio.Task[None] | None) -> None:
         """After a commit, off its path: label the servers' weights with the version, so that
@@ -493,6 +545,10 @@ class WeightSyncCoordinator:
             # cancellation of this abort itself still propagates.
             await asyncio.gather(update.pipeline, return_exceptions=True)
         self._group = None  # a failed transfer group cannot be trusted: re-join next time
+        for url, call in update.in_vllm.items():
+            server = next((server for server in self.servers if server.base_url == url), None)
+            if server is not None and url not in self._freeing:
+                self._freeing[url] = self._spawn(self._free(server, update.update_id, call))
         try:
             await self._resume(update)
         finally:  # whatever the resume raised, the update is over: later begins must work
@@ -507,6 +563,46 @@ class WeightSyncCoordinator:
             reason,
             self.version,
         )
+
+    async def _free(self, server: WeightControl, update_id: str, call: str) -> None:
+        """Hold ``server`` out of routing until its engine is done with the aborted update's
+        call: a leave sent now is run after it, so its answer says the engine is free (and
+        the leave drops what the call joined or received)."""
+        bound = "weight_sync.join_timeout_s" if call == "join" else "weight_sync.transfer_timeout_s"
+        reason = (
+            f"its engine still runs the {call} of aborted weight update {update_id} and generates nothing "
+            f"until that ends (at most {bound})"
+        )
+        self._on_stuck(server.base_url, reason)
+        settings = self.settings
+        timeout = settings.join_timeout_s + settings.transfer_timeout_s + settings.control_timeout_s
+        try:
+            for attempt in range(3):
+                if attempt:
+                    await asyncio.sleep(settings.resume_retry_s)  # a backoff before asking again
+                if await self._release_transfer(server, timeout):
+                    return
+            logger.error(
+                "%s did not answer a leave after aborted update %s; its health probes decide",
+                server.base_url,
+                update_id,
+            )
+        finally:
+            self._freeing.pop(server.base_url, None)
+            self._on_stuck(server.base_url, None)
+
+    async def _await_freed(self) -> None:
+        """Before a begin: wait (a control timeout at most) for servers still busy with an
+        aborted update's call, so a join is never queued behind another."""
+        if not self._freeing:
+            return
+        _, busy = await asyncio.wait(list(self._freeing.values()), timeout=self.settings.control_timeout_s)
+        if busy:
+            urls = ", ".join(url for url, task in self._freeing.items() if task in busy)
+            raise FailedPrecondition(
+                f"{urls} still run a call of an aborted weight update (vLLM cannot cancel it); push again "
+                "once it ends, within weight_sync.join_timeout_s for a join or transfer_timeout_s for a transfer"
+            )
 
     async def _resume(self, update: _Update) -> None:
         started = self._clock()
@@ -593,8 +689,9 @@ class WeightSyncCoordinator:
         answered = await asyncio.gather(*(self._release_transfer(server) for server in servers))
         return [server.base_url for server, ok in zip(servers, answered, strict=True) if ok]
 
-    async def _release_transfer(self, server: WeightControl) -> bool:
-        timeout = self.settings.control_timeout_s
+    async def _release_transfer(self, server: WeightControl, timeout_s: float | None = None) -> bool:
+        """Drop the server's side of the group and close an update left open; whether it answered."""
+        timeout = timeout_s or self.settings.control_timeout_s
         try:
             if self.settings.backend != "gloo":
                 await server.shutdown_weight_transfer(timeout)
@@ -608,7 +705,7 @@ class WeightSyncCoordinator:
                     raise
         except WeightSyncError as exc:
             logger.info("could not release %s's weight-transfer group: %s", server.base_url, exc)
-            return False
+            return exc.answered
         return True
 
     def paused_seconds(self) -> float:

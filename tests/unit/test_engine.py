@@ -313,6 +313,25 @@ async def test_a_held_server_is_not_routed_to_while_another_is_free() -> None:
     assert pool.pick(servers=await pool.routable()).base_url == "http://s0"
 
 
+async def test_a_stuck_server_is_held_and_the_pool_is_unusable_while_no_other_can_generate() -> None:
+    """Health follows ``usable``: a server whose engine is busy with an aborted update's call
+    cannot generate, and with every server stuck the service must not say SERVING."""
+    pool = pool_of([0, 0])
+    told: list[bool] = []
+    pool.on_usable = told.append
+    pool.set_stuck("http://s0", "joining an aborted update")
+    assert [c.base_url for c in await asyncio.wait_for(pool.routable(), 1)] == ["http://s1"]
+    assert pool.usable and told == []  # s1 still generates
+    pool.set_stuck("http://s1", "joining an aborted update")
+    assert not pool.usable and told == [False]
+    waiting = asyncio.ensure_future(pool.routable())
+    done, _ = await asyncio.wait({waiting}, timeout=0.05)
+    assert not done  # requests wait for a free server instead of failing
+    pool.set_stuck("http://s1", None)
+    assert [c.base_url for c in await asyncio.wait_for(waiting, 1)] == ["http://s1"]
+    assert pool.usable and told == [False, True]
+
+
 async def test_a_pool_started_before_its_server_is_unusable_until_the_server_answers() -> None:
     """The service's gRPC health follows ``usable``: started before vLLM (Kubernetes starts
     pods in any order), it says NOT_SERVING until a server answers, not SERVING on a guess."""

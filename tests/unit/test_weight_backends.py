@@ -32,23 +32,24 @@ from vllm_gloo_transfer.shared_memory import accept_shared_memory
 def test_nccl_servers_get_exactly_the_fields_vllms_engine_accepts() -> None:
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
-    info = init_info("nccl", "10.0.0.2", 29500, rank_offset=3, world_size=5, timeout_s=30, epoch=4)
+    info = init_info("nccl", "10.0.0.2", 29500, rank_offset=3, world_size=5, timeout_s=30, epoch=4, join_timeout_s=5)
     parsed = NCCLWeightTransferInitInfo(**info)
     assert (parsed.master_address, parsed.master_port, parsed.rank_offset, parsed.world_size) == (
         "10.0.0.2", 29500, 3, 5,
     )  # fmt: skip
     with pytest.raises(TypeError):  # why the gloo extras must not be sent to nccl servers
-        NCCLWeightTransferInitInfo(**init_info("gloo", "h", 1, 1, 2, 30, 4))
+        NCCLWeightTransferInitInfo(**init_info("gloo", "h", 1, 1, 2, 30, 4, 5))
 
 
-def test_gloo_servers_also_get_the_timeout_and_join_epoch() -> None:
-    parsed = GlooWeightTransferInitInfo(**init_info("gloo", "127.0.0.1", 29500, 1, 2, timeout_s=12.5, epoch=7))
-    assert (parsed.epoch, parsed.timeout_s) == (7, 12.5)
+def test_gloo_servers_also_get_the_timeouts_and_join_epoch() -> None:
+    info = init_info("gloo", "127.0.0.1", 29500, 1, 2, timeout_s=12.5, epoch=7, join_timeout_s=3.5)
+    parsed = GlooWeightTransferInitInfo(**info)
+    assert (parsed.epoch, parsed.timeout_s, parsed.join_timeout_s) == (7, 12.5, 3.5)
 
 
 def test_a_leave_only_init_parses_and_joins_nothing() -> None:
     parsed = GlooWeightTransferInitInfo(**leave_info())
-    assert parsed.leave and not GlooWeightTransferInitInfo(**init_info("gloo", "h", 1, 1, 2, 30, 4)).leave
+    assert parsed.leave and not GlooWeightTransferInitInfo(**init_info("gloo", "h", 1, 1, 2, 30, 4, 5)).leave
 
 
 def test_the_sender_follows_the_backend_the_service_reports() -> None:

@@ -510,3 +510,87 @@ async def test_a_first_update_closes_one_a_dead_service_left_open_in_vllm() -> N
         "start_weight_update",
         "update_weights",
     ]
+
+
+class EngineBusyControl(ScriptedControl):
+    """vLLM's engine runs one control call at a time, and a call the service stops waiting
+    for goes on there: the join hangs (no trainer listens) until ``join_ends`` is set, and
+    every later call waits for it, as behind the engine core's queue."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.join_ends = asyncio.Event()
+        self.joins = 0
+
+    async def init_weight_transfer(self, info, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+        if not info.get("leave"):
+            self.joins += 1
+            if self.joins == 1:
+                await self.join_ends.wait()  # cancelling the service's wait does not end vLLM's
+        await self.join_ends.wait()
+        await super().init_weight_transfer(info, timeout_s)
+
+
+async def test_an_update_aborted_mid_join_holds_the_busy_server_until_vllm_lets_go() -> None:
+    clock = Clock()
+    server = EngineBusyControl(clock)
+    stuck: list[tuple[str, str | None]] = []
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, join_timeout_s=5, resume_retry_s=0.001)
+    sync = WeightSyncCoordinator(
+        [server], settings, lambda _: None, clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
+    )
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        await wait_until(lambda: server.joins == 1, 5, "the join to reach vLLM")
+        assert await asyncio.wait_for(sync.abort(ticket.update_id, "trainer gone"), 5) == 0  # answers at once
+        ((url, why),) = stuck
+        assert url == server.base_url and "join of aborted weight update" in str(why)
+        assert "weight_sync.join_timeout_s" in str(why)
+
+        # A begin now waits for the server instead of queueing a second join behind the first.
+        second = asyncio.ensure_future(sync.begin("run", "127.0.0.1", 29500, TENSORS, "none"))
+        done, _ = await asyncio.wait({second}, timeout=0.1)
+        assert not done and server.joins == 1
+        server.join_ends.set()  # vLLM's join gave up (join_timeout_s): the leave behind it answers
+        ticket = await asyncio.wait_for(second, 5)
+        assert stuck[-1] == (server.base_url, None)  # routable again
+        await asyncio.wait_for(server.received.wait(), 5)
+        assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 1
+    finally:
+        await sync.close()
+
+
+async def test_a_begin_is_refused_while_a_server_stays_busy_with_an_aborted_call() -> None:
+    clock = Clock()
+    server = EngineBusyControl(clock)
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=0.05, join_timeout_s=5)
+    sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        await wait_until(lambda: server.joins == 1, 5, "the join to reach vLLM")
+        await sync.abort(ticket.update_id, "trainer gone")
+        with pytest.raises(FailedPrecondition, match="still run a call of an aborted weight update"):
+            await asyncio.wait_for(sync.begin("run", "127.0.0.1", 29500, TENSORS, "none"), 5)
+        assert server.joins == 1
+    finally:
+        server.join_ends.set()
+        await sync.close()
+
+
+async def test_an_answered_failure_leaves_no_server_busy() -> None:
+    """A join vLLM answered with an error is over there: nothing to free, nothing held."""
+    clock = Clock()
+    server = ScriptedControl(clock, fail="init_weight_transfer")
+    stuck: list[tuple[str, str | None]] = []
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001)
+    sync = WeightSyncCoordinator(
+        [server], settings, lambda _: None, clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
+    )
+    server.fail_once["init_weight_transfer"] = WeightSyncError(server.base_url, "/init", "HTTP 500", answered=True)
+    try:
+        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        with pytest.raises(FailedPrecondition, match="aborted"):
+            await asyncio.wait_for(sync.commit(ticket.update_id), 5)
+        assert not stuck
+    finally:
+        await sync.close()

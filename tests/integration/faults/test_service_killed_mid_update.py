@@ -120,7 +120,7 @@ async def test_a_new_service_frees_a_broadcast_waiting_on_the_group_a_dead_one_l
     try:
         world = 1 + await control.world_size(30)
         sender = GlooWeightSender("127.0.0.1", free_port(), world, timeout_s=120)
-        info = init_info("gloo", "127.0.0.1", sender.master_port, 1, world, 120, epoch=1)
+        info = init_info("gloo", "127.0.0.1", sender.master_port, 1, world, 120, epoch=1, join_timeout_s=30)
         await asyncio.gather(control.init_weight_transfer(info, 60), asyncio.to_thread(sender.connect, 1, world))
         try:
             await control.start_weight_update(30)
