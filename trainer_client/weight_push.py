@@ -90,7 +90,7 @@ class WeightPusher:
         commit.add_done_callback(lambda _: abandoned.set())
         try:
             with self.clock.measure("push_transfer"):
-                await self._send(ticket, tensors, abandoned)
+                await self._send(ticket, tensors, abandoned, commit)
             with self.clock.measure("push_commit"):
                 committed = await commit
         except BaseException as exc:
@@ -111,9 +111,14 @@ class WeightPusher:
         return committed.policy_version
 
     async def _send(
-        self, ticket: pb.BeginWeightUpdateResponse, tensors: list[tuple[str, torch.Tensor]], abandoned: threading.Event
+        self,
+        ticket: pb.BeginWeightUpdateResponse,
+        tensors: list[tuple[str, torch.Tensor]],
+        abandoned: threading.Event,
+        commit: asyncio.Task[pb.CommitWeightUpdateResponse],
     ) -> None:
-        """Broadcast the tensors to the servers' workers, joining the transfer group first when asked."""
+        """Broadcast the tensors to the servers' workers, joining the transfer group first when
+        asked; give up as soon as ``commit`` fails (the service aborted the update)."""
         if ticket.join_group:
             # First push, or the servers dropped the group (a failure, a service restart):
             # join again through the same store, under this join's epoch.
@@ -133,7 +138,14 @@ class WeightPusher:
         assert self._sender is not None and self._sender.connected, "no group is open, but no join was asked"
         if abandoned.is_set():  # aborted during the join: no server will receive this broadcast
             raise UpdateAbandoned("the update was given up before the broadcast")
-        await asyncio.to_thread(self._sender.broadcast, tensors)
+        broadcast = asyncio.ensure_future(asyncio.to_thread(self._sender.broadcast, tensors))
+        await asyncio.wait({broadcast, commit}, return_when=asyncio.FIRST_COMPLETED)
+        if not broadcast.done() and (commit.cancelled() or commit.exception() is not None):
+            # Aborted mid-broadcast: gloo cannot cancel a send, so its thread is left to end at
+            # the group's timeout (on the group left below) while the trainer goes on.
+            broadcast.add_done_callback(_outcome_dropped)
+            raise UpdateAbandoned("the update was given up during the broadcast")
+        await broadcast
 
     def _new_sender(
         self, sender_class: type[GlooWeightSender] | type[NcclWeightSender], world_size: int
@@ -147,6 +159,12 @@ class WeightPusher:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+
+
+def _outcome_dropped(broadcast: asyncio.Future[None]) -> None:
+    """A broadcast given up: its failure at the group's timeout is expected, not news."""
+    if not broadcast.cancelled() and broadcast.exception() is not None:
+        logger.debug("an abandoned broadcast ended: %s", broadcast.exception())
 
 
 def sender_for(backend: str) -> type[GlooWeightSender] | type[NcclWeightSender]:
