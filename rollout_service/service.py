@@ -21,7 +21,7 @@ from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.delivery.state_store import MemoryStore, StateStore, run_state
 from rollout_service.delivery.watchdog import RunWatchdog
 from rollout_service.engine.protocol import Engine
-from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, echo
 from rollout_service.evaluation import EvalResult, Evaluations
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
@@ -413,7 +413,7 @@ class RolloutService:
         run = self.find_run(run_id)
         if run is None:
             known = ", ".join(self.runs) or "none"
-            raise NotFound(f"no run {run_id!r}; existing runs: {known}")
+            raise NotFound(f"no run {echo(run_id)}; existing runs: {known}")
         return run
 
     async def delete_run(self, run_id: str) -> Run:

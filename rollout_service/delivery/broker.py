@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.state_store import MemoryStore, StateStore
-from rollout_service.errors import AlreadyExists, FailedPrecondition
+from rollout_service.errors import AlreadyExists, FailedPrecondition, echo
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import ScoredGroup
 
@@ -186,7 +186,7 @@ class RunBroker:
             raise FailedPrecondition(f"run {self.run_id} is stopped; create a new run")
         if consumer_id in self.leases:
             raise AlreadyExists(
-                f"consumer {consumer_id!r} is already subscribed to run {self.run_id}; "
+                f"consumer {echo(consumer_id)} is already subscribed to run {self.run_id}; "
                 "use a unique consumer_id per trainer process"
             )
         self.leases[consumer_id] = {}
@@ -280,7 +280,7 @@ class RunBroker:
         for group_id in group_ids:
             if group_id not in leased and self.expired_from.get(group_id) == consumer_id:
                 raise FailedPrecondition(
-                    f"the lease of group {group_id!r} expired (after {self.lease_timeout_s}s without an ack) "
+                    f"the lease of group {echo(group_id)} expired (after {self.lease_timeout_s}s without an ack) "
                     "and it went back to the run for another consumer; do not count it as trained here"
                 )
             if group_id in self.acked:
@@ -288,7 +288,7 @@ class RunBroker:
             # Unleased, only a restored group may be acked: its consumer held it before the restart.
             if group_id not in leased and not self._take_restored(group_id):
                 raise FailedPrecondition(
-                    f"group {group_id!r} is not leased to consumer {consumer_id!r}; "
+                    f"group {echo(group_id)} is not leased to consumer {echo(consumer_id)}; "
                     "ack only groups this stream received"
                 )
             leased.pop(group_id, None)

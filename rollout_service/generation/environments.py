@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout_service.errors import EnvironmentFailure, InvalidArgument
+from rollout_service.errors import EnvironmentFailure, InvalidArgument, echo
 from rollout_service.generation.user_code import call_user_function
 from rollout_service.types import PromptItem
 
@@ -124,4 +124,4 @@ class EnvironmentRegistry:
         try:
             return self._factories[name]
         except KeyError:
-            raise InvalidArgument(f"unknown environment {name!r}; registered: {', '.join(self.names())}") from None
+            raise InvalidArgument(f"unknown environment {echo(name)}; registered: {', '.join(self.names())}") from None

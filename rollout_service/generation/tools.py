@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from rollout_service.errors import InvalidArgument
+from rollout_service.errors import InvalidArgument, echo
 from rollout_service.generation.user_code import call_user_function
 
 ToolFunction = Callable[..., Any]
@@ -301,10 +301,10 @@ class ToolRegistry:
         """The tools of one run; unknown names are the client's error and say what exists."""
         unknown = [n for n in names if n not in self._tools]
         if unknown:
-            raise InvalidArgument(f"unknown tool {unknown[0]!r}; registered tools: {', '.join(self.names())}")
+            raise InvalidArgument(f"unknown tool {echo(unknown[0])}; registered tools: {', '.join(self.names())}")
         if parser not in self._parsers:
             known = ", ".join(self.parser_names())
-            raise InvalidArgument(f"unknown tool parser {parser!r}; registered parsers: {known}")
+            raise InvalidArgument(f"unknown tool parser {echo(parser)}; registered parsers: {known}")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool")
         return ToolSet([self._tools[n] for n in names], self._parsers[parser], timeout_s, self._executor)

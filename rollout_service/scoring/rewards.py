@@ -42,7 +42,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.errors import InvalidArgument, RewardError
+from rollout_service.errors import InvalidArgument, RewardError, echo
 from rollout_service.types import EpisodeResult, PromptItem
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,9 @@ class RewardRegistry:
         try:
             return self._functions[name]
         except KeyError:
-            raise InvalidArgument(f"unknown reward function {name!r}; registered: {', '.join(self.names())}") from None
+            raise InvalidArgument(
+                f"unknown reward function {echo(name)}; registered: {', '.join(self.names())}"
+            ) from None
 
 
 async def call_reward(

@@ -28,7 +28,7 @@ from typing import cast
 
 from rollout_service.engine.control import AdapterControl, WeightSyncError
 from rollout_service.engine.protocol import Engine, GroupEngine
-from rollout_service.errors import FailedPrecondition, InvalidArgument
+from rollout_service.errors import FailedPrecondition, InvalidArgument, echo
 from rollout_service.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def check_adapter_file_name(name: str) -> None:
     """Called per chunk, so a refused file is never buffered."""
     if name not in ADAPTER_FILES:
         raise InvalidArgument(
-            f"adapter file {name!r} is not accepted; send {list(ADAPTER_FILES)} (PEFT's save_pretrained with "
+            f"adapter file {echo(name)} is not accepted; send {list(ADAPTER_FILES)} (PEFT's save_pretrained with "
             "safetensors; pickled .bin weights are refused)"
         )
 

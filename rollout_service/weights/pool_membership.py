@@ -41,7 +41,7 @@ import aiohttp
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient, served_models
-from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError
+from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError, echo
 from rollout_service.service import RolloutService
 from rollout_service.types import EngineRemoved, EngineState
 from rollout_service.weights.server_recovery import ServerRecovery
@@ -55,11 +55,11 @@ def check_engine_url(url: str) -> str:
     """``http(s)://host:port`` without a path; the normalized URL."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise InvalidArgument(f"engine url {url!r} is not http(s)://host:port; give the vLLM server's base URL")
+        raise InvalidArgument(f"engine url {echo(url)} is not http(s)://host:port; give the vLLM server's base URL")
     try:
         parts.port  # noqa: B018 - raises on a malformed port
     except ValueError:
-        raise InvalidArgument(f"engine url {url!r} has an invalid port") from None
+        raise InvalidArgument(f"engine url {echo(url)} has an invalid port") from None
     return f"{parts.scheme}://{parts.netloc}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.errors import InvalidArgument
+from rollout_service.errors import InvalidArgument, echo
 
 TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
 PHASES = ("eval_hold", "join", "pause", "transfer", "finish", "reset_prefix_cache", "resume")
@@ -63,7 +63,8 @@ def validate_begin(address: str, port: int, tensors: list[TensorSpec]) -> None:
     for tensor in tensors:
         if tensor.dtype not in TORCH_DTYPES:
             raise InvalidArgument(
-                f"tensor {tensor.name!r} has dtype {tensor.dtype!r}; use one of {', '.join(sorted(TORCH_DTYPES))}"
+                f"tensor {echo(tensor.name)} has dtype {echo(tensor.dtype)}; "
+                f"use one of {', '.join(sorted(TORCH_DTYPES))}"
             )
         if not tensor.name:
             raise InvalidArgument("a tensor has an empty name")

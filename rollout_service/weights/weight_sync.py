@@ -46,7 +46,7 @@ from typing import Any
 
 from rollout_service.config import APPLIES_AT_FINISH, WeightSyncSettings, no_pause_refused
 from rollout_service.engine.control import PauseModeName, WeightControl, WeightSyncError
-from rollout_service.errors import FailedPrecondition
+from rollout_service.errors import FailedPrecondition, echo
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.weights.update_messages import (
     TensorSpec,
@@ -91,7 +91,7 @@ class _Update:
 def not_in_progress(update_id: str) -> FailedPrecondition:
     """The error for a commit or abort of an update no coordinator has in progress."""
     return FailedPrecondition(
-        f"weight update {update_id!r} is not in progress (it was committed, aborted or never begun); "
+        f"weight update {echo(update_id)} is not in progress (it was committed, aborted or never begun); "
         "call BeginWeightUpdate again"
     )
 
