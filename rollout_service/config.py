@@ -294,7 +294,7 @@ class WeightSyncSettings(Section):
     transfer_timeout_s: float = Field(default=120.0, gt=0)
     """Bound on joining the transfer group and on receiving one update; also the process
     group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""
-    join_timeout_s: float = Field(default=10.0, gt=0)
+    join_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on vLLM's side of joining the transfer group (gloo): the server generates
     nothing while its worker waits for the trainer's rendezvous, so a trainer that is not
     listening, or an update aborted mid-join, stalls it this long, not transfer_timeout_s."""

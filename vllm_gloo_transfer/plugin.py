@@ -63,7 +63,7 @@ logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 ENGINE_NAME = "gloo"
 DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_JOIN_TIMEOUT_S = 10.0
+DEFAULT_JOIN_TIMEOUT_S = 30.0
 
 
 def register() -> None:
