@@ -297,7 +297,8 @@ class WeightSyncSettings(Section):
     join_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on vLLM's side of joining the transfer group (gloo): the server generates
     nothing while its worker waits for the trainer's rendezvous, so a trainer that is not
-    listening, or an update aborted mid-join, stalls it this long, not transfer_timeout_s."""
+    listening, or an update aborted mid-join, stalls it this long, not transfer_timeout_s
+    (the smaller of the two applies)."""
     control_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on each pause, resume, start, finish and prefix-cache reset call."""
     pause_mode: PauseModeName | None = None

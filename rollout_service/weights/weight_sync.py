@@ -249,8 +249,9 @@ class WeightSyncCoordinator:
             epoch = update.epoch
             offsets = [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
             world = 1 + sum(world_sizes)
-            # gloo's workers give up the join themselves; wait a little longer than they do
-            join_s = settings.join_timeout_s + control_s if settings.backend == "gloo" else transfer_s
+            join_s = min(settings.join_timeout_s, transfer_s)  # vLLM's bound on a gloo join
+            # gloo's workers give up the join themselves: wait a control call longer than they do
+            call_s = join_s + control_s if settings.backend == "gloo" else transfer_s
             await self._phase(
                 update,
                 "join",
@@ -268,9 +269,9 @@ class WeightSyncCoordinator:
                                 world,
                                 transfer_s,
                                 epoch,
-                                settings.join_timeout_s,
+                                join_s,
                             ),
-                            join_s,
+                            call_s,
                         ),
                     )
                     for server, offset in zip(self.servers, offsets, strict=True)
