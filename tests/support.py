@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 POLL_INTERVAL_S = 0.05
 
@@ -26,3 +30,15 @@ async def wait_until(
             said = what if isinstance(what, str) else what()
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {said}")
         await asyncio.sleep(POLL_INTERVAL_S)  # poll interval, not synchronisation
+
+
+@contextlib.contextmanager
+def started(command: list[str], **options) -> Iterator[subprocess.Popen[bytes]]:  # type: ignore[no-untyped-def]
+    """``command`` in a process group of its own, killed at the end whatever happened."""
+    process = subprocess.Popen(command, start_new_session=True, **options)
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)

@@ -4,7 +4,6 @@ server's temporary log folder goes with a clean stop. Real processes stand in fo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -13,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import pytest
 from rollout_service.config import ManagedServerSettings
 from rollout_service.engine import vllm_guard
 from rollout_service.engine.managed import ManagedServerError, ManagedVLLMServer, free_port, pid_file
-from tests.support import wait_until
+from tests.support import started, wait_until
 
 # A vLLM API server, as far as its port goes: listens on argv[1] until killed.
 LISTENER = """
@@ -53,18 +51,6 @@ def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def settings(tmp_path: Path, port: int, **overrides) -> ManagedServerSettings:  # type: ignore[no-untyped-def]
     return ManagedServerSettings(model=tmp_path, pin_processes=False, port=port, **overrides)
-
-
-@contextlib.contextmanager
-def started(command: list[str], **options) -> Iterator[subprocess.Popen[bytes]]:  # type: ignore[no-untyped-def]
-    """``command`` in a process group of its own, killed at the end whatever happened."""
-    process = subprocess.Popen(command, start_new_session=True, **options)
-    try:
-        yield process
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 def record_as_left_by_a_dead_service(port: int, pgid: int) -> None:

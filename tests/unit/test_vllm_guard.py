@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from rollout_service.engine import vllm_guard
-from tests.support import wait_until
+from tests.support import started, wait_until
 
 # An API server with an engine core: a child that starts a grandchild and waits on it.
 CHILD_WITH_GRANDCHILD = [sys.executable, "-c", "import subprocess; subprocess.Popen(['sleep', '600']).wait()"]
@@ -39,16 +38,9 @@ def start_service(command: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", SERVICE, vllm_guard.__file__, *command], stdin=subprocess.PIPE)
 
 
-@contextlib.contextmanager
-def guarded(command: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+def guarded(command: list[str]) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """The guard running ``command`` for this process; its group is killed at the end whatever happened."""
-    guard = subprocess.Popen(vllm_guard.launcher(os.getpid(), None, 0, command), start_new_session=True)
-    try:
-        yield guard
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(guard.pid, signal.SIGKILL)
-        guard.wait(timeout=10)
+    return started(vllm_guard.launcher(os.getpid(), None, 0, command))
 
 
 async def whole_group_up(pgid: int) -> None:
