@@ -356,15 +356,18 @@ async def _serve_grpc(
     """Start the gRPC server, whose health follows the pool; returns its port. At exit it says
     NOT_SERVING, drains the runs' leases, then stops."""
     server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port, settings.security)
+    updates = HealthUpdates()
 
     def engines_usable(usable: bool) -> None:
-        _report_health(health, usable)
+        """NOT_SERVING while no vLLM server can generate (load balancers and orchestrators
+        then stop sending trainers here), SERVING again once one can."""
+        updates.schedule(set_serving(health, usable))
         service.engines_usable(usable)
 
     pool.on_usable = engines_usable
     if not pool.usable:  # no server answered at start-up (``EnginePool.start``)
         engines_usable(False)
-    service.watchdog.on_stalled = lambda stalled: _schedule_health(set_runs_progressing(health, not stalled))
+    service.watchdog.on_stalled = lambda stalled: updates.schedule(set_runs_progressing(health, not stalled))
 
     async def stop_grpc() -> None:
         await health.enter_graceful_shutdown()
@@ -394,20 +397,23 @@ async def _serve_openai(
     return runner.addresses[0][1]
 
 
-_health_updates: set[asyncio.Task[None]] = set()
+class HealthUpdates:
+    """Runs the health servicer's updates (its ``set`` is async) from plain callbacks, one at
+    a time in the order reported: two in flight at once (a server held, then free again)
+    could interleave their ``set`` calls and leave the older status on one of the names."""
 
+    def __init__(self) -> None:
+        self._order = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
 
-def _report_health(health: Any, usable: bool) -> None:
-    """gRPC health says NOT_SERVING while no vLLM server answers (load balancers and
-    orchestrators then stop sending trainers here), SERVING again once one does."""
-    _schedule_health(set_serving(health, usable))
+    def schedule(self, update: Coroutine[Any, Any, None]) -> None:
+        async def in_order() -> None:
+            async with self._order:
+                await update
 
-
-def _schedule_health(update: Coroutine[Any, Any, None]) -> None:
-    """Run a health update from a plain callback (the health servicer's ``set`` is async)."""
-    task = asyncio.get_running_loop().create_task(update)
-    _health_updates.add(task)
-    task.add_done_callback(_health_updates.discard)
+        task = asyncio.get_running_loop().create_task(in_order())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def managed_max_lora_rank(engine: EngineSettings) -> int | None:

@@ -128,7 +128,8 @@ class EnginePool:
         if usable != self.usable:
             self.usable = usable
             if not usable:
-                logger.error("no vLLM server is answering; groups are dropped until one does")
+                stuck = "; ".join(f"{url}: {why}" for url, why in self.stuck.items())
+                logger.error("no vLLM server can generate: %s", stuck or "none is answering; groups are dropped")
             self.on_usable(usable)
 
     async def _probe(self, client: VLLMServerClient) -> None:
@@ -259,7 +260,10 @@ class EnginePool:
         while True:
             client = self.pick(affinity, await self.routable(allowed), n)
             try:
-                return await client.generate_many(prompt_ids, params, n)
+                completions = await client.generate_many(prompt_ids, params, n)
+                if not self.usable:  # an answer proves a server generates: health need not wait for a probe
+                    self._report_usable()
+                return completions
             except EngineError as exc:
                 if not client.leaving:
                     raise

@@ -81,7 +81,13 @@ async def test_an_update_aborted_mid_join_stalls_generation_for_the_join_timeout
             await wait_until(generating_again, JOIN_TIMEOUT_S + 10, "the other run to generate again")
             stalled_s = time.monotonic() - aborted_at
             assert stalled_s < JOIN_TIMEOUT_S + 10, stalled_s
-            await wait_until(lambda: health_is("SERVING"), 5, "health to say SERVING again")
+            pool = running.service.scheduler.engine
+
+            def state() -> str:
+                failures = [client.consecutive_failures for client in pool.clients]
+                return f"health to say SERVING again (usable {pool.usable}, failures {failures}, stuck {pool.stuck})"
+
+            await wait_until(lambda: health_is("SERVING"), 5, state)
             assert (await client.stats()).engines[0].routable
             assert not running.service.scheduler.engine.stuck
         finally:
