@@ -6,13 +6,14 @@ server.py is a thin edge over this class; tests and the demo can drive it direct
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
@@ -28,6 +29,7 @@ from rollout_service.generation.episode import DEFAULT_MAX_TURNS, MultiTurnConfi
 from rollout_service.generation.external import ExternalEpisodes, ExternalSource
 from rollout_service.generation.prompts import (
     BUILTIN_DATASETS,
+    SUBMIT_CHUNK,
     CyclingPromptSource,
     OncePromptSource,
     PromptRenderer,
@@ -57,6 +59,7 @@ DELETED_RUNS_KEPT = 256
 NO_ENGINE_ERROR = "no vLLM server is answering; groups are dropped until one does (see the service's health)"
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -386,17 +389,32 @@ class RolloutService:
         return OncePromptSource(rendered) if spec.eval is not None else CyclingPromptSource(rendered)
 
     async def _render(
-        self, prompts: list[PromptSpec], max_tokens: int, tools: list[dict[str, Any]] | None = None
+        self,
+        prompts: Sequence[T],
+        max_tokens: int,
+        tools: list[dict[str, Any]] | None = None,
+        convert: Callable[[T], PromptSpec] | None = None,
     ) -> list[RenderedPrompt]:
-        """In a thread: a chat template and tokenizer over many or long prompts take seconds,
-        which on the event loop froze every RPC and every run's generation."""
-        return await asyncio.to_thread(self._render_now, prompts, max_tokens, tools)
+        """In a thread, ``SUBMIT_CHUNK`` prompts at a time (``convert``: each from its wire form
+        first): converting and rendering a whole dataset take seconds, which on the event
+        loop froze every RPC and every run's generation."""
+        rendered: list[RenderedPrompt] = []
+        for start in range(0, len(prompts), SUBMIT_CHUNK):
+            chunk = prompts[start : start + SUBMIT_CHUNK]
+            rendered += await asyncio.to_thread(self._render_now, chunk, start, max_tokens, tools, convert)
+        return rendered
 
     def _render_now(
-        self, prompts: list[PromptSpec], max_tokens: int, tools: list[dict[str, Any]] | None
+        self,
+        prompts: Sequence[T],
+        first: int,
+        max_tokens: int,
+        tools: list[dict[str, Any]] | None,
+        convert: Callable[[T], PromptSpec] | None,
     ) -> list[RenderedPrompt]:
         rendered = []
-        for i, prompt in enumerate(prompts):
+        for i, raw in enumerate(prompts, first):
+            prompt = cast(PromptSpec, raw) if convert is None else convert(raw)
             try:
                 ids, text = self.renderer.render(prompt, max_tokens, tools)
             except InvalidArgument as exc:
@@ -462,7 +480,11 @@ class RolloutService:
         assert run.adapter is not None
         return version, run.adapter
 
-    async def submit_prompts(self, run_id: str, prompts: list[PromptSpec]) -> tuple[int, int]:
+    async def submit_prompts(
+        self, run_id: str, prompts: Sequence[T], convert: Callable[[T], PromptSpec] | None = None
+    ) -> tuple[int, int]:
+        """Queue prompts for a submitted-prompts run; ``convert``: each prompt from its wire
+        form, beside its rendering off the event loop. Returns (accepted, queued now)."""
         run = self.get_run(run_id)
         if not isinstance(run.source, SubmittedPromptSource):
             raise FailedPrecondition(
@@ -474,10 +496,10 @@ class RolloutService:
         if not prompts:
             raise InvalidArgument("prompts is empty; submit at least one prompt")
         tools = run.episode.tools.schemas() if run.episode is not None and run.episode.tools is not None else None
-        rendered = await self._render(prompts, run.spec.sampling.max_tokens, tools)
+        rendered = await self._render(prompts, run.spec.sampling.max_tokens, tools, convert)
         if run.state != "running":  # stopped or deleted while its prompts were rendered
             raise FailedPrecondition(f"run {run_id} is {run.state}; submit to a running run")
-        await self.store.put_prompts(run.run_id, run.source.submit(rendered))
+        await run.source.submit(rendered, functools.partial(self.store.put_prompts, run.run_id))
         return len(prompts), run.source.queued
 
     def server_info(self) -> ServerInfo:

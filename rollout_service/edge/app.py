@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import ssl
 from collections.abc import AsyncIterator, Coroutine
@@ -210,7 +211,19 @@ async def running_service(
             "rollout service on %s:%d (model %s, %d slots, engines %s, metrics port %s, OpenAI endpoint port %s)",
             settings.host, grpc_port, model, max_inflight, urls, metrics_port, openai_port,
         )  # fmt: skip
+        freeze_startup_objects(stack)
         yield RunningService(service, grpc_port, metrics_port, urls, openai_port)
+
+
+def freeze_startup_objects(stack: contextlib.ExitStack | contextlib.AsyncExitStack) -> None:
+    """Keep what start-up made (torch, transformers, the tokenizer: hundreds of thousands of
+    objects that live as long as the service) out of the garbage collector's full passes,
+    until ``stack`` closes. Each pass scans every tracked object with the GIL held, so with
+    them in, the passes a large SubmitPrompts sets off held up every RPC for tenths of a
+    second (``benchmarks/bench_prompt_submission.py``)."""
+    gc.collect()
+    gc.freeze()
+    stack.callback(gc.unfreeze)
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

@@ -210,7 +210,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def CreateRun(self, request: pb.CreateRunRequest, context) -> pb.CreateRunResponse:  # type: ignore[no-untyped-def]
         if not request.HasField("spec"):
             raise InvalidArgument("spec is not set")
-        run = await self.service.create_run(run_spec_from_pb(request.spec), owner=self._caller(context).name)
+        spec = await asyncio.to_thread(run_spec_from_pb, request.spec)  # its prompts may be a whole dataset
+        run = await self.service.create_run(spec, owner=self._caller(context).name)
         return pb.CreateRunResponse(run=run_to_pb(run))
 
     @_edge
@@ -229,8 +230,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @_edge
     async def SubmitPrompts(self, request: pb.SubmitPromptsRequest, context) -> pb.SubmitPromptsResponse:  # type: ignore[no-untyped-def]
         self._run(request.run_id, self._caller(context))
-        prompts = [prompt_from_pb(p) for p in request.prompts]
-        accepted, queued = await self.service.submit_prompts(request.run_id, prompts)
+        accepted, queued = await self.service.submit_prompts(request.run_id, request.prompts, prompt_from_pb)
         return pb.SubmitPromptsResponse(accepted=accepted, queued=queued)
 
     @_edge

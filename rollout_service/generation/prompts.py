@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -259,6 +260,11 @@ class OncePromptSource:
         self._rendered = []
 
 
+SUBMIT_CHUNK = 1024
+"""Prompts converted, rendered, queued and stored per step: a submit of a whole dataset must
+not hold up the service's other RPCs."""
+
+
 class SubmittedPromptSource:
     """Prompts pushed through SubmitPrompts, in order; a run waits while none are queued.
 
@@ -271,28 +277,42 @@ class SubmittedPromptSource:
         self._count = itertools.count()
         self.max_bytes = max_bytes
         self.queued_bytes = 0
+        self._submitting = asyncio.Lock()
+        """One submit at a time: the room it found at its start stays its own to its end."""
+        self._discarded = False
 
-    def submit(self, rendered: list[RenderedPrompt]) -> list[PromptItem]:
-        """Queue the prompts (all or none) and return them as the run will see them."""
-        free = self._queue.maxsize - self._queue.qsize()
-        if len(rendered) > free:
-            raise ResourceExhausted(
-                f"{len(rendered)} prompts submitted but only {free} fit in the run's queue "
-                "(scheduler.max_queued_prompts); submit fewer at a time or wait for the run to consume some"
-            )
-        sizes = [prompt.approx_bytes() for prompt in rendered]
-        total = sum(sizes)
-        if self.queued_bytes + total > self.max_bytes:
-            raise ResourceExhausted(
-                f"{len(rendered)} prompts of about {total} bytes do not fit in the run's queue, which holds "
-                f"{self.queued_bytes} of {self.max_bytes} bytes (scheduler.max_queued_prompt_bytes); "
-                "submit fewer or smaller prompts, or wait for the run to consume some"
-            )
-        items = [prompt.item(next(self._count)) for prompt in rendered]
-        for item, size in zip(items, sizes, strict=True):
-            self._queue.put_nowait((item, size))
-        self.queued_bytes += total
-        return items
+    async def submit(
+        self, rendered: list[RenderedPrompt], persist: Callable[[list[PromptItem]], Awaitable[None]]
+    ) -> None:
+        """Queue the prompts (all or none), ``SUBMIT_CHUNK`` at a time with the event loop
+        free in between. Each chunk goes to ``persist`` (the state store) in the step that
+        queues it, before a group can be made of it."""
+        sizes = await asyncio.to_thread(lambda: [prompt.approx_bytes() for prompt in rendered])
+        async with self._submitting:  # meanwhile the run only takes prompts: the room only grows
+            free = self._queue.maxsize - self._queue.qsize()
+            if len(rendered) > free:
+                raise ResourceExhausted(
+                    f"{len(rendered)} prompts submitted but only {free} fit in the run's queue "
+                    "(scheduler.max_queued_prompts); submit fewer at a time or wait for the run to consume some"
+                )
+            total = sum(sizes)
+            if self.queued_bytes + total > self.max_bytes:
+                raise ResourceExhausted(
+                    f"{len(rendered)} prompts of about {total} bytes do not fit in the run's queue, which holds "
+                    f"{self.queued_bytes} of {self.max_bytes} bytes (scheduler.max_queued_prompt_bytes); "
+                    "submit fewer or smaller prompts, or wait for the run to consume some"
+                )
+            for start in range(0, len(rendered), SUBMIT_CHUNK):
+                if start:  # the loop's other work gets a turn between chunks, whether or not persist waited
+                    await asyncio.sleep(0)
+                if self._discarded:  # the run was deleted meanwhile
+                    return
+                chunk = rendered[start : start + SUBMIT_CHUNK]
+                items = [prompt.item(next(self._count)) for prompt in chunk]
+                for item, size in zip(items, sizes[start : start + SUBMIT_CHUNK], strict=True):
+                    self._queue.put_nowait((item, size))
+                    self.queued_bytes += size
+                await persist(items)
 
     @property
     def queued(self) -> int:
@@ -314,6 +334,7 @@ class SubmittedPromptSource:
         return item
 
     def discard(self) -> None:
+        self._discarded = True
         while not self._queue.empty():
             self._queue.get_nowait()
         self.queued_bytes = 0

@@ -10,9 +10,9 @@ import pytest
 
 from rollout_service.delivery.consumer import ConsumerSession
 from rollout_service.errors import FailedPrecondition, ResourceExhausted
-from rollout_service.generation.prompts import PromptSpec, RenderedPrompt, SubmittedPromptSource
+from rollout_service.generation.prompts import SUBMIT_CHUNK, PromptSpec, RenderedPrompt, SubmittedPromptSource
 from rollout_service.runs import RunSpec
-from rollout_service.types import SamplingParams
+from rollout_service.types import PromptItem, SamplingParams
 from tests.unit.scripted import ScriptedEngine, ScriptedTokenizer, make_service
 
 
@@ -93,14 +93,48 @@ async def test_the_prompt_queue_is_bounded_by_bytes() -> None:
     refuses a whole submit that passes them, and takes prompts again as the run consumes them."""
     source = SubmittedPromptSource(capacity=100, max_bytes=1 << 20)
     prompt = RenderedPrompt(token_ids=[1, 2, 3], text="abc", metadata={"answer": "x" * (60 << 10)})
-    assert [item.index for item in source.submit([prompt] * 16)] == list(range(16)) and source.queued == 16
+    stored: list[int] = []
+
+    async def store(items: list[PromptItem]) -> None:
+        stored.extend(item.index for item in items)
+
+    await source.submit([prompt] * 16, store)
+    assert stored == list(range(16)) and source.queued == 16
     with pytest.raises(ResourceExhausted, match=r"scheduler\.max_queued_prompt_bytes"):
-        source.submit([prompt] * 2)
-    assert source.queued_bytes == 16 * prompt.approx_bytes()
+        await source.submit([prompt] * 2, store)
+    assert source.queued_bytes == 16 * prompt.approx_bytes() and len(stored) == 16
     await asyncio.wait_for(source.next(), 5)
-    assert [item.index for item in source.submit([prompt])] == [16] and source.queued == 16
+    await source.submit([prompt], store)
+    assert stored[-1] == 16 and source.queued == 16
     source.discard()
     assert source.queued_bytes == 0
+
+
+async def test_a_large_submit_is_queued_and_stored_in_chunks_with_the_loop_free_between() -> None:
+    """Other RPCs run between the chunks; each chunk is stored in the step that queues it."""
+    source = SubmittedPromptSource(capacity=4 * SUBMIT_CHUNK)
+    prompt = RenderedPrompt(token_ids=[1, 2, 3], text="abc")
+    chunks: list[tuple[int, int, int]] = []  # (first index, size, ticks of another task so far)
+    ticks = 0
+
+    async def other_rpcs() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def store(items: list[PromptItem]) -> None:  # the memory store: it never waits
+        assert source.queued == items[-1].index + 1  # queued in the same step
+        chunks.append((items[0].index, len(items), ticks))
+
+    ticking = asyncio.ensure_future(other_rpcs())
+    await source.submit([prompt] * (3 * SUBMIT_CHUNK + 5), store)
+    ticking.cancel()
+    assert [(first, size) for first, size, _ in chunks] == [
+        (0, SUBMIT_CHUNK), (SUBMIT_CHUNK, SUBMIT_CHUNK), (2 * SUBMIT_CHUNK, SUBMIT_CHUNK), (3 * SUBMIT_CHUNK, 5),
+    ]  # fmt: skip
+    seen = [ticked for _, _, ticked in chunks]
+    assert len(set(seen)) == len(seen)  # the other task ran between every two chunks
 
 
 async def test_submitted_runs_take_the_queue_limits_from_settings() -> None:
