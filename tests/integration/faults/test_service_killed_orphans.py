@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.engine import vllm_guard
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import serving
 from tests.support import wait_until
@@ -53,12 +52,27 @@ def start_service(tiny_model: Path, tmp_path: Path, grpc_port: int, vllm_port: i
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def guard_of(service_pid: int) -> int | None:
-    """The service's child that leads its vLLM server's process group."""
-    for pid, state, parent, _, _ in vllm_guard.processes():
+def processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent, process group) of every process, read from /proc."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
-            if parent == service_pid and state != "Z" and b"vllm_guard" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            found.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    return [pid for pid, state, _, group in processes() if group == pgid and state not in ("Z", "X")]
+
+
+def vllm_group_of(service_pid: int) -> int | None:
+    """The process group of the service's vLLM server: that of its child that runs vLLM."""
+    for pid, state, parent, group in processes():
+        with contextlib.suppress(OSError):
+            if parent == service_pid and state != "Z" and b"vllm" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return group
     return None
 
 
@@ -82,17 +96,19 @@ async def test_a_sigkilled_service_takes_its_managed_vllm_down_with_it(tiny_mode
     service = start_service(tiny_model, tmp_path, grpc_port, vllm_port)
     pgid = None
     try:
-        await wait_until(lambda: guard_of(service.pid), 60, lambda: f"the service to start vLLM:\n{tails(tmp_path)}")
-        pgid = guard_of(service.pid)
+        await wait_until(
+            lambda: vllm_group_of(service.pid), 60, lambda: f"the service to start vLLM:\n{tails(tmp_path)}"
+        )
+        pgid = vllm_group_of(service.pid)
         await wait_until(lambda: serving(f"127.0.0.1:{grpc_port}"), 400, lambda: f"the service:\n{tails(tmp_path)}")
-        assert len(vllm_guard.group_members(pgid)) >= 3  # guard, API server, engine core
+        assert len(group_members(pgid)) >= 3  # guard, API server, engine core
         assert port_taken(vllm_port)
 
         os.kill(service.pid, signal.SIGKILL)  # the service alone, not its vLLM's group
         service.wait(timeout=30)
         killed = time.monotonic()
-        left = lambda: f"vLLM's group {pgid} gone; left: {vllm_guard.group_members(pgid)}\n{tails(tmp_path)}"  # noqa: E731
-        await wait_until(lambda: not vllm_guard.group_members(pgid), 30, left)
+        left = lambda: f"vLLM's group {pgid} gone; left: {group_members(pgid)}\n{tails(tmp_path)}"  # noqa: E731
+        await wait_until(lambda: not group_members(pgid), 30, left)
         logger.info("vLLM's process group was gone %.1fs after the service's SIGKILL", time.monotonic() - killed)
         assert not port_taken(vllm_port)
         assert f"the service (pid {service.pid}) died" in (tmp_path / "vllm.log").read_text()
