@@ -216,11 +216,10 @@ async def running_service(
 
 
 def freeze_startup_objects(stack: contextlib.ExitStack | contextlib.AsyncExitStack) -> None:
-    """Keep what start-up made (torch, transformers, the tokenizer: hundreds of thousands of
-    objects that live as long as the service) out of the garbage collector's full passes,
-    until ``stack`` closes. Each pass scans every tracked object with the GIL held, so with
-    them in, the passes a large SubmitPrompts sets off held up every RPC for tenths of a
-    second (``benchmarks/bench_prompt_submission.py``)."""
+    """Keep what start-up made (torch, transformers, the tokenizer: objects that live as long
+    as the service) out of the garbage collector's full passes, until ``stack`` closes: each
+    pass scans every tracked object with the GIL held, so with them in, the passes a large
+    SubmitPrompts sets off held up every RPC (``benchmarks/bench_prompt_submission.py``)."""
     gc.collect()
     gc.freeze()
     stack.callback(gc.unfreeze)

@@ -84,8 +84,9 @@ def init_info(
 
     vLLM builds the backend's init-info dataclass from these keys and rejects unknown ones,
     so only this project's gloo engine is sent the extras it understands: the group's
-    timeouts (joining, and each transfer) and the join epoch that keys its rendezvous (vLLM's nccl rendezvous has no
-    epochs; its trainer hosts a fresh store, on a fresh port, per join).
+    timeouts (joining, and each transfer) and the join epoch that keys its rendezvous
+    (vLLM's nccl rendezvous has no epochs; its trainer hosts a fresh store, on a fresh
+    port, per join).
     """
     info: dict[str, Any] = {
         "master_address": address,

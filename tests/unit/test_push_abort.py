@@ -20,7 +20,7 @@ from trainer_client.weights import GlooWeightSender
 
 GROUP_TIMEOUT_S = 60.0
 WORKER = """
-import sys, time
+import signal, sys
 from datetime import timedelta
 from torch.distributed import PrefixStore, TCPStore
 from trainer_client.weights import rendezvous_uri
@@ -32,7 +32,7 @@ store = TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(second
 prefix = PrefixStore(rendezvous_uri("127.0.0.1", port) + "/epoch-1", store)
 group = gloo_group(prefix, 1, 2, timedelta(seconds=60), "127.0.0.1")
 accept_shared_memory(group)
-time.sleep(120)  # joined, then never receives: a vLLM stopped mid-push
+signal.pause()  # joined, then never receives, until killed: a vLLM stopped mid-push
 """
 
 
