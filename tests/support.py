@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -30,6 +33,21 @@ async def wait_until(
             said = what if isinstance(what, str) else what()
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {said}")
         await asyncio.sleep(POLL_INTERVAL_S)  # poll interval, not synchronisation
+
+
+@functools.cache
+def listening_port(who: str = "trainer") -> int:
+    """A local port where something accepts connections and hangs up, as a trainer's
+    rendezvous answers the service's check before a join; one per ``who``, for the session."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            connection, _ = server.accept()
+            connection.close()
+
+    threading.Thread(target=serve, name=f"listening for {who}", daemon=True).start()
+    return server.getsockname()[1]
 
 
 @contextlib.contextmanager

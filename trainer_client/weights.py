@@ -9,6 +9,9 @@ world_size, "gloo")``, so :meth:`GlooWeightSender.connect` must build exactly it
 - a ``TCPStore`` that rank 0 hosts (``is_master``; ``torch.distributed.rendezvous`` makes
   rank 0 the master with ``multi_tenant=True``, the workers connect as clients);
 - a ``PrefixStore`` whose prefix is the rendezvous URI ``tcp://host:port``;
+- before the group, every rank counts itself in (``vllm_gloo_transfer.groups.arrive``) and
+  the workers wait for all; a trainer that gives the join up says so in the store, which
+  releases them at once (``abandon``);
 - a ``ProcessGroupGloo`` on it, plus ``_set_sequence_number_for_group()``: rank 0 writes
   the group's sequence number that every other rank waits for at init; without it the
   workers hang until their timeout.
@@ -36,7 +39,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from vllm_gloo_transfer.groups import gloo_group
+from vllm_gloo_transfer.groups import abandon_join, arrive, gloo_group
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 from vllm_gloo_transfer.shared_memory import SharedWeightsFile, offer_shared_memory
 
@@ -151,6 +154,21 @@ class GlooWeightSender:
             if world_size < 2:
                 raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
             self.world_size = world_size
+        prefix = self._join_store(epoch)
+        arrive(prefix)
+        self._await_workers(prefix, abandoned or threading.Event())
+        # The device on the advertised address, which the workers reach (``vllm_gloo_transfer.groups``).
+        self._group = gloo_group(prefix, 0, self.world_size, self.timeout, self.master_address)
+        if self.shared_memory and self._shared_file is None:
+            self._shared_file = SharedWeightsFile.create()  # None where the system has no memfd
+        try:
+            self._through_shared_memory = offer_shared_memory(self._group, self._shared_file)
+        except BaseException:
+            self.leave()
+            raise
+
+    def host(self) -> None:
+        """Start hosting the rendezvous store, if not yet; ``connect`` does it at the first join."""
         if self._store is None:
             self._store = TCPStore(
                 self.master_address,
@@ -161,18 +179,18 @@ class GlooWeightSender:
                 wait_for_workers=False,
                 multi_tenant=False,
             )
-        uri = rendezvous_uri(self.master_address, self.master_port)
-        # The device on the advertised address, which the workers reach (``vllm_gloo_transfer.groups``).
-        prefix = PrefixStore(f"{uri}/epoch-{epoch}", self._store)
-        self._await_workers(prefix, abandoned or threading.Event())
-        self._group = gloo_group(prefix, 0, self.world_size, self.timeout, self.master_address)
-        if self.shared_memory and self._shared_file is None:
-            self._shared_file = SharedWeightsFile.create()  # None where the system has no memfd
-        try:
-            self._through_shared_memory = offer_shared_memory(self._group, self._shared_file)
-        except BaseException:
-            self.leave()
-            raise
+
+    def abandon(self, epoch: int, reason: str) -> None:
+        """Give join ``epoch`` up: the workers waiting for it leave at once, freeing their
+        engines (``vllm_gloo_transfer.groups.await_every_rank``)."""
+        if self._store is not None:
+            abandon_join(self._join_store(epoch), reason)
+
+    def _join_store(self, epoch: int) -> PrefixStore:
+        """The store under join ``epoch``'s prefix, hosted from now on."""
+        self.host()
+        assert self._store is not None
+        return PrefixStore(f"{rendezvous_uri(self.master_address, self.master_port)}/epoch-{epoch}", self._store)
 
     def _await_workers(self, store: PrefixStore, abandoned: threading.Event) -> None:
         """Wait until every worker has announced its address, before building the group.
@@ -187,9 +205,11 @@ class GlooWeightSender:
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not store.check(keys):
             if abandoned.wait(WORKER_POLL_S):
+                abandon_join(store, "the weight update was aborted")
                 raise UpdateAbandoned("the join was given up before every vLLM worker joined the transfer group")
             if time.monotonic() >= deadline:
                 arrived = sum(store.check([key]) for key in keys)
+                abandon_join(store, "the trainer's wait for every worker timed out")
                 raise TimeoutError(
                     f"{arrived} of {len(keys)} vLLM workers joined the weight-transfer group within "
                     f"{self.timeout.total_seconds():g}s (weight_sync.transfer_timeout_s): the others "

@@ -48,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_gloo_transfer.apply import WeightApplier
-from vllm_gloo_transfer.groups import gloo_group, local_address_towards
+from vllm_gloo_transfer.groups import arrive, await_every_rank, gloo_group, local_address_towards
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 from vllm_gloo_transfer.shared_memory import SharedWeightsMapping, accept_shared_memory
 
@@ -163,7 +163,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         """Join the trainer's gloo group; a previous group is shut down first, so a
-        trainer that re-joins (after a crash, or with a new port) just calls init again."""
+        trainer that re-joins (after a crash, or with a new port) just calls init again.
+        A trainer that gives the join up (or dies) releases it at once
+        (``vllm_gloo_transfer.groups.await_every_rank``)."""
         from torch.distributed import PrefixStore, TCPStore
         from vllm.distributed.utils import get_tcp_uri
 
@@ -182,9 +184,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # vLLM's stateless_init_torch_distributed_process_group, with the join's epoch in the
         # store prefix (see GlooWeightTransferInitInfo.epoch).
         join_timeout = timedelta(seconds=init_info.join_timeout_s)
+        joined_by = time.monotonic() + init_info.join_timeout_s
         host, port = init_info.master_address, init_info.master_port
         store = TCPStore(host, port, init_info.world_size, is_master=False, timeout=join_timeout)
         prefix_store = PrefixStore(f"{get_tcp_uri(host, port)}/epoch-{init_info.epoch}", store)
+        arrive(prefix_store)
+        await_every_rank(prefix_store, init_info.world_size, max(0.0, joined_by - time.monotonic()))
         # vLLM's init_gloo_process_group, with the device on the address that reaches the
         # trainer (``groups``): the default would announce whatever the host name resolves to.
         local = local_address_towards(host, port)

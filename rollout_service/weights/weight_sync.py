@@ -3,7 +3,8 @@
 One update at a time, in two RPCs from the trainer:
 
 - ``begin``: starts, in the background, the per-server pipeline
-  [init the transfer group (first update, or after a failure)] -> pause -> start_weight_update
+  [init the transfer group (first update, or after a failure), once the trainer's rendezvous
+  accepts connections] -> pause -> start_weight_update
   -> update_weights (which returns once the trainer's broadcast has arrived). It returns at
   once, because the init and update steps wait on the trainer (it hosts the rendezvous as
   rank 0 and broadcasts only after begin returns).
@@ -24,7 +25,8 @@ next update re-joins the transfer group, because a failed group cannot be truste
 
 vLLM cannot cancel a weight-transfer call: a join or receive the service stopped waiting
 for goes on in the server's engine, which generates nothing meanwhile (a join is bounded by
-``join_timeout_s``, a receive by ``transfer_timeout_s``). Such a server is held out of
+``join_timeout_s``, a receive by ``transfer_timeout_s``; a gloo join ends at once when the
+trainer gives it up, and none is asked before the trainer listens). Such a server is held out of
 routing, as stuck, until a leave queued behind that call answers (``_free``), and the
 next begin waits for it instead of queueing another join behind it.
 
@@ -86,6 +88,41 @@ class _Update:
     def commit_outcome(self) -> str:
         """What its commit counts as, in the log and the metric: a new version, or a resend."""
         return "resent" if self.resend else "committed"
+
+
+LISTEN_RETRY_S = 0.05
+
+
+async def await_listening(address: str, port: int, timeout_s: float) -> None:
+    """Wait until something accepts connections at the trainer's rendezvous.
+
+    Why: vLLM cannot cancel a join, and its engine generates nothing while in one. Asked only
+    once the trainer listens, a join is never left waiting for a trainer that never came, and
+    an abort before then leaves nothing running in vLLM.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(address, port), max(LISTEN_RETRY_S, deadline - loop.time())
+            )
+        except (OSError, TimeoutError) as exc:
+            if loop.time() + LISTEN_RETRY_S >= deadline:
+                raise WeightSyncError(
+                    f"{address}:{port}",
+                    "join",
+                    f"nothing accepted connections at the trainer's rendezvous within {timeout_s:g}s "
+                    f"(weight_sync.join_timeout_s): {exc or type(exc).__name__}; the trainer's address must "
+                    "be reachable from the service and from every vLLM server",
+                    answered=True,
+                ) from None
+            await asyncio.sleep(LISTEN_RETRY_S)  # a backoff between attempts
+        else:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
 
 
 def not_in_progress(update_id: str) -> FailedPrecondition:
@@ -252,6 +289,7 @@ class WeightSyncCoordinator:
             join_s = min(settings.join_timeout_s, transfer_s)  # vLLM's bound on a gloo join
             # gloo's workers give up the join themselves: wait a control call longer than they do
             call_s = join_s + control_s if settings.backend == "gloo" else transfer_s
+            await self._phase(update, "join", await_listening(address, port, join_s))
             await self._phase(
                 update,
                 "join",

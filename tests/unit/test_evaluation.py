@@ -19,7 +19,7 @@ from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
 from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
-from tests.support import wait_until
+from tests.support import listening_port, wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_weight_sync import TENSORS, Clock, ScriptedControl
 
@@ -115,7 +115,7 @@ async def test_a_weight_update_commits_only_after_the_evaluation_released_its_ve
     try:
         run = await service.create_run(eval_spec())
         await engine.wait_for(lambda: engine.active == 2 * len(PROMPTS))
-        ticket = await sync.begin("trainer-run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("trainer-run", "127.0.0.1", listening_port(), TENSORS, "none")
         await asyncio.wait_for(server.received.wait(), 5)  # the transfer goes on meanwhile
         commit = asyncio.ensure_future(sync.commit(ticket.update_id))
         for _ in range(20):
@@ -138,7 +138,7 @@ async def test_a_pausing_update_waits_at_begin_and_no_evaluation_starts_under_it
     try:
         first = await service.create_run(eval_spec())
         await engine.wait_for(lambda: engine.active == 2 * len(PROMPTS))
-        begin = asyncio.ensure_future(sync.begin("trainer-run", "127.0.0.1", 29500, TENSORS, "keep"))
+        begin = asyncio.ensure_future(sync.begin("trainer-run", "127.0.0.1", listening_port(), TENSORS, "keep"))
         for _ in range(20):
             await asyncio.sleep(0)
         assert not begin.done() and not server.received.is_set()  # nothing paused under the evaluation
@@ -162,7 +162,7 @@ async def test_an_evaluation_that_overruns_the_hold_is_stopped_and_the_update_go
         await engine.wait_for(lambda: engine.active == 2 * len(PROMPTS))
         engine.release(affinity=engine.pending[0][0])  # one group finishes, the others hang
         await wait_until(lambda: run.eval is not None and run.eval.groups_scored == 1, 5, "one group scored")
-        ticket = await sync.begin("trainer-run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("trainer-run", "127.0.0.1", listening_port(), TENSORS, "none")
         assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 1
         assert run.state == "failed"
         assert "eval_hold_timeout_s" in run.error and "1 of 3 groups" in run.error

@@ -19,6 +19,7 @@ from rollout_service.service import RolloutService
 from rollout_service.types import SamplingParams
 from rollout_service.weights.adapters import AdapterRouting
 from rollout_service.weights.partitions import PartitionRouting, PoolPartitions, plan_partitions
+from tests.support import listening_port
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec as run_spec
 from tests.unit.test_weight_sync import TENSORS, Clock, ScriptedControl
@@ -90,7 +91,7 @@ def partitions_over(
 
 async def push(partitions: PoolPartitions, run_id: str) -> int:
     sync = partitions.coordinator(run_id)
-    ticket = await sync.begin(run_id, "127.0.0.1", 29500, TENSORS, "none")
+    ticket = await sync.begin(run_id, "127.0.0.1", listening_port(), TENSORS, "none")
     version, _ = await sync.commit(ticket.update_id)
     return version
 
@@ -162,7 +163,7 @@ async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_s
         assert sorted(partitions.assignment().values()) == sorted([one.run_id, two.run_id])
         sync = service.require_weight_sync(one.run_id)
         assert sync is partitions.coordinator(one.run_id) and sync is not service.require_weight_sync(two.run_id)
-        ticket = await sync.begin(one.run_id, "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin(one.run_id, "127.0.0.1", listening_port(), TENSORS, "none")
         assert service.weight_sync_of_update(ticket.update_id) is sync
         await sync.commit(ticket.update_id)
         assert one.policy_version == 1 and two.policy_version == 0  # its version, not the pool's

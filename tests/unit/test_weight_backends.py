@@ -12,6 +12,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 import types
 from datetime import timedelta
 from pathlib import Path
@@ -20,10 +21,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rollout_service.engine.control import WeightSyncError
 from rollout_service.weights.update_messages import init_info, leave_info
+from rollout_service.weights.weight_sync import await_listening
+from tests.support import listening_port
 from trainer_client.nccl_sender import NcclWeightSender, call_within
 from trainer_client.weight_push import WeightPusher, sender_for
 from trainer_client.weights import GlooWeightSender, UpdateAbandoned, free_port, rendezvous_uri
+from vllm_gloo_transfer.groups import arrive, await_every_rank
 from vllm_gloo_transfer.packing import broadcast_buckets
 from vllm_gloo_transfer.plugin import GlooWeightTransferInitInfo
 from vllm_gloo_transfer.shared_memory import accept_shared_memory
@@ -228,6 +233,8 @@ def _gloo_worker(port: int, epoch: int, rank: int, world_size: int, out: dict[in
 
     store = TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=20))
     prefix = PrefixStore(f"{rendezvous_uri('127.0.0.1', port)}/epoch-{epoch}", store)
+    arrive(prefix)
+    await_every_rank(prefix, world_size, 20)
     group = ProcessGroupGloo(prefix, rank, world_size, timedelta(seconds=20))
     group._set_sequence_number_for_group()
     shared, _ = accept_shared_memory(group)  # the join's last step, as the plugin takes it
@@ -293,3 +300,53 @@ def test_a_gloo_join_with_more_servers_goes_through_the_same_store() -> None:
     sender.close()
     with pytest.raises(ValueError, match="world size 2, not 3"):
         NcclWeightSender("127.0.0.1", port, 2).connect(0, 3)
+
+
+def _waiting_worker(port: int, epoch: int, world_size: int, timeout_s: float, outcome: list[str]) -> None:
+    """A server's worker at the join's rendezvous, as the plugin waits there for every rank."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=20))
+    prefix = PrefixStore(f"{rendezvous_uri('127.0.0.1', port)}/epoch-{epoch}", store)
+    arrive(prefix)
+    try:
+        await_every_rank(prefix, world_size, timeout_s)
+        outcome.append("all arrived")
+    except (RuntimeError, TimeoutError) as exc:
+        outcome.append(str(exc))
+
+
+def test_a_worker_waiting_for_a_join_leaves_as_soon_as_the_trainer_gives_it_up() -> None:
+    """Before, it waited inside gloo's rendezvous for its whole join timeout, and vLLM's engine
+    generated nothing meanwhile."""
+    port = free_port("127.0.0.1")
+    sender = GlooWeightSender("127.0.0.1", port, world_size=2, timeout_s=20)
+    sender.host()
+    outcome: list[str] = []
+    worker = threading.Thread(target=_waiting_worker, args=(port, 3, 2, 20, outcome))
+    try:
+        worker.start()
+        started = time.monotonic()
+        sender.abandon(3, "the weight update was aborted")
+        worker.join(10)
+        assert outcome == ["the trainer gave this join up: the weight update was aborted"]
+        assert time.monotonic() - started < 5  # not the 20 s join timeout
+        # A later join, under its own epoch, does not see the abandoned one.
+        waiting = threading.Thread(target=_waiting_worker, args=(port, 4, 2, 0.3, outcome))
+        waiting.start()
+        waiting.join(10)
+        assert outcome[1] == (
+            "1 of 2 ranks (the trainer and every server's workers) reached the weight-transfer "
+            "rendezvous within 0.3s (weight_sync.join_timeout_s)"
+        )
+    finally:
+        sender.close()
+
+
+async def test_a_join_is_asked_only_once_the_trainers_rendezvous_accepts_connections() -> None:
+    await asyncio.wait_for(await_listening("127.0.0.1", listening_port(), 5), 5)
+    nobody = free_port("127.0.0.1")
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match=rf"127.0.0.1:{nobody} join: nothing accepted connections .* within 0.3s"):
+        await asyncio.wait_for(await_listening("127.0.0.1", nobody, 0.3), 5)
+    assert time.monotonic() - started < 2

@@ -14,7 +14,7 @@ from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.weights.update_messages import TensorSpec
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
-from tests.support import wait_until
+from tests.support import listening_port, wait_until
 
 STEP_SECONDS = {
     "init_weight_transfer": 1.0,
@@ -123,7 +123,7 @@ async def test_a_committed_update_records_its_phases_and_paused_seconds() -> Non
     server = ScriptedControl(clock)
     sync = coordinator(server, clock, metrics, reset_prefix_cache=True)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(server.received.wait(), 5)
         assert sync.paused_seconds() == pytest.approx(2 + 3 + 4)  # in progress: counted up to now
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(28))
@@ -165,7 +165,7 @@ async def test_the_paused_window_spans_a_pause_whose_call_runs_late(monkeypatch:
 
     monkeypatch.setattr(sync, "_pause", late_pause)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 1
     finally:
         await sync.close()
@@ -180,7 +180,7 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
     server = ScriptedControl(clock)
     sync = coordinator(server, clock, metrics)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(1 + 3 + 4 + 5))
         # vLLM's label of the weights is set after the commit, off its path: the commit's
         # seconds above hold nothing after the finish.
@@ -209,10 +209,10 @@ async def test_a_resend_applies_the_weights_and_keeps_the_version() -> None:
         metrics=metrics, clock=clock,
     )  # fmt: skip
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep", resend=True)
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep", resend=True)
         assert ticket.policy_version == 3
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (3, pytest.approx(1 + 2 + 7 + 5 + 7))
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")  # the next step's push
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")  # the next step's push
         assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 4
         await wait_until(lambda: server.labels == ["3", "4"], 5, lambda: f"labels {server.labels}")
     finally:
@@ -243,7 +243,7 @@ async def test_a_commit_opens_the_next_update_so_the_next_push_skips_its_start(
     mode = "none" if settings.backend == "gloo" else "keep"
     try:
         for expected_version in (1, 2):
-            ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, mode)
+            ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, mode)
             assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected_version
         await asyncio.wait_for(sync._take_prestarted(), 5)  # the last commit's, for a stable record
     finally:
@@ -264,7 +264,7 @@ async def test_a_trainer_that_joins_again_uses_the_update_opened_ahead() -> None
     server = ScriptedControl(Clock())
     sync = WeightSyncCoordinator([server], WeightSyncSettings(prestart=True), lambda _: None)
     try:
-        for port, expected_version in ((29500, 1), (29501, 2)):
+        for port, expected_version in ((listening_port(), 1), (listening_port("another trainer"), 2)):
             ticket = await sync.begin("run", "127.0.0.1", port, TENSORS, "none")
             assert ticket.join_group
             assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected_version
@@ -280,14 +280,14 @@ async def test_after_a_server_restart_the_update_opened_ahead_is_not_trusted() -
     server = ScriptedControl(Clock())
     sync = WeightSyncCoordinator([server], WeightSyncSettings(prestart=True), lambda _: None)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         await asyncio.wait_for(sync.commit(ticket.update_id), 5)
         sync.server_restarted()
         server.calls.clear()
         server.fail_once["start_weight_update"] = WeightSyncError(
             server.base_url, "/start_weight_update", "HTTP 500: weight update is already active"
         )
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 2
     finally:
         await sync.close()
@@ -306,7 +306,7 @@ async def test_an_aborted_update_counts_its_pause_too() -> None:
     server = ScriptedControl(clock, fail="update_weights")  # the trainer died mid-broadcast
     sync = coordinator(server, clock, metrics)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         with pytest.raises(FailedPrecondition, match="aborted"):
             await asyncio.wait_for(sync.commit(ticket.update_id), 5)
     finally:
@@ -328,12 +328,12 @@ async def test_a_failed_resume_is_retried_until_the_server_generates_again() -> 
     server = ScriptedControl(clock, resume_failures=2)
     sync = coordinator(server, clock, metrics)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(sync.commit(ticket.update_id), 5)
         assert server.resumes == 3 and not sync.stuck_paused  # two failures, then resumed
 
         server.resume_failures = 5  # more than the retries: the background keeps trying
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(sync.commit(ticket.update_id), 5)
         assert sync.stuck_paused == {server.base_url}
         await wait_until(lambda: not sync.stuck_paused, 5, "the background resume")
@@ -348,13 +348,13 @@ async def test_an_abort_whose_resume_raises_anything_ends_the_update() -> None:
     server.resume_error = RuntimeError("unexpected")
     sync = coordinator(server, clock, metrics)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(server.received.wait(), 5)
         await sync.abort(ticket.update_id, "trainer gave up")
         assert sync.updates_aborted == 1 and sync.stuck_paused == {server.base_url}
         server.resume_failures = 0  # the server recovers; a new update may begin
         await wait_until(lambda: not sync.stuck_paused, 5, "the background resume")
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         # 28 s less the scripted prefix-cache reset's 6 s, which is off by default
         assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(28 - 6))
     finally:
@@ -419,7 +419,7 @@ async def test_an_update_without_pause_is_refused_where_the_engine_reloads_from_
     sync = WeightSyncCoordinator([server], WeightSyncSettings(backend="nccl"), lambda _: None)
     try:
         with pytest.raises(FailedPrecondition, match="generation must pause"):
-            await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+            await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         assert server.calls == []
     finally:
         await sync.close()
@@ -446,7 +446,7 @@ async def test_labels_land_in_the_order_of_their_commits() -> None:
     sync = coordinator(server, clock, metrics)
     try:
         for expected in (1, 2):
-            ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+            ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
             assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected
         server.gate.set()
         await wait_until(lambda: len(server.labels) == 2, 5, lambda: f"labels {server.labels}")
@@ -473,14 +473,14 @@ async def test_the_watchdog_counts_from_the_last_progress_not_from_begin() -> No
     settings = WeightSyncSettings(transfer_timeout_s=1.0, control_timeout_s=0.5, resume_retry_s=0.001)
     sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(server.received.wait(), 5)
         await asyncio.sleep(1.0)  # the trainer takes its time to commit, within the limit
         version, _ = await asyncio.wait_for(sync.commit(ticket.update_id), 5)
         assert version == 1 and sync.updates_aborted == 0
 
         server.transfer_s = 0.0  # and an update that stalls after its transfer is still aborted
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "keep")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(server.received.wait(), 5)
         await wait_until(lambda: sync.updates_aborted == 1, 10, "the watchdog to abort the stalled update")
         assert "no progress for 2s after transfer" in (sync._last_aborted.aborted or "")
@@ -498,7 +498,7 @@ async def test_a_first_update_closes_one_a_dead_service_left_open_in_vllm() -> N
     )
     sync = coordinator(server, clock, metrics)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         await asyncio.wait_for(server.received.wait(), 5)
         assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == 1
     finally:
@@ -540,7 +540,7 @@ async def test_an_update_aborted_mid_join_holds_the_busy_server_until_vllm_lets_
         [server], settings, lambda _: None, clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
     )
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         await wait_until(lambda: server.joins == 1, 5, "the join to reach vLLM")
         assert await asyncio.wait_for(sync.abort(ticket.update_id, "trainer gone"), 5) == 0  # answers at once
         ((url, why),) = stuck
@@ -548,7 +548,7 @@ async def test_an_update_aborted_mid_join_holds_the_busy_server_until_vllm_lets_
         assert "weight_sync.join_timeout_s" in str(why)
 
         # A begin now waits for the server instead of queueing a second join behind the first.
-        second = asyncio.ensure_future(sync.begin("run", "127.0.0.1", 29500, TENSORS, "none"))
+        second = asyncio.ensure_future(sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none"))
         done, _ = await asyncio.wait({second}, timeout=0.1)
         assert not done and server.joins == 1
         server.join_ends.set()  # vLLM's join gave up (join_timeout_s): the leave behind it answers
@@ -566,11 +566,11 @@ async def test_a_begin_is_refused_while_a_server_stays_busy_with_an_aborted_call
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=0.05, join_timeout_s=5)
     sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         await wait_until(lambda: server.joins == 1, 5, "the join to reach vLLM")
         await sync.abort(ticket.update_id, "trainer gone")
         with pytest.raises(FailedPrecondition, match="still run a call of an aborted weight update"):
-            await asyncio.wait_for(sync.begin("run", "127.0.0.1", 29500, TENSORS, "none"), 5)
+            await asyncio.wait_for(sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none"), 5)
         assert server.joins == 1
     finally:
         server.join_ends.set()
@@ -588,7 +588,7 @@ async def test_an_answered_failure_leaves_no_server_busy() -> None:
     )
     server.fail_once["init_weight_transfer"] = WeightSyncError(server.base_url, "/init", "HTTP 500", answered=True)
     try:
-        ticket = await sync.begin("run", "127.0.0.1", 29500, TENSORS, "none")
+        ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         with pytest.raises(FailedPrecondition, match="aborted"):
             await asyncio.wait_for(sync.commit(ticket.update_id), 5)
         assert not stuck
