@@ -43,7 +43,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rollout_common.tiny_model import build_tiny_model
+from rollout_common.tiny_model import build_tiny_model, tiny_model_flags
 from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
 from rollout_service.edge.app import running_service
 from trainer_client.client import RolloutClient
@@ -88,10 +88,16 @@ async def run_phase(service, args: argparse.Namespace, mode: str, round_: int, o
     service.service.settings.abort_stale_inflight = mode != "keep"  # read as each run is created
     tokens_before = vllm_generated_tokens(url)
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
-    command += ["--max-steps", str(args.steps), "--group-size", str(args.group_size)]
-    command += ["--groups-per-step", str(args.groups_per_step), "--max-tokens", str(args.max_tokens)]
-    command += ["--max-staleness", str(args.max_staleness), "--max-buffered-groups", str(args.max_buffered_groups)]
-    command += ["--admission", admission, "--output-dir", str(out), "--log-level", "WARNING"]
+    command += ["--dataset", "repeat_a"]  # the task it has always run (the trainer's default dataset once)
+    command += tiny_model_flags(
+        max_steps=args.steps,
+        num_generations=args.group_size,
+        per_device_train_batch_size=args.groups_per_step * args.group_size,
+        max_completion_length=args.max_tokens,
+        max_staleness=args.max_staleness,
+    )
+    command += ["--max_buffered_groups", str(args.max_buffered_groups), "--admission", admission]
+    command += ["--output_dir", str(out), "--log_level", "warning"]
     started = time.monotonic()
     trainer = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT

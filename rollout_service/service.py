@@ -67,6 +67,8 @@ class ServiceInfo:
     model: str
     engine_urls: list[str]
     max_inflight: int
+    model_signature: str = ""
+    """``rollout_common.model_signature`` of the served model; empty when unknown."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class ServerInfo:
     tools: list[str]
     tool_parsers: list[str]
     environments: list[str]
+    model_signature: str
 
 
 @dataclass(frozen=True)
@@ -512,6 +515,7 @@ class RolloutService:
             tools=self.tools.names(),
             tool_parsers=self.tools.parser_names(),
             environments=self.environments.names(),
+            model_signature=self.info.model_signature,
         )
 
     def stats(self) -> ServiceStats:

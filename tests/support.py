@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 
 POLL_INTERVAL_S = 0.05
 
@@ -50,6 +52,21 @@ def listening_port(who: str = "trainer") -> int:
     return server.getsockname()[1]
 
 
+async def run_to_end(command: list[str], timeout_s: float, **options) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """Run ``command`` (with its children, e.g. a torchrun and its ranks: one process group) to
+    its end, or kill the group at the timeout; its exit code and output (stdout and stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True, **options
+    )
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), timeout_s)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode is not None
+    return process.returncode, output.decode()
+
+
 @contextlib.contextmanager
 def started(command: list[str], **options) -> Iterator[subprocess.Popen[bytes]]:  # type: ignore[no-untyped-def]
     """``command`` in a process group of its own, killed at the end whatever happened."""
@@ -60,3 +77,14 @@ def started(command: list[str], **options) -> Iterator[subprocess.Popen[bytes]]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
+
+
+def save_into_hub_cache(model_dir: Path, repo_id: str, hf_home: Path) -> None:
+    """Put a local model into a Hugging Face cache under ``repo_id``, as a download would have
+    (``hub/models--ORG--NAME/snapshots/<commit>`` and ``refs/main``), so that with
+    ``HF_HOME=hf_home`` and ``HF_HUB_OFFLINE=1`` the id resolves with no network."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)

@@ -28,6 +28,12 @@ CPU_BF16_PROBES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
 """``torch.cpu`` functions that say whether this CPU has bf16 matmul instructions."""
 
 
+def device_type(use_cpu: bool) -> str:
+    """Where the trainer computes, as accelerate chooses it: CUDA when there is one, unless
+    ``use_cpu`` (TrainingArguments' ``--use_cpu``) forces the CPU."""
+    return "cuda" if not use_cpu and torch.cuda.is_available() else "cpu"
+
+
 def has_native_bf16(device_type: str) -> bool:
     """Whether ``device_type`` ("cpu", "cuda") multiplies bf16 matrices in hardware."""
     if device_type == "cuda":
@@ -38,7 +44,7 @@ def has_native_bf16(device_type: str) -> bool:
 
 
 def resolve_bf16(requested: bool | None, device_type: str) -> bool:
-    """``requested``, or for None (the CLI's default) whether this hardware has native bf16."""
+    """``requested``, or for None (the default) whether this hardware has native bf16."""
     return has_native_bf16(device_type) if requested is None else requested
 
 

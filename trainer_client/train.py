@@ -20,11 +20,10 @@ import logging
 import os
 import socket
 import statistics
-from collections.abc import Iterable, Mapping
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -32,12 +31,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
+from rollout_common.model_signature import signature_of
 from trainer_client import fsdp, precision
+from trainer_client.advertised_address import advertised_address
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
 from trainer_client.evaluator import PinnedEvaluator
-from trainer_client.prompt_feeder import feed_prompts, fits_inline
-from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
+from trainer_client.options import ADMISSION_MODES, ModelOptions, RunOptions
+from trainer_client.prompt_feeder import feed_prompts
+from trainer_client.prompts_file import PromptRows
 from trainer_client.step_timing import summarize_seconds, with_lookahead
 from trainer_client.stream import GroupFeed
 from trainer_client.svg_plot import line_plot
@@ -45,135 +47,12 @@ from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
-ADMISSION_MODES = {
-    "staleness": pb.ADMISSION_MODE_STALENESS,
-    "paced": pb.ADMISSION_MODE_PACED,
-    "buffer": pb.ADMISSION_MODE_BUFFER,
-}
-"""``RunOptions.admission`` -> the proto's AdmissionMode (the one list of the trainer's names)."""
 SCALE_REWARDS = {
     "group": pb.ADVANTAGE_SCALING_GROUP,
     "batch": pb.ADVANTAGE_SCALING_BATCH,
     "none": pb.ADVANTAGE_SCALING_NONE,
 }
-"""``RunOptions.scale_rewards`` (TRL's spellings) -> the proto's AdvantageScaling."""
-
-
-@dataclass
-class RunOptions:
-    """What to generate when the trainer creates the run itself."""
-
-    dataset: str = "letters"
-    rewards: dict[str, float] = field(default_factory=lambda: {"char_fraction": 1.0})
-    max_tokens: int = 32
-    max_buffered_groups: int = 0
-    """Groups the service may hold started or scored but not yet handed to this trainer; 0:
-    ``buffered_groups``' default, what ``max_staleness`` lets start ahead of the step being
-    trained."""
-    admission: Literal["staleness", "paced", "buffer"] = "paced"
-    """paced: the service generates only what this trainer trains within max_staleness, and no
-    further ahead than keeps it busy; staleness: as far ahead as max_staleness allows; buffer:
-    up to max_buffered_groups whatever their age (for comparison)."""
-    max_inflight: int = 0
-    """Episodes of this run generating at once; 0: as many as the service's slots allow."""
-    group_deadline_s: float = 0.0
-    """Seconds a group waits for its slowest members (0: all); then it is scored from those
-    that finished if at least ``min_group_size`` did, else dropped (``RunSpec``)."""
-    min_group_size: int = 0
-    prompts: list[pb.Prompt] | PromptRows | Iterable[Mapping[str, Any]] | None = None
-    """The run's own prompts instead of ``dataset``: ``pb.Prompt``s, ``PromptRows`` (a file),
-    or rows with a ``prompt_column`` (a ``datasets.Dataset``, a list of dicts; the other
-    columns reach the rewards as keyword arguments). Large sets stream (``prompt_feeder``)."""
-    prompt_column: str = PROMPT_COLUMN
-    top_p: float = 1.0
-    """Nucleus sampling mass (1: off), as TRL's ``top_p``."""
-    top_k: int = 0
-    """Top-k sampling (0: off; TRL's ``top_k`` 0 or None)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Advantage denominator, as TRL's ``scale_rewards``."""
-    eval_dataset: str = ""
-    """Built-in dataset evaluated every ``eval_every_pushes`` pushes ("": no evaluation)."""
-    eval_every_pushes: int = 0
-
-    def __post_init__(self) -> None:
-        prompts = self.prompts
-        if prompts is None or isinstance(prompts, PromptRows):
-            return
-        if not (isinstance(prompts, list) and all(isinstance(p, pb.Prompt) for p in prompts)):
-            self.prompts = PromptRows.from_rows(prompts, self.prompt_column)  # type: ignore[arg-type]
-
-    @property
-    def streams_prompts(self) -> bool:
-        """Too many prompts for the run's spec: they go through SubmitPrompts instead."""
-        return isinstance(self.prompts, PromptRows) and not fits_inline(self.prompts.count, self.prompts.bytes)
-
-
-@dataclass
-class LoraOptions:
-    """Train a LoRA adapter (PEFT) instead of the full model.
-
-    ``serving="merged"`` pushes base + adapter as full weights (the servers need no LoRA
-    support; one trainer per server pool). ``"adapter"`` pushes only the adapter to a run
-    that serves it (``serve_adapter``): several runs then train their own adapters on one
-    shared base model, each with its own policy version.
-    """
-
-    rank: int = 16
-    alpha: int = 32
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    serving: Literal["merged", "adapter"] = "merged"
-
-
-def cpu_training_config(
-    output_dir: Path,
-    max_steps: int,
-    *,
-    group_size: int = 8,
-    groups_per_step: int = 8,
-    gradient_accumulation_steps: int = 1,
-    learning_rate: float = 5e-3,
-    max_staleness: int = 2,
-    weight_sync_steps: int = 1,
-    loss_type: str = "dapo",
-    max_tokens: int = 32,
-    beta: float = 0.0,
-    background_push: bool = True,
-    vllm_is_mode: str = "token_truncate",
-    vllm_is_cap: float = 3.0,
-    bf16: bool | None = None,
-    **training_arguments: Any,
-) -> AsyncGRPOConfig:
-    """The settings the CLI and the demo train the embedded default with (constant LR, a log
-    line and a metrics record every step, no checkpoints), then ``training_arguments``
-    (other ``AsyncGRPOConfig`` fields, from a config file) over them. ``bf16`` None: bf16
-    autocast where this CPU multiplies bf16 natively (``precision``). Raises ValueError on
-    bad values."""
-    correction = vllm_is_mode != "none"
-    defaults: dict[str, Any] = dict(
-        output_dir=str(output_dir),
-        max_steps=max_steps,
-        per_device_train_batch_size=groups_per_step // gradient_accumulation_steps * group_size,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        group_size=group_size,
-        learning_rate=learning_rate,
-        lr_scheduler_type="constant",
-        max_staleness=max_staleness,
-        weight_sync_steps=weight_sync_steps,
-        loss_type=loss_type,
-        beta=beta,
-        background_push=background_push,
-        vllm_importance_sampling_correction=correction,
-        vllm_importance_sampling_mode=vllm_is_mode if correction else AsyncGRPOConfig.vllm_importance_sampling_mode,
-        vllm_importance_sampling_cap=vllm_is_cap,
-        max_completion_length=max_tokens,
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=precision.resolve_bf16(bf16, "cpu"),
-    )
-    if "save_steps" in training_arguments:
-        defaults["save_strategy"] = "steps"
-    return AsyncGRPOConfig(**{**defaults, **training_arguments})
+"""``AsyncGRPOConfig.scale_rewards`` (TRL's spellings) -> the proto's AdvantageScaling."""
 
 
 def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) -> int:
@@ -186,15 +65,13 @@ def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) ->
     return requested or max(1, max_staleness) * groups_per_step
 
 
-async def _create_run(
-    target: str, config: AsyncGRPOConfig, options: RunOptions, serve_adapter: bool, pushes: bool
-) -> str:
+async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions, serve_adapter: bool) -> str:
     async with RolloutClient(target) as client:
         spec = dataset_run_spec(
             options.dataset,
             options.rewards,
-            group_size=config.group_size,
-            max_tokens=options.max_tokens,
+            group_size=config.num_generations,
+            max_tokens=config.max_completion_length,
             max_staleness=config.max_staleness,
             max_buffered_groups=buffered_groups(  # every data-parallel rank trains its own groups
                 options.max_buffered_groups, config.max_staleness, config.groups_per_step * config.world_size
@@ -205,79 +82,107 @@ async def _create_run(
         )
         if options.streams_prompts:
             spec.prompt_source.submitted.SetInParent()  # replaces the dataset (a oneof); fed by prompt_feeder
-        elif options.prompts is not None:
-            spec.prompt_source.prompts.prompts.extend(options.prompts)  # type: ignore[arg-type]
-        _sample_as_trained(spec, config, options)
+        elif options.prompt_rows is not None:
+            spec.prompt_source.prompts.prompts.extend(options.prompt_rows)  # type: ignore[arg-type]
+        _sample_as_trained(spec, config)
         spec.serve_adapter = serve_adapter
         spec.admission = ADMISSION_MODES[options.admission]
         # This trainer pushes before it trains and refuses groups of older weights: generating
         # before that push would only make groups to drop.
-        spec.await_first_update = pushes
+        spec.await_first_update = options.push
         return (await client.create_run(spec)).run_id
 
 
-def _sample_as_trained(spec: pb.RunSpec, config: AsyncGRPOConfig, options: RunOptions) -> None:
+def _sample_as_trained(spec: pb.RunSpec, config: AsyncGRPOConfig) -> None:
     spec.sampling.temperature = config.temperature
-    spec.sampling.top_p = options.top_p
-    spec.sampling.top_k = options.top_k
-    spec.scale_rewards = SCALE_REWARDS[options.scale_rewards]
+    spec.sampling.top_p = config.top_p
+    spec.sampling.top_k = config.top_k
+    spec.scale_rewards = SCALE_REWARDS[config.scale_rewards]
 
 
 def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
     """The evaluation runs' spec: the held-out dataset once, sampled and scored as training
     samples are; each evaluation pins it to the version it evaluates (``evaluator``)."""
     spec = dataset_run_spec(
-        options.eval_dataset, options.rewards, group_size=config.group_size, max_tokens=options.max_tokens
+        options.eval_dataset,
+        options.rewards,
+        group_size=config.num_generations,
+        max_tokens=config.max_completion_length,
     )
-    _sample_as_trained(spec, config, options)
+    _sample_as_trained(spec, config)
     spec.display_name = f"eval-{options.eval_dataset}"
     spec.eval.SetInParent()
     return spec
 
 
-def train(
-    target: str,
-    model_path: str,
-    config: AsyncGRPOConfig,
-    options: RunOptions,
-    run_id: str | None = None,
-    trainer_address: str = "127.0.0.1",
-    lora: LoraOptions | None = None,
-    push: bool = True,
-    torch_threads: int = 0,
-    save_model: bool = False,
-    wait_for_service_s: float = 0.0,
-    shared_memory_push: bool = True,
-) -> dict[str, Any]:
-    """Train ``config.max_steps`` steps on a run of the service at ``target``; returns the summary.
+def default_output_dir(run_id: str | None, pushes: bool) -> str:
+    """Where a trainer writes without ``--output_dir``: ``outputs/<run id>``, or for a follower
+    (which shares the run of the trainer that pushes) a folder of its own beside it, so that
+    two trainers never share a ``metrics.jsonl``."""
+    assert run_id is not None
+    name = run_id if pushes else f"{run_id}-follower-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return str(Path("outputs") / name)
 
-    ``trainer_address`` is where vLLM's workers reach this process for the weight transfer.
-    ``push=False`` makes a follower: it trains on its share of the run's groups but another
-    trainer of the run pushes weights (its staleness follows the run's version).
-    ``torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
-    ``save_model`` writes the trained policy to ``output_dir/model`` at the end (``save_policy``).
-    ``wait_for_service_s``: how long rank 0 first waits for the service to say SERVING.
-    ``shared_memory_push``: push to servers on this host through shared memory (gloo backend).
+
+async def _served_model(target: str) -> pb.GetServerInfoResponse:
+    async with RolloutClient(target) as client:
+        return await client.server_info()
+
+
+def policy_checkpoint(options: ModelOptions, served: pb.GetServerInfoResponse) -> str:
+    """The model to train: ``options``' or, by default, the one the service serves. Another
+    model than the served one is refused: its samples' log-probs and its pushes would not fit."""
+    if options.model_name_or_path is None:
+        return served.model
+    if served.model_signature:
+        try:
+            mine = signature_of(options.model_name_or_path, options.model_revision)
+        except (OSError, ValueError) as exc:
+            raise ModelNotFound(f"cannot load model {options.model_name_or_path!r}: {exc}") from None
+        if mine != served.model_signature:
+            raise ModelNotFound(
+                f"--model_name_or_path {options.model_name_or_path} ({mine}) is not the model the service serves, "
+                f"{served.model} ({served.model_signature}); leave --model_name_or_path out to train the served "
+                "model, or serve this one"
+            )
+    return options.model_name_or_path
+
+
+def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOptions | None = None) -> dict[str, Any]:
+    """Train ``config.max_steps`` steps on a run of the service at ``options.target``; returns the summary.
+
+    ``options.push`` False makes a follower: it trains on its share of the run's groups but
+    another trainer of the run pushes weights (its staleness follows the run's version).
+    ``options.torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
     """
+    model_options = model_options or ModelOptions()
+    target = options.target
+    run_id = options.run_id
     checkpoint = None
     if config.resume_from_checkpoint:
         checkpoint = find_checkpoint(config.resume_from_checkpoint, Path(config.output_dir))
         if run_id is None and checkpoint.run_id is not None:
             run_id = checkpoint.run_id
             logger.info("resuming %s at step %d on its run %s", checkpoint.path, checkpoint.step, run_id)
-    threads = use_torch_threads(trainer_threads(target, torch_threads))
-    if torch_threads == 0 and (cores := pin_local_trainer(target)):
+    trainer_address = advertised_address(options.trainer_address, target)
+    threads = use_torch_threads(trainer_threads(target, options.torch_threads))
+    if options.torch_threads == 0 and (cores := pin_local_trainer(target)):
         logger.info("trainer pinned to cores %s, the CPU budget's share beside a local vLLM", list(cores))
     main = config.process_index == 0
-    if main and wait_for_service_s > 0:
-        asyncio.run(wait_until_serving(target, wait_for_service_s))
+    if main and options.wait_for_service > 0:
+        asyncio.run(wait_until_serving(target, options.wait_for_service))
+    model_path = policy_checkpoint(model_options, asyncio.run(_served_model(target)))  # before a run is made
     if run_id is None and main:
-        serve_adapter = lora is not None and lora.serving == "adapter"
-        run_id = asyncio.run(_create_run(target, config, options, serve_adapter, pushes=push))
+        run_id = asyncio.run(_create_run(target, config, options, model_options.serves_adapter))
+        logger.info("created run %s", run_id)
+    default_dir = None if config.output_dir_given or not main else default_output_dir(run_id, options.push)
     if config.world_size > 1:
-        run_id = broadcast_object_list([run_id], from_process=0)[0]
+        run_id, default_dir = broadcast_object_list([run_id, default_dir], from_process=0)
     assert run_id is not None
-    model = load_policy(model_path, lora, config.bf16, config.device.type)
+    if default_dir is not None:
+        config.output_dir = default_dir
+    logger.info("training on run %s; output in %s", run_id, config.output_dir)
+    model = load_policy(model_path, model_options, config.bf16, config.device.type)
     logger.info("trainer computes in %s", precision.describe(config.bf16))
     output_dir = Path(config.output_dir)
     if main and checkpoint is not None:
@@ -287,12 +192,16 @@ def train(
     # Each process is its own consumer (the service hands consumers disjoint groups).
     consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
-        pusher = make_pusher(feed, run_id, trainer_address, lora, shared_memory_push) if push else None
+        pusher = (
+            make_pusher(feed, run_id, trainer_address, model_options.serves_adapter, options.shared_memory_push)
+            if options.push
+            else None
+        )
         feeder = start_prompt_feeder(feed, run_id, options) if main else None
         evaluator = None
-        if main and pusher is not None and options.eval_every_pushes:
+        if main and pusher is not None and options.eval_every:
             spec = eval_run_spec(config, options)
-            evaluator = PinnedEvaluator(feed, spec, options.eval_every_pushes, output_dir / "evals.jsonl")
+            evaluator = PinnedEvaluator(feed, spec, options.eval_every, output_dir / "evals.jsonl")
             (output_dir / "evals.jsonl").unlink(missing_ok=True)
         try:
             trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher, evaluator=evaluator)
@@ -306,7 +215,7 @@ def train(
         counters = feed.counters
         totals, _ = trainer.over_ranks([counters.received, counters.trained, counters.dropped_stale], [])
     output_dir.mkdir(parents=True, exist_ok=True)
-    if save_model:
+    if options.save_model:
         save_policy(trainer, model_path, output_dir / "model")
     rank_report = {
         "rank": config.process_index,
@@ -343,20 +252,21 @@ def train(
 
 def start_prompt_feeder(feed: GroupFeed, run_id: str, options: RunOptions) -> Future[None] | None:
     """Stream the prompts into the run when it takes them through SubmitPrompts (created so
-    here, or an existing run joined with ``--run-id`` or from a checkpoint)."""
-    if not isinstance(options.prompts, PromptRows):
+    here, or an existing run joined with ``--run_id`` or from a checkpoint)."""
+    rows = options.prompt_rows
+    if not isinstance(rows, PromptRows):
         return None
     run = feed.call(feed.client.get_run(run_id))
     if run.spec.prompt_source.WhichOneof("source") != "submitted":
         return None
-    logger.info("streaming %d prompts of %s into run %s", options.prompts.count, options.prompts.name, run_id)
-    return feed.run_alongside(feed_prompts(feed.client, run_id, options.prompts), "the prompt feeder")
+    logger.info("streaming %d prompts of %s into run %s", rows.count, rows.name, run_id)
+    return feed.run_alongside(feed_prompts(feed.client, run_id, rows), "the prompt feeder")
 
 
 def make_pusher(
-    feed: GroupFeed, run_id: str, trainer_address: str, lora: LoraOptions | None, shared_memory: bool = True
+    feed: GroupFeed, run_id: str, trainer_address: str, serves_adapter: bool, shared_memory: bool = True
 ) -> WeightPusher | AdapterPusher:
-    if lora is not None and lora.serving == "adapter":
+    if serves_adapter:
         return AdapterPusher(feed.client, run_id)
     return WeightPusher(
         feed.client, run_id, trainer_address=trainer_address, clock=feed.clock, shared_memory=shared_memory
@@ -373,16 +283,33 @@ def use_torch_threads(threads: int) -> int:
     return threads
 
 
-def load_policy(model_path: str, lora: LoraOptions | None, bf16: bool, device_type: str) -> PreTrainedModel:
-    """The float32 policy (a PEFT model for ``lora``), loaded as it trains in this precision on
-    this device (``precision.loading_kwargs``)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, **precision.loading_kwargs(bf16, device_type))
-    if lora is None:
+def load_policy(model_path: str, options: ModelOptions, bf16: bool, device_type: str) -> PreTrainedModel:
+    """The float32 policy (a PEFT model with ``use_peft``), from a Hub id or a folder, loaded as
+    it trains in this precision on this device (``precision.loading_kwargs``)."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, revision=options.model_revision, **precision.loading_kwargs(bf16, device_type)
+        )
+    except OSError as exc:
+        raise ModelNotFound(
+            f"cannot load model {model_path!r}: {exc}; give --model_name_or_path a Hub model id or a local "
+            "folder with config.json (offline, a model already in the Hugging Face cache)"
+        ) from None
+    if not options.use_peft:
         return model
     from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=options.lora_r,
+        lora_alpha=options.lora_alpha,
+        target_modules=options.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
+
+
+class ModelNotFound(ValueError):
+    """The policy cannot be loaded, or is not the served model; the message says what to give instead."""
 
 
 def save_policy(trainer: AsyncGRPOTrainer, model_path: str, directory: Path) -> None:

@@ -30,14 +30,14 @@ import copy
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, ProgressCallback, Trainer, TrainingArguments
 
-from trainer_client import fsdp
+from trainer_client import fsdp, precision
 from trainer_client.arriving_batches import ArrivingBatches, DeferredTokenNormaliser
 from trainer_client.batches import (
     GroupCollator,
@@ -56,14 +56,23 @@ from trainer_client.stream import GroupFeed
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
+SCALE_REWARDS = ("group", "batch", "none")
+"""TRL's ``scale_rewards`` spellings (the proto's AdvantageScaling)."""
 
 
 @dataclass(kw_only=True)
 class AsyncGRPOConfig(TrainingArguments):
-    """Training arguments plus the stream, weight-sync and loss knobs (names as TRL's)."""
+    """Training arguments plus the stream, weight-sync, sampling and loss settings: the one
+    declaration of the trainer's options (``rollout-trainer`` is generated from it). Names and
+    defaults are TRL ``GRPOConfig``'s wherever the setting means the same here."""
 
-    group_size: int = 8
+    num_generations: int = 8
     """Completions per prompt (G); the per-device batch must hold whole groups."""
+    learning_rate: float = 1e-6
+    logging_steps: float = 10
+    bf16: bool | None = None  # type: ignore[assignment]
+    """bf16 autocast over float32 weights, as TRL's; None: where the hardware multiplies bf16
+    natively (``precision``)."""
     max_staleness: int = 2
     """Groups whose oldest token is more than this many policy versions old are dropped. At 2
     (also prime-rl's default ``async_level``, for the same reason) the groups of the step
@@ -78,6 +87,12 @@ class AsyncGRPOConfig(TrainingArguments):
     data-parallel ranks, or adapter pushes the push stays on the step's path."""
     temperature: float = 1.0
     """Sampling temperature of the run: log-probs are computed on logits / temperature, as vLLM's."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of the run (1: off)."""
+    top_k: int = 0
+    """Top-k sampling of the run (0: off)."""
+    scale_rewards: str = "group"
+    """Advantage denominator: group (its std), batch, or none (Dr. GRPO)."""
     logprob_chunk_size: int = 1024
     """Positions per chunk of the log-prob computation (bounds the [chunk, vocab] logits)."""
     share_prompt_forward: bool = True
@@ -109,22 +124,31 @@ class AsyncGRPOConfig(TrainingArguments):
     off_policy_mask_threshold: float | None = None
     max_completion_length: int = 512
     remove_unused_columns: bool = False
-    report_to: str | list[str] = field(default="none")
     ignore_data_skip: bool = True
     """The stream has no position to fast-forward to: a resumed trainer trains on what the
     service sends next (``checkpoints``)."""
 
     def __post_init__(self) -> None:
+        self.output_dir_given = self.output_dir is not None
+        """False: the trainer writes to ``outputs/<run id>`` once it knows the run (``train``)."""
+        device = precision.device_type(self.use_cpu)
+        self.bf16 = precision.resolve_bf16(self.bf16, device)
+        if self.bf16 and device == "cpu":  # TrainingArguments takes bf16 without a GPU for the CPU's only if told
+            self.use_cpu = True
+        if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("true", "false"):  # TRL's older spelling
+            self.scale_rewards = "group" if self.scale_rewards in (True, "true") else "none"
         super().__post_init__()
-        if self.group_size < 2:
-            raise ValueError(f"group_size is {self.group_size}; it must be >= 2")
-        if self.per_device_train_batch_size % self.group_size:
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations is {self.num_generations}; it must be >= 2")
+        if self.per_device_train_batch_size % self.num_generations:
             raise ValueError(
                 f"per_device_train_batch_size {self.per_device_train_batch_size} must be a multiple of "
-                f"group_size {self.group_size}, so that every batch holds whole groups"
+                f"num_generations {self.num_generations}, so that every batch holds whole groups"
             )
         if self.max_steps <= 0:
-            raise ValueError("max_steps must be > 0: the sample stream has no length")
+            raise ValueError("set max_steps (> 0): the sample stream has no length, so epochs cannot end a run")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards is {self.scale_rewards!r}; choose one of {', '.join(SCALE_REWARDS)}")
         if self.beta < 0:
             raise ValueError(f"beta is {self.beta}; the KL coefficient must be >= 0")
         if self.vllm_importance_sampling_mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
@@ -142,7 +166,7 @@ class AsyncGRPOConfig(TrainingArguments):
 
     @property
     def groups_per_step(self) -> int:
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps // self.group_size
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps // self.num_generations
 
     @property
     def effective_stream_credits(self) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_push_log import PushLog
 
+from rollout_common.tiny_model import tiny_model_flags
 from vs_trl.cpu_use import engine_steps, engine_steps_per_step
 from vs_trl.outcomes import RunResult, correction_over_run, service_window, steady_fraction
 from vs_trl.processes import leading_env_settings, run_subprocess
@@ -26,13 +27,22 @@ from vs_trl.training_window import TrainingWindow
 
 
 def trainer_command(args: argparse.Namespace, target: str, output_dir: Path) -> list[str]:
-    """``rollout-trainer`` on the benchmark's task and settings, logging a line per step (INFO:
-    ``TrainingWindow`` and ``bench_control_latency.py`` read them)."""
+    """``rollout-trainer`` on the benchmark's task and settings, logging a line per step (info:
+    ``TrainingWindow`` and ``bench_control_latency.py`` read them). The tiny model's training
+    settings (constant learning rate, a metrics record every step, no checkpoints) under the
+    benchmark's own, on the CPU as TRL's side (``use_cpu``)."""
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
-    command += ["--dataset", args.dataset, "--reward", "vowel_share", "--group-size", str(args.group_size)]
-    command += ["--groups-per-step", str(args.prompts_per_step), "--max-tokens", str(args.max_tokens)]
-    command += ["--learning-rate", str(args.learning_rate), "--loss-type", "dapo", "--max-steps", str(args.steps)]
-    return [*command, "--output-dir", str(output_dir), "--log-level", "INFO"]
+    command += ["--dataset", args.dataset, "--reward_funcs", "vowel_share"]
+    command += tiny_model_flags(
+        num_generations=args.group_size,
+        per_device_train_batch_size=args.group_size * args.prompts_per_step,
+        max_completion_length=args.max_tokens,
+        learning_rate=args.learning_rate,
+        loss_type="dapo",
+        max_steps=args.steps,
+        use_cpu=True,
+    )
+    return [*command, "--output_dir", str(output_dir), "--log_level", "info"]
 
 
 async def run_project(

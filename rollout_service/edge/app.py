@@ -16,12 +16,14 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from rollout_common.cpu_budget import available_cores, move_process
+from rollout_common.model_signature import signature_of
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
 from rollout_service.delivery.state_store import open_store
 from rollout_service.edge.group_wire import WireCodec
@@ -93,6 +95,16 @@ async def resolve_model(urls: list[str], settings: EngineSettings) -> tuple[str,
     return settings.model, settings.max_model_len or DEFAULT_MAX_MODEL_LEN
 
 
+def served_signature(checkpoint: str) -> str:
+    """The served model's signature for GetServerInfo, read from its config (next to the
+    tokenizer); empty, and trainers skip their check, where there is none to read."""
+    try:
+        return signature_of(checkpoint)
+    except (OSError, ValueError) as exc:
+        logger.info("no config at %s to tell trainers the served model's shape (%s)", checkpoint, exc)
+        return ""
+
+
 def load_tokenizer(name_or_path: str):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
@@ -128,7 +140,9 @@ async def running_service(
             urls = [managed.url]
             tokenizer_path = tokenizer_path or str(managed.settings.model)
         model, max_model_len = await resolve_model(urls, engine_settings)
-        tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path or engine_settings.model or model)
+        checkpoint = tokenizer_path or engine_settings.model or model
+        tokenizer = await asyncio.to_thread(load_tokenizer, checkpoint)
+        signature = await asyncio.to_thread(served_signature, checkpoint)
 
         metrics = ServiceMetrics()
         max_inflight = settings.scheduler.max_inflight
@@ -159,7 +173,7 @@ async def running_service(
             rewards=rewards,
             metrics=metrics,
             settings=settings.scheduler,
-            info=ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight),
+            info=ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight, model_signature=signature),
             tools=tools,
             environments=environments,
             store=store,
@@ -249,10 +263,10 @@ async def _start_managed_server(settings: ServiceSettings, stack: contextlib.Asy
     engine_settings = settings.engine
     assert engine_settings.managed is not None
     managed_settings = engine_settings.managed
-    if managed_settings.model == DEFAULT_MODEL_DIR:  # the embedded default: build it if missing
+    if Path(managed_settings.model) == DEFAULT_MODEL_DIR:  # the embedded default: build it if missing
         from rollout_common.tiny_model import build_tiny_model
 
-        await asyncio.to_thread(build_tiny_model, managed_settings.model)
+        await asyncio.to_thread(build_tiny_model, DEFAULT_MODEL_DIR)
     managed = ManagedVLLMServer(
         managed_settings,
         served_model_name=engine_settings.model,

@@ -92,7 +92,9 @@ def serve(
     vllm_url: Annotated[
         list[str] | None, typer.Option(help="A running vLLM server (repeat for several); default: managed")
     ] = None,
-    model: Annotated[Path | None, typer.Option(help="Checkpoint for the managed vLLM server")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="A Hub model id or a local folder, for the managed vLLM server")
+    ] = None,
     max_inflight: Annotated[int | None, typer.Option(help="Slots: episodes generating at once")] = None,
     adaptive_inflight: Annotated[
         bool | None,

@@ -111,6 +111,13 @@ class ManagedServerError(StartupError):
     """The managed server did not come up; the message names the log to read."""
 
 
+def served_checkpoint(model: str) -> str:
+    """What vLLM is told to serve: a local folder as an absolute path (vLLM runs in another
+    cwd), anything else (a Hub model id) unchanged, for vLLM to resolve."""
+    local = Path(model)
+    return str(local.resolve()) if local.exists() else model
+
+
 class ManagedVLLMServer:
     """A vLLM OpenAI-compatible server owned by this process."""
 
@@ -144,7 +151,7 @@ class ManagedVLLMServer:
         s = self.settings
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(Path(s.model).resolve()),  # vLLM runs in another cwd
+            "--model", served_checkpoint(s.model),
             "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1",
             "--port", str(self.port),

@@ -13,6 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rollout_common.tiny_model import tiny_model_flags
 from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
@@ -31,7 +32,10 @@ use_vllm: true  # a TRL setting that means nothing here: skipped with a warning
 
 async def run_trainer(target: str, tiny_model: Path, out: Path, config: Path, *flags: str) -> str:
     command = [sys.executable, "-m", "trainer_client.cli", "--config", str(config), "--target", target]
-    command += ["--model", str(tiny_model), "--output-dir", str(out), *flags]
+    command += ["--model", str(tiny_model), "--output-dir", str(out)]
+    # the file's batch, length and checkpoints; the tiny model's learning rate
+    command += tiny_model_flags(per_device_train_batch_size=8, max_completion_length=8, save_strategy="steps")
+    command += flags
     trainer = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
@@ -63,7 +67,7 @@ async def test_a_resumed_trainer_restores_its_checkpoint_and_rejoins_its_run(
     config.write_text(TRAINER_YAML)
 
     output = await run_trainer(service_process, tiny_model, out, config, "--max-steps", "2")
-    assert "ignoring use_vllm" in output
+    assert "ignoring TRL settings" in output and "use_vllm" in output
     first = json.loads((out / "summary.json").read_text())
     checkpoint = out / "checkpoint-2"
     assert json.loads((checkpoint / "rollout_run.json").read_text())["run_id"] == first["run_id"]

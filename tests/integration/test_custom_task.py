@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import ManagedVLLMServer, free_port
 from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
@@ -75,8 +76,10 @@ async def test_a_user_jsonl_and_reward_module_train_and_the_reward_gets_each_pro
     await wait_until(lambda: serving(target), 60, "the service process to serve")
     out = tmp_path / "train"
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(tiny_model)]
-    command += ["--prompts-file", str(tmp_path / "tasks.jsonl"), "--reward", "exact_answer"]
-    command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "8"]
+    command += ["--prompts-file", str(tmp_path / "tasks.jsonl"), "--reward_funcs", "exact_answer"]
+    command += tiny_model_flags(
+        max_steps=STEPS, num_generations=4, per_device_train_batch_size=8, max_completion_length=8
+    )
     command += ["--output-dir", str(out)]
     trainer = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -110,8 +113,10 @@ async def test_a_large_parquet_file_streams_into_its_run_through_submit_prompts(
     await wait_until(lambda: serving(service_process), 60, "the service process to serve")
     out = tmp_path / "train"
     command = [sys.executable, "-m", "trainer_client.cli", "--target", service_process, "--model", str(tiny_model)]
-    command += ["--prompts", str(tmp_path / "big.parquet"), "--max-steps", str(STEPS), "--group-size", "4"]
-    command += ["--groups-per-step", "2", "--max-tokens", "8", "--output-dir", str(out)]
+    command += ["--prompts", str(tmp_path / "big.parquet"), "--output-dir", str(out)]
+    command += tiny_model_flags(
+        max_steps=STEPS, num_generations=4, per_device_train_batch_size=8, max_completion_length=8
+    )
     trainer = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollout_api import rollout_pb2 as pb
+from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.edge.app import RunningService
 from tests.integration.conftest import restore_base_weights
 from tests.support import wait_until
@@ -34,7 +35,9 @@ async def test_an_eval_run_samples_only_its_version_while_training_pushes_go_on(
 ) -> None:
     out = tmp_path / "train"
     command = [sys.executable, "-m", "trainer_client.cli", "--target", service.grpc_target, "--model", str(tiny_model)]
-    command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16"]
+    command += tiny_model_flags(
+        max_steps=STEPS, num_generations=4, per_device_train_batch_size=8, max_completion_length=16
+    )
     command += ["--dataset", "letters", "--output-dir", str(out), "--max-buffered-groups", "4"]
     command += ["--eval-every", str(EVAL_EVERY), "--eval-dataset", "letters"]
     trainer = await asyncio.create_subprocess_exec(

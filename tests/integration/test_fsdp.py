@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, serving
-from tests.integration.test_training import run_to_end
 from tests.integration.test_weight_sync import vllm_matches
-from tests.support import wait_until
+from tests.support import run_to_end, wait_until
 from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
@@ -38,7 +38,9 @@ async def test_fsdp_ranks_train_shards_and_push_the_gathered_weights(
     config.write_text(FSDP_CONFIG)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer_client.cli"]
     command += ["--config", str(config), "--target", service_process, "--model", str(tiny_model)]
-    command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "1", "--max-tokens", "16"]
+    command += tiny_model_flags(
+        max_steps=STEPS, num_generations=4, per_device_train_batch_size=4, max_completion_length=16
+    )
     command += ["--max-buffered-groups", "4", "--output-dir", str(out), "--save-model"]
     returncode, output = await run_to_end(command, 300)
     assert returncode == 0, output[-3000:]

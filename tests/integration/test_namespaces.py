@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.config import ManagedServerSettings
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import serving
@@ -141,8 +142,10 @@ async def test_an_fsdp_trainer_on_two_nodes_pushes_the_gathered_weights(tiny_mod
                     command += ["--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr"]
                     command += [net.addresses["node0"], "--master-port", "29511", "-m", "trainer_client.cli"]
                     command += ["--config", str(config), "--target", target, "--model", str(tiny_model)]
-                    command += ["--max-steps", str(FSDP_STEPS), "--group-size", "4", "--groups-per-step", "1"]
-                    command += ["--max-tokens", "16", "--output-dir", str(out), "--save-model"]
+                    command += tiny_model_flags(
+                        max_steps=FSDP_STEPS, num_generations=4, per_device_train_batch_size=4, max_completion_length=16
+                    )
+                    command += ["--output-dir", str(out), "--save-model"]
                     env = dict(os.environ, GLOO_SOCKET_IFNAME=net.interfaces[node], OMP_NUM_THREADS="1")
                     nodes.append(await start(command, tmp_path / f"{node}.log", env))
                 await all_exit_cleanly(dict(zip(("node0", "node1"), nodes, strict=True)), tmp_path, 300)

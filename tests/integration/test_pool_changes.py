@@ -88,7 +88,14 @@ async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing
         ):
             await asyncio.wait_for(starting, 300)  # first: the run must still be training when it joins
             out = tmp_path / "trainer"
-            options = ("--groups-per-step", str(GROUPS_PER_STEP), "--max-steps", str(STEPS), "--max-staleness", "2")
+            options = (
+                "--per-device-train-batch-size",
+                str(4 * GROUPS_PER_STEP),
+                "--max-steps",
+                str(STEPS),
+                "--max-staleness",
+                "2",
+            )
             trainer = await start(trainer_command(running.grpc_target, tiny_model, out, *options), tmp_path / "t.log")
             try:
                 await wait_until(lambda: _trained_steps(out, 2), 180, "the trainer's first steps")

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
@@ -38,7 +39,9 @@ async def test_a_trainer_trains_and_pushes_over_tls_with_its_token(
 
         out = tmp_path / "train"
         command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(tiny_model)]
-        command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16"]
+        command += tiny_model_flags(
+            max_steps=STEPS, num_generations=4, per_device_train_batch_size=8, max_completion_length=16
+        )
         command += ["--output-dir", str(out)]
         env = {**os.environ, "ROLLOUT_TLS_CA": str(ca_file), "ROLLOUT_TOKEN": TRAINER_TOKEN}
         trainer = await asyncio.create_subprocess_exec(

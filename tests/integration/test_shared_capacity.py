@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from rollout_api import rollout_pb2 as pb
+from rollout_common.tiny_model import tiny_model_flags
 from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
@@ -91,7 +92,8 @@ async def _buffer_full(client: RolloutClient, run_id: str) -> bool:
 
 def trainer_command(target: str, model: Path, out: Path, *options: str) -> list[str]:
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(model)]
-    command += ["--group-size", "4", "--max-tokens", "16", "--output-dir", str(out), *options]
+    command += tiny_model_flags(num_generations=4, max_completion_length=16, output_dir=out)
+    command += options
     # One thread, unpinned: the session's vLLM is unpinned too (conftest), so pinning the
     # trainer to "its" core would only crowd it under the suite's load.
     command += ["--torch-threads", "1"]
@@ -123,7 +125,7 @@ async def test_a_killed_trainer_loses_no_group_and_none_is_trained_twice(
         spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=16, max_staleness=2,
                                 max_buffered_groups=4)  # fmt: skip
         run_id = (await client.create_run(spec)).run_id
-        common = ("--run-id", run_id, "--groups-per-step", "2", "--max-staleness", "2")
+        common = ("--run-id", run_id, "--per-device-train-batch-size", "8", "--max-staleness", "2")
         main = await start(
             trainer_command(service_process, tiny_model, tmp_path / "main", *common, "--max-steps", "10"),
             tmp_path / "main.log",
@@ -170,7 +172,8 @@ async def test_admission_keeps_stale_drops_within_one_step(
     """A real trainer with max_staleness 1: admission lets through only what it trains in time."""
     await wait_until(lambda: serving(service_process), 60, "the service process to serve")
     out = tmp_path / "train"
-    options = ("--max-steps", "12", "--groups-per-step", "4", "--max-staleness", "1", "--max-buffered-groups", "8")
+    options = ("--max-steps", "12", "--per-device-train-batch-size", "16", "--max-staleness", "1")
+    options += ("--max-buffered-groups", "8")
     trainer = await start(trainer_command(service_process, tiny_model, out, *options), tmp_path / "trainer.log")
     try:
         await asyncio.wait_for(trainer.wait(), 300)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 from rollout_common.cpu_budget import CpuBudget
+from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import REUSE_URL, restore_base_weights, serving
-from tests.support import wait_until
+from tests.support import run_to_end, wait_until
 from trainer_client import precision
 from trainer_client.client import RolloutClient
 from trainer_client.step_timing import ON_STEP_PATH
@@ -30,10 +30,11 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     await wait_until(lambda: serving(service_process), 60, "the service process to serve")
     out = tmp_path / "train"
     command = [sys.executable, "-m", "trainer_client.cli", "--target", service_process, "--model", str(tiny_model)]
-    command += ["--max-steps", str(STEPS), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16"]
-    command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out), "--max-buffered-groups", "4"]
-    # a step of two micro-batches, each trained as its group arrives (the other training tests run one)
-    command += ["--gradient-accumulation-steps", "2"]
+    command += tiny_model_flags(max_steps=STEPS, num_generations=4, max_completion_length=16, output_dir=out)
+    command += ["--max-staleness", str(MAX_STALENESS), "--max-buffered-groups", "4"]
+    # a step of two micro-batches of a group each, each trained as its group arrives (the other
+    # training tests run one)
+    command += ["--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2"]
     trainer = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
@@ -119,21 +120,6 @@ def cpu_list(text: str) -> frozenset[int]:
     return frozenset(cores)
 
 
-async def run_to_end(command: list[str], timeout_s: float) -> tuple[int, str]:
-    """Run ``command`` (a torchrun and its ranks: one process group) to its end, or kill the
-    group at the timeout; its exit code and output."""
-    process = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        output, _ = await asyncio.wait_for(process.communicate(), timeout_s)
-    finally:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode is not None
-    return process.returncode, output.decode()
-
-
 async def test_data_parallel_ranks_train_disjoint_groups_in_step(
     service_process: str, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -141,8 +127,10 @@ async def test_data_parallel_ranks_train_disjoint_groups_in_step(
     await wait_until(lambda: serving(service_process), 60, "the service process to serve")
     out = tmp_path / "train"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer_client.cli"]
-    command += ["--target", service_process, "--model", str(tiny_model), "--max-steps", str(STEPS)]
-    command += ["--group-size", "4", "--groups-per-step", "1", "--max-tokens", "16", "--max-buffered-groups", "4"]
+    command += ["--target", service_process, "--model", str(tiny_model), "--max-buffered-groups", "4"]
+    command += tiny_model_flags(
+        max_steps=STEPS, num_generations=4, per_device_train_batch_size=4, max_completion_length=16
+    )
     command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out)]
     returncode, output = await run_to_end(command, 240)
     assert returncode == 0, output[-3000:]

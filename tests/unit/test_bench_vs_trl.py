@@ -181,6 +181,27 @@ def test_the_trainers_step_line_is_the_one_the_cpu_readings_wait_for() -> None:
     assert TrainingWindow.STEP_LINE.search("evaluation step 7 done") is None
 
 
+def test_the_project_trains_with_the_benchmarks_settings_and_a_variants_flags_win(tmp_path: Path) -> None:
+    from bench_vs_trl import parse_args
+    from vs_trl.project_side import trainer_command
+
+    from trainer_client.cli import TrainerArgumentParser
+
+    args = parse_args(["--model-dir", str(tmp_path / "model"), "--group-size", "4", "--prompts-per-step", "3"])
+    command = trainer_command(args, "127.0.0.1:1", tmp_path / "out")
+    assert command[1:3] == ["-m", "trainer_client.cli"]
+    run, config, model = TrainerArgumentParser().parse(command[3:])
+    assert (run.dataset, run.rewards) == ("letters", {"vowel_share": 1.0})
+    assert model.model_name_or_path == str(args.model_dir)
+    # As TRL's side (trl_side.trl_worker): G, prompts per step, tokens, learning rate, loss, on the CPU.
+    assert (config.num_generations, config.groups_per_step, config.max_completion_length) == (4, 3, 32)
+    assert (config.learning_rate, config.lr_scheduler_type, config.loss_type) == (3e-3, "constant", "dapo")
+    assert (config.max_steps, config.use_cpu, config.logging_steps, config.save_strategy) == (40, True, 1, "no")
+    assert config.log_level == "info"  # the step lines TrainingWindow reads
+    _, variant, _ = TrainerArgumentParser().parse([*command[3:], "--max-staleness", "1"])
+    assert (config.max_staleness, variant.max_staleness) == (2, 1)
+
+
 def test_variant_environment_settings_come_before_its_flags() -> None:
     words = ["OMP_NUM_THREADS=2", "X_Y=a=b", "--torch-threads", "2", "Z=1"]
     assert leading_env_settings(words) == ({"OMP_NUM_THREADS": "2", "X_Y": "a=b"}, ["--torch-threads", "2", "Z=1"])

@@ -23,7 +23,7 @@ def test_precedence_is_defaults_file_env_overrides(tmp_path: Path, monkeypatch: 
 def test_no_urls_means_the_managed_tiny_model() -> None:
     settings = load_settings()
     assert settings.engine.managed is not None
-    assert settings.engine.managed.model == DEFAULT_MODEL_DIR
+    assert settings.engine.managed.model == str(DEFAULT_MODEL_DIR)
 
 
 def test_missing_file_and_unknown_keys_are_errors(tmp_path: Path) -> None:

@@ -119,3 +119,16 @@ def test_the_certificate_covers_the_names_the_pods_use(tmp_path: Path, host: str
     names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     covered = [str(n.value) for n in names]
     assert host in covered
+
+
+def test_the_trainer_job_trains_the_tiny_model_with_its_settings_on_the_demo_task() -> None:
+    from rollout_common.tiny_model import TINY_MODEL_TRAINING
+    from trainer_client.cli import TrainerArgumentParser
+
+    command = pod_specs(manifests())["trainer"]["containers"][0]["command"]
+    assert command[0] == "rollout-trainer"
+    run, config, model = TrainerArgumentParser().parse(command[1:])  # every flag a real option
+    # The trainer's defaults are TRL's, for real models: the job spells out the tiny model's.
+    assert {key: getattr(config, key) for key in TINY_MODEL_TRAINING} == TINY_MODEL_TRAINING
+    assert (run.target, run.dataset, run.save_model) == ("rollout:50051", "repeat_a", True)
+    assert (config.max_steps, config.output_dir, model.model_name_or_path) == (10, "/outputs", "/models/tiny-qwen2")

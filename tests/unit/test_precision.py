@@ -1,6 +1,5 @@
 """The trainer's precision: bf16 autocast by default where the hardware multiplies bf16
-natively, float32 elsewhere (``--bf16``/``--no-bf16`` and a YAML's ``bf16``:
-``test_trainer_config_file``)."""
+natively, float32 elsewhere (``--bf16 true|false`` and a YAML's ``bf16``: ``test_trainer_cli``)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from trainer_client.precision import attention_implementation, has_native_bf16, loading_kwargs, resolve_bf16
-from trainer_client.train import cpu_training_config
+from trainer_client.trainer import AsyncGRPOConfig
 
 
 def cpu_with(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool) -> None:
@@ -27,10 +26,10 @@ def test_the_default_follows_the_cpus_bf16_instructions(
     cpu_with(monkeypatch, amx, avx512_bf16)
     assert has_native_bf16("cpu") is native
     assert resolve_bf16(None, "cpu") is native
-    assert cpu_training_config(tmp_path, 1).bf16 is native
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1).bf16 is native
     for requested in (True, False):  # asked for, whatever the hardware
         assert resolve_bf16(requested, "cpu") is requested
-        assert cpu_training_config(tmp_path, 1, bf16=requested).bf16 is requested
+        assert AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1, bf16=requested).bf16 is requested
 
 
 def test_bf16_on_a_cpu_trains_with_eager_attention() -> None:

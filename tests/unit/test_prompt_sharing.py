@@ -172,7 +172,7 @@ def test_completion_logprobs_asks_the_batch_device_whether_sharing_pays(model: Q
 def test_the_trainer_shares_prompts_unless_checkpointing(model: Qwen2ForCausalLM, tmp_path: Path) -> None:
     def trainer(**overrides) -> AsyncGRPOTrainer:
         config = AsyncGRPOConfig(
-            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, group_size=2, use_cpu=True,
+            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2, bf16=False,
             **overrides,
         )  # fmt: skip
         feed = SimpleNamespace(clock=None)

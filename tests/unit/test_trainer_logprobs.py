@@ -47,9 +47,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_trainer(model, tmp_path: Path, beta: float = 0.0, **options) -> AsyncGRPOTrainer:
-    options = {"per_device_train_batch_size": 4, **options}
+    options = {"per_device_train_batch_size": 4, "bf16": False, **options}
     config = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=1, group_size=2, beta=beta, logprob_chunk_size=7, use_cpu=True,
+        output_dir=str(tmp_path), max_steps=1, num_generations=2, beta=beta, logprob_chunk_size=7, use_cpu=True,
         vllm_importance_sampling_correction=False, **options,
     )  # fmt: skip
     return AsyncGRPOTrainer(model=model, args=config, feed=StillFeed(), pusher=None)  # type: ignore[arg-type]

@@ -42,7 +42,14 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
         RolloutClient(running.grpc_target, timeout_s=30) as client,
     ):
         out = tmp_path / "trainer"
-        options = ("--groups-per-step", str(GROUPS_PER_STEP), "--max-steps", str(STEPS), "--max-staleness", "1")
+        options = (
+            "--per-device-train-batch-size",
+            str(4 * GROUPS_PER_STEP),
+            "--max-steps",
+            str(STEPS),
+            "--max-staleness",
+            "1",
+        )
         trainer = await start(trainer_command(running.grpc_target, tiny_model, out, *options), tmp_path / "t.log")
         try:
             await wait_until(lambda: _trained_steps(out, 2), 180, "the trainer's first steps")

@@ -89,7 +89,7 @@ async def test_a_service_killed_mid_update_restarts_against_the_same_vllm(
         await wait_until(lambda: serving(target), 60, "the second service to serve")
         assert await vllm_matches(vllm_server.url, base_model) <= 1e-4  # resumed, on the old weights
         out = tmp_path / "trainer"
-        options = ("--groups-per-step", str(GROUPS_PER_STEP), "--max-steps", str(STEPS))
+        options = ("--per-device-train-batch-size", str(4 * GROUPS_PER_STEP), "--max-steps", str(STEPS))
         trainer = await start(trainer_command(target, tiny_model, out, *options), tmp_path / "trainer.log")
         try:
             await asyncio.wait_for(trainer.wait(), 300)
