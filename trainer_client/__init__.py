@@ -1,1 +1,25 @@
-"""Thin trainer client of the rollout service; importable without vLLM."""
+"""Thin trainer client of the rollout service; importable without vLLM.
+
+``from trainer_client import AsyncGRPOConfig, AsyncGRPOTrainer`` (``trainer_client.api``). The
+exports load on first use, so the gRPC client (``trainer_client.client``) stays importable
+without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AsyncGRPOTrainer": "trainer_client.api",
+    "AsyncGRPOConfig": "trainer_client.trainer",
+    "RunOptions": "trainer_client.options",
+    "ModelOptions": "trainer_client.options",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trainer_client' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -203,6 +203,7 @@ def _train(parser: TrainerArgumentParser, run: RunOptions, config: AsyncGRPOConf
     from trainer_client.advertised_address import AddressError
     from trainer_client.checkpoints import CheckpointError
     from trainer_client.client import ServiceNotServing
+    from trainer_client.local_service import LocalServiceError
     from trainer_client.step_timing import format_split
     from trainer_client.stream import RunStalled
     from trainer_client.train import ModelNotFound, train
@@ -216,7 +217,7 @@ def _train(parser: TrainerArgumentParser, run: RunOptions, config: AsyncGRPOConf
         summary = train(config, run, model)
     except (CheckpointError, AddressError, ModelNotFound) as exc:
         parser.error(str(exc))
-    except (RunStalled, ServiceNotServing) as exc:
+    except (RunStalled, ServiceNotServing, LocalServiceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     if config.process_index == 0:

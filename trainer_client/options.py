@@ -29,7 +29,13 @@ ADMISSION_MODES = {
 class RunOptions:
     """The service, the run, and what the run generates from when this trainer creates it."""
 
-    target: str = field(default="127.0.0.1:50051", metadata={"help": "The rollout service, host:port."})
+    target: str | None = field(
+        default=None,
+        metadata={
+            "help": "The rollout service, host:port; default: start one on this machine for the run, its managed "
+            "vLLM serving the model (and importing the module:function rewards)."
+        },
+    )
     run_id: str | None = field(default=None, metadata={"help": "Consume this existing run instead of creating one."})
     dataset: str = field(default="letters", metadata={"help": "Built-in dataset of the run, when no --prompts."})
     prompts: str | None = field(

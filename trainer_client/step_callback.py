@@ -1,5 +1,5 @@
 """What happens between optimizer steps: ack the step's groups, push weights when due, log
-the step's record. ``AsyncGRPOTrainer`` registers ``SyncAndAck``; ``StepBook`` is where the
+the step's record. ``StreamGRPOTrainer`` registers ``SyncAndAck``; ``StepBook`` is where the
 trainer notes, during a step, what the callback acks and logs at its end.
 """
 
@@ -23,7 +23,7 @@ from trainer_client.weight_push import WeightPusher
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trainer_client.trainer import AsyncGRPOConfig, StreamGRPOTrainer
 
 PUSH_ATTEMPTS = 3
 """Failed pushes in a row a trainer lives through (a vLLM server that died mid-push fails
@@ -61,12 +61,12 @@ def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:
 class SyncAndAck(TrainerCallback):
     """At the end of each optimizer step: ack its groups, push weights when due, log a record.
 
-    A push in the background (``AsyncGRPOTrainer.pushes_in_background``) sends a snapshot of
+    A push in the background (``StreamGRPOTrainer.pushes_in_background``) sends a snapshot of
     the weights while the next step trains; the next push first waits for it, so at most one
     is in flight and vLLM's weights are never more than one push behind the trainer's.
     """
 
-    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+    def __init__(self, trainer: StreamGRPOTrainer) -> None:
         self.trainer = trainer
         self._push_in_flight: Future[int] | None = None
         self._in_flight_step = 0

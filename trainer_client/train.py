@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -37,13 +38,14 @@ from trainer_client.advertised_address import advertised_address
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
 from trainer_client.evaluator import PinnedEvaluator
+from trainer_client.local_service import LocalServiceError, local_service
 from trainer_client.options import ADMISSION_MODES, ModelOptions, RunOptions
 from trainer_client.prompt_feeder import feed_prompts
 from trainer_client.prompts_file import PromptRows
 from trainer_client.step_timing import summarize_seconds, with_lookahead
 from trainer_client.stream import GroupFeed
 from trainer_client.svg_plot import line_plot
-from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer_client.trainer import AsyncGRPOConfig, StreamGRPOTrainer
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,19 @@ def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
     return spec
 
 
+def _train_on_a_local_service(
+    config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOptions
+) -> dict[str, Any]:
+    """``train`` with a service started on this machine for the run (``local_service``)."""
+    if config.world_size > 1:
+        raise LocalServiceError("data-parallel ranks share one service: start it first and give its --target")
+    log = Path(config.output_dir if config.output_dir_given else "outputs") / "local-service.log"
+    with local_service(log, model_options.model_name_or_path, options.reward_funcs) as target:
+        on_it = copy.copy(options)  # not dataclasses.replace: that would load the prompts again
+        on_it.target = target
+        return train(config, on_it, model_options)
+
+
 def default_output_dir(run_id: str | None, pushes: bool) -> str:
     """Where a trainer writes without ``--output_dir``: ``outputs/<run id>``, or for a follower
     (which shares the run of the trainer that pushes) a folder of its own beside it, so that
@@ -156,6 +171,8 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
     ``options.torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
     """
     model_options = model_options or ModelOptions()
+    if options.target is None:
+        return _train_on_a_local_service(config, options, model_options)
     target = options.target
     run_id = options.run_id
     checkpoint = None
@@ -204,7 +221,7 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
             evaluator = PinnedEvaluator(feed, spec, options.eval_every, output_dir / "evals.jsonl")
             (output_dir / "evals.jsonl").unlink(missing_ok=True)
         try:
-            trainer = AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher, evaluator=evaluator)
+            trainer = StreamGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher, evaluator=evaluator)
             trainer.add_callback(RunInCheckpoint(run_id))
             trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
         finally:
@@ -312,7 +329,7 @@ class ModelNotFound(ValueError):
     """The policy cannot be loaded, or is not the served model; the message says what to give instead."""
 
 
-def save_policy(trainer: AsyncGRPOTrainer, model_path: str, directory: Path) -> None:
+def save_policy(trainer: StreamGRPOTrainer, model_path: str, directory: Path) -> None:
     """The trained policy as ``from_pretrained`` and vLLM load it, with the tokenizer it was
     trained with (every rank must call this: a sharded model is gathered first). A LoRA model
     saves its adapter, as PEFT does."""

@@ -1,4 +1,4 @@
-"""``AsyncGRPOTrainer``: a ``transformers.Trainer`` that learns from the rollout service's stream.
+"""``StreamGRPOTrainer``: a ``transformers.Trainer`` that learns from the rollout service's stream.
 
 Generation never happens here. The train dataset is the service's stream of scored groups
 (``GroupFeed``: stale groups are dropped and acked as such before they reach a batch); the
@@ -188,7 +188,7 @@ class AsyncGRPOConfig(TrainingArguments):
         )
 
 
-class AsyncGRPOTrainer(Trainer):
+class StreamGRPOTrainer(Trainer):
     loss_is_scaled_for_ga = True
     """``compute_loss`` scales for gradient accumulation itself (``losses.aggregate_loss``), as
     TRL's GRPOTrainer does, so Trainer must not divide by the accumulation steps again."""

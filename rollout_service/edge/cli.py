@@ -101,7 +101,8 @@ def serve(
         typer.Option(help="Per-server in-flight limits from vLLM's KV-cache usage (max-inflight is the start)"),
     ] = None,
     reward_module: Annotated[
-        list[str] | None, typer.Option(help="Python module with a REWARD_FUNCTIONS dict (repeatable)")
+        list[str] | None,
+        typer.Option(help="Python module with a REWARD_FUNCTIONS dict, or module:function for one reward (repeatable)"),
     ] = None,
     tool_module: Annotated[list[str] | None, typer.Option(help="Python module with tools (repeatable)")] = None,
     environment_module: Annotated[

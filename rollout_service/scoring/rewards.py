@@ -177,8 +177,17 @@ class RewardRegistry:
         self._functions[name] = function
 
     def load_module(self, module_path: str) -> None:
-        """Add the ``REWARD_FUNCTIONS`` dict of a user module (``reward_modules`` setting)."""
-        module = importlib.import_module(module_path)
+        """Add the ``REWARD_FUNCTIONS`` dict of a user module (``reward_modules`` setting), or
+        for ``module:function`` that one function, under that name (as a trainer names it in
+        ``reward_funcs``)."""
+        module_name, _, function_name = module_path.partition(":")
+        module = importlib.import_module(module_name)
+        if function_name:
+            function = getattr(module, function_name, None)
+            if function is None:
+                raise ValueError(f"module {module_name} has no function {function_name!r}")
+            self.register(module_path, function)
+            return
         functions = getattr(module, "REWARD_FUNCTIONS", None)
         if not isinstance(functions, dict):
             raise ValueError(f"module {module_path} has no REWARD_FUNCTIONS dict of name -> function")

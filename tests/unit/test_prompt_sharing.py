@@ -21,7 +21,7 @@ from trainer_client.batches import GroupCollator, completion_logprobs
 from trainer_client.loss_config import LossConfig
 from trainer_client.losses import compute_loss
 from trainer_client.prompt_sharing import prompts_are_shared, sharing_pays, skipped_fraction
-from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer_client.trainer import AsyncGRPOConfig, StreamGRPOTrainer
 
 pytestmark = pytest.mark.timeout(120)
 VOCAB = 97
@@ -170,13 +170,13 @@ def test_completion_logprobs_asks_the_batch_device_whether_sharing_pays(model: Q
 
 
 def test_the_trainer_shares_prompts_unless_checkpointing(model: Qwen2ForCausalLM, tmp_path: Path) -> None:
-    def trainer(**overrides) -> AsyncGRPOTrainer:
+    def trainer(**overrides) -> StreamGRPOTrainer:
         config = AsyncGRPOConfig(
             output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2, bf16=False,
             **overrides,
         )  # fmt: skip
         feed = SimpleNamespace(clock=None)
-        return AsyncGRPOTrainer(model=model, args=config, feed=feed, pusher=None)  # type: ignore[arg-type]
+        return StreamGRPOTrainer(model=model, args=config, feed=feed, pusher=None)  # type: ignore[arg-type]
 
     assert trainer().shares_prompts
     assert not trainer(share_prompt_forward=False).shares_prompts

@@ -75,3 +75,11 @@ async def test_hanging_reward_times_out() -> None:
 def test_load_module_requires_reward_functions_dict() -> None:
     with pytest.raises(ValueError, match="REWARD_FUNCTIONS"):
         RewardRegistry().load_module("json")
+
+
+def test_a_module_function_is_registered_under_that_name() -> None:
+    registry = RewardRegistry()
+    registry.load_module("statistics:fmean")
+    assert registry.get("statistics:fmean")([1.0, 3.0]) == 2.0
+    with pytest.raises(ValueError, match="module statistics has no function 'no_such'"):
+        registry.load_module("statistics:no_such")

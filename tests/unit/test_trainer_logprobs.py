@@ -23,7 +23,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_common.tiny_model import build_tiny_model
 from trainer_client.batches import GroupCollator, forward_completion_logprobs
 from trainer_client.step_timing import PhaseClock
-from trainer_client.trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from trainer_client.trainer import AsyncGRPOConfig, StreamGRPOTrainer
 
 
 class StillFeed:
@@ -46,13 +46,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(reuse) if reuse else build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
 
 
-def make_trainer(model, tmp_path: Path, beta: float = 0.0, **options) -> AsyncGRPOTrainer:
+def make_trainer(model, tmp_path: Path, beta: float = 0.0, **options) -> StreamGRPOTrainer:
     options = {"per_device_train_batch_size": 4, "bf16": False, **options}
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path), max_steps=1, num_generations=2, beta=beta, logprob_chunk_size=7, use_cpu=True,
         vllm_importance_sampling_correction=False, **options,
     )  # fmt: skip
-    return AsyncGRPOTrainer(model=model, args=config, feed=StillFeed(), pusher=None)  # type: ignore[arg-type]
+    return StreamGRPOTrainer(model=model, args=config, feed=StillFeed(), pusher=None)  # type: ignore[arg-type]
 
 
 def batch(seed: int = 0) -> dict:
@@ -143,7 +143,7 @@ def test_peft_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir: Pa
 
 def accumulating_trainer(
     tiny_model_dir: Path, tmp_path: Path, loss_type: str, accumulation: int
-) -> tuple[torch.nn.Module, AsyncGRPOTrainer, list[list[dict]]]:
+) -> tuple[torch.nn.Module, StreamGRPOTrainer, list[list[dict]]]:
     """A fresh model and a trainer of ``accumulation`` micro-batches a step, and the four
     samples of ``batch_items(seed=3)`` split into them: 6 + 8, then 3 + 1 completion tokens."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

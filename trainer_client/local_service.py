@@ -1,0 +1,108 @@
+"""A rollout service on this machine, for a trainer given no service address.
+
+``rollout-service serve`` in its own process, with its managed vLLM server on the model to
+train and the rewards the trainer names as ``module:function``; started for the run and
+stopped after it, as ``make demo`` does. The trainer only starts it: the service and vLLM
+must be installed here (``rollout-service[cpu]`` or ``[gpu]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 600.0
+"""vLLM's start-up: a minute for a tiny model on two cores, more to load a real one."""
+
+
+class LocalServiceError(RuntimeError):
+    """The local service cannot start; the message says why and what to do instead."""
+
+
+def service_command(port: int, model: str | None, reward_funcs: Sequence[str], config: Path | None) -> list[str]:
+    """``rollout-service serve`` on ``port`` for this trainer: its model, and every
+    ``module:function`` reward imported by the service."""
+    command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--port", str(port), "--metrics-port", "0"]
+    if model is not None:
+        command += ["--model", model]
+    for name in reward_funcs:
+        if ":" in name:
+            command += ["--reward-module", name]
+    if config is not None:
+        command += ["--config", str(config)]
+    return command
+
+
+@contextlib.contextmanager
+def local_service(
+    log: Path,
+    model: str | None = None,
+    reward_funcs: Sequence[str] = (),
+    config: Path | None = None,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> Iterator[str]:
+    """Start the service, wait until it serves, yield its address; stop it (and its vLLM) after."""
+    missing = [name for name in ("rollout_service", "vllm") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise LocalServiceError(
+            f"no service address was given and this machine cannot start a rollout service ({', '.join(missing)} "
+            "not installed): pip install 'rollout-service[cpu]' (or [gpu]), or give --target HOST:PORT"
+        )
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("starting a local rollout service on %s (log: %s)", target, log)
+    with open(log, "wb") as out:
+        command = service_command(port, model, reward_funcs, config)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_serving(target, process, log, startup_timeout_s)
+        yield target
+    finally:
+        _stop(process)
+
+
+def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    """Poll the service's gRPC health check (it has no other signal) until SERVING; fail at
+    once, pointing at its log, if the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise LocalServiceError(f"the local rollout service exited with code {process.returncode}; see {log}")
+            with contextlib.suppress(grpc.RpcError):
+                response = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(1)  # polling another process's health endpoint
+    raise LocalServiceError(f"the local rollout service was not serving within {timeout_s:.0f}s; see {log}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)  # the service stops its managed vLLM itself
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
