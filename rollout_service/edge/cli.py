@@ -36,6 +36,25 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def apply_managed_flags(settings: ServiceSettings, options: dict[str, Any], vllm_args: list[str]) -> None:
+    """``serve``'s flags of the managed vLLM server (None: not given) over ``settings``; a
+    ValueError says which flag is wrong or cannot apply."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if not given and not vllm_args:
+        return
+    if settings.engine.managed is None:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in [*given, *(["vllm_arg"] if vllm_args else [])])
+        raise ValueError(f"{flags} set the managed vLLM server; they cannot be combined with --vllm-url")
+    try:
+        managed = type(settings.engine.managed).model_validate({**settings.engine.managed.model_dump(), **given})
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"managed server: {problems}") from None
+    managed.extra_args += vllm_args
+    settings.engine.managed = managed
+    settings.resolve_managed_device()
+
+
 def settings_from_cli(config: Path | None, overrides: dict[str, Any]) -> ServiceSettings:
     try:
         return load_settings(config, **overrides)
@@ -95,6 +114,21 @@ def serve(
     model: Annotated[
         str | None, typer.Option(help="A Hub model id or a local folder, for the managed vLLM server")
     ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Managed server: context length (prompt + completion tokens)")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="Managed server: vLLM's --dtype (default: by device)")] = None,
+    device: Annotated[str | None, typer.Option(help="Managed server: cpu, gpu or auto")] = None,
+    gpu_memory_utilization: Annotated[
+        float | None, typer.Option(help="Managed server on a GPU: the share of its memory vLLM may take")
+    ] = None,
+    kv_cache_gib: Annotated[int | None, typer.Option(help="Managed server on a CPU: KV-cache size in GiB")] = None,
+    vllm_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Managed server: one more vLLM argument, passed as is (repeatable: --vllm-arg=--seed --vllm-arg=1)"
+        ),
+    ] = None,
     max_inflight: Annotated[int | None, typer.Option(help="Slots: episodes generating at once")] = None,
     adaptive_inflight: Annotated[
         bool | None,
@@ -123,10 +157,18 @@ def serve(
     if vllm_url:
         settings.engine.urls = vllm_url
         settings.engine.managed = None
-    if model is not None:
-        if settings.engine.managed is None:
-            _fail("--model sets the managed server's checkpoint; it cannot be combined with --vllm-url")
-        settings.engine.managed.model = model
+    managed_options = {
+        "model": model,
+        "max_model_len": max_model_len,
+        "dtype": dtype,
+        "device": device,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "kv_cache_gib": kv_cache_gib,
+    }
+    try:
+        apply_managed_flags(settings, managed_options, vllm_arg or [])
+    except ValueError as exc:
+        _fail(str(exc))
     if max_inflight is not None:
         if max_inflight < 1:
             _fail(f"--max-inflight is {max_inflight}; it must be >= 1")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, move_process
-from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
+from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings, managed_device
 from rollout_service.engine import vllm_guard
 from rollout_service.errors import StartupError
 
@@ -129,6 +129,8 @@ class ManagedVLLMServer:
     ) -> None:
         """``weight_transfer_backend``: the service's ``weight_sync.backend``; None serves
         without weight updates."""
+        if settings.device == "auto":
+            settings = settings.model_copy(update={"device": managed_device()})
         self.settings = settings
         self.weight_transfer_backend = weight_transfer_backend
         self.port = settings.port or free_port()
@@ -164,6 +166,7 @@ class ManagedVLLMServer:
             *self._block_size_args(),
             *self._weight_transfer_args(),
             *self._lora_args(),
+            *self._gpu_args(),
             *s.extra_args,
         ]  # fmt: skip
 
@@ -191,6 +194,10 @@ class ManagedVLLMServer:
     def _weight_transfer_args(self) -> list[str]:
         backend = self.weight_transfer_backend
         return [] if backend is None else ["--weight-transfer-config", json.dumps({"backend": backend})]
+
+    def _gpu_args(self) -> list[str]:
+        share = self.settings.gpu_memory_utilization
+        return ["--gpu-memory-utilization", str(share)] if self.settings.device == "gpu" and share else []
 
     def _lora_args(self) -> list[str]:
         s = self.settings
