@@ -29,11 +29,10 @@ GRPC_EDGE = (
     "rollout_service.edge.reflection",
     "trainer_client.client",
     "trainer_client.top",
-    "rollout_demo.demo",
 )
 """The only modules that speak gRPC: the service's server, its security (TLS, tokens) and
-reflection, the trainer's client and the live view built on it, and the demo that starts
-both. Everything else works with plain Python types and errors."""
+reflection, the trainer's client and the live view built on it. Everything else works with
+plain Python types and errors."""
 
 CLIENT_COMMANDS = {"rollout_service.edge.cli": ("trainer_client.top", "trainer_client.client")}
 """Service CLI modules that may import a client-side module for a command that is a client

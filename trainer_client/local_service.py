@@ -8,6 +8,7 @@ must be installed here (``rollout-service[cpu]`` or ``[gpu]``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import logging
@@ -20,8 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from trainer_client.client import HealthCheckFailed, health_status
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
@@ -79,16 +79,13 @@ def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path,
     """Poll the service's gRPC health check (it has no other signal) until SERVING; fail at
     once, pointing at its log, if the process exits first."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise LocalServiceError(f"the local rollout service exited with code {process.returncode}; see {log}")
-            with contextlib.suppress(grpc.RpcError):
-                response = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(1)  # polling another process's health endpoint
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise LocalServiceError(f"the local rollout service exited with code {process.returncode}; see {log}")
+        with contextlib.suppress(HealthCheckFailed):
+            if asyncio.run(health_status(target, timeout_s=2)) == "SERVING":
+                return
+        time.sleep(1)  # polling another process's health endpoint
     raise LocalServiceError(f"the local rollout service was not serving within {timeout_s:.0f}s; see {log}")
 
 

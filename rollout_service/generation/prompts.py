@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import pickle
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -260,6 +261,23 @@ class OncePromptSource:
         self._rendered = []
 
 
+def _pack(prompt: RenderedPrompt) -> tuple[bytes, int]:
+    """A prompt as one bytes object, and its ``approx_bytes``."""
+    fields = (prompt.token_ids, prompt.text, prompt.metadata, prompt.messages)
+    return pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL), prompt.approx_bytes()
+
+
+def _pack_all(rendered: list[RenderedPrompt]) -> list[tuple[bytes, int]]:
+    packed = [_pack(prompt) for prompt in rendered]
+    rendered.clear()  # here, off the event loop: freeing 100k objects takes a while
+    return packed
+
+
+def _unpack(index: int, blob: bytes) -> PromptItem:
+    token_ids, text, metadata, messages = pickle.loads(blob)
+    return PromptItem(index, token_ids, text, metadata, messages)
+
+
 SUBMIT_CHUNK = 1024
 """Prompts converted, rendered, queued and stored per step: a submit of a whole dataset must
 not hold up the service's other RPCs."""
@@ -270,10 +288,16 @@ class SubmittedPromptSource:
 
     Bounded by count and by bytes (``scheduler.max_queued_prompts`` and
     ``max_queued_prompt_bytes``): a submit that would pass either is refused whole, so a
-    client knows exactly which prompts were queued."""
+    client knows exactly which prompts were queued.
+
+    Queued prompts are held pickled, one bytes object each (``_pack``), and made into a
+    ``PromptItem`` when taken: as objects, each is several containers that every full pass
+    of the garbage collector walks with the GIL held, so the passes a large submit set off
+    held up every RPC for longer than the submit's own steps did.
+    """
 
     def __init__(self, capacity: int = 100_000, max_bytes: int = 256 << 20) -> None:
-        self._queue: asyncio.Queue[tuple[PromptItem, int]] = asyncio.Queue(maxsize=capacity)
+        self._queue: asyncio.Queue[tuple[int, bytes, int]] = asyncio.Queue(maxsize=capacity)
         self._count = itertools.count()
         self.max_bytes = max_bytes
         self.queued_bytes = 0
@@ -286,33 +310,33 @@ class SubmittedPromptSource:
     ) -> None:
         """Queue the prompts (all or none), ``SUBMIT_CHUNK`` at a time with the event loop
         free in between. Each chunk goes to ``persist`` (the state store) in the step that
-        queues it, before a group can be made of it."""
-        sizes = await asyncio.to_thread(lambda: [prompt.approx_bytes() for prompt in rendered])
+        queues it, before a group can be made of it. ``rendered`` is emptied: its prompts are
+        held packed from then on."""
+        packed = await asyncio.to_thread(_pack_all, rendered)
         async with self._submitting:  # meanwhile the run only takes prompts: the room only grows
             free = self._queue.maxsize - self._queue.qsize()
-            if len(rendered) > free:
+            if len(packed) > free:
                 raise ResourceExhausted(
-                    f"{len(rendered)} prompts submitted but only {free} fit in the run's queue "
+                    f"{len(packed)} prompts submitted but only {free} fit in the run's queue "
                     "(scheduler.max_queued_prompts); submit fewer at a time or wait for the run to consume some"
                 )
-            total = sum(sizes)
+            total = sum(size for _, size in packed)
             if self.queued_bytes + total > self.max_bytes:
                 raise ResourceExhausted(
-                    f"{len(rendered)} prompts of about {total} bytes do not fit in the run's queue, which holds "
+                    f"{len(packed)} prompts of about {total} bytes do not fit in the run's queue, which holds "
                     f"{self.queued_bytes} of {self.max_bytes} bytes (scheduler.max_queued_prompt_bytes); "
                     "submit fewer or smaller prompts, or wait for the run to consume some"
                 )
-            for start in range(0, len(rendered), SUBMIT_CHUNK):
+            for start in range(0, len(packed), SUBMIT_CHUNK):
                 if start:  # the loop's other work gets a turn between chunks, whether or not persist waited
                     await asyncio.sleep(0)
                 if self._discarded:  # the run was deleted meanwhile
                     return
-                chunk = rendered[start : start + SUBMIT_CHUNK]
-                items = [prompt.item(next(self._count)) for prompt in chunk]
-                for item, size in zip(items, sizes[start : start + SUBMIT_CHUNK], strict=True):
-                    self._queue.put_nowait((item, size))
-                    self.queued_bytes += size
-                await persist(items)
+                chunk = [(next(self._count), blob, size) for blob, size in packed[start : start + SUBMIT_CHUNK]]
+                for entry in chunk:
+                    self._queue.put_nowait(entry)
+                    self.queued_bytes += entry[2]
+                await persist([_unpack(index, blob) for index, blob, _ in chunk])
 
     @property
     def queued(self) -> int:
@@ -323,15 +347,15 @@ class SubmittedPromptSource:
         order and with their indices; ``submitted``: how many the run had been sent, so new
         ones are numbered on from there."""
         for item in items:
-            size = RenderedPrompt(item.token_ids, item.text, item.metadata, item.messages).approx_bytes()
-            self._queue.put_nowait((item, size))
+            blob, size = _pack(RenderedPrompt(item.token_ids, item.text, item.metadata, item.messages))
+            self._queue.put_nowait((item.index, blob, size))
             self.queued_bytes += size
         self._count = itertools.count(max([submitted, *(item.index + 1 for item in items)]))
 
     async def next(self) -> PromptItem:
-        item, size = await self._queue.get()
+        index, blob, size = await self._queue.get()
         self.queued_bytes -= size
-        return item
+        return _unpack(index, blob)
 
     def discard(self) -> None:
         self._discarded = True

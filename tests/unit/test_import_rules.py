@@ -46,6 +46,6 @@ def test_allowed_imports_pass() -> None:
         "rollout_service.edge.server": {"grpc", "rollout_api.rollout_pb2_grpc"},
         "rollout_service.engine.managed": {"rollout_service.config", "rollout_common.cpu_budget"},
         "trainer_client.weights": {"vllm_gloo_transfer.packing"},
-        "rollout_demo.demo": {"rollout_service.edge.app", "trainer_client.train", "grpc"},
+        "rollout_demo.demo": {"rollout_service.config", "trainer_client.train", "trainer_client.local_service"},
     }
     assert violations(graph) == []
