@@ -130,7 +130,7 @@ class TrainerArgumentParser(HfArgumentParser):
         try:
             # The three dataclasses, a namespace of --config, and what nothing took.
             run, config, model, _, rest = self.parse_args_into_dataclasses(argv, return_remaining_strings=True)
-        except ValueError as exc:  # a dataclass refused a value; its message says which
+        except (ValueError, TypeError) as exc:  # a dataclass refused a value; its message says which
             self.error(str(exc))
         self._ignore_trl_flags(rest)
         return run, config, model
@@ -144,11 +144,20 @@ class TrainerArgumentParser(HfArgumentParser):
             self.error(f"--config: {path} is not YAML: {exc}")
         if not isinstance(data, dict):
             self.error(f"--config: {path} must be a mapping of settings (key: value), not {type(data).__name__}")
-        known = {action.dest for action in self._actions} - {"help", "config"}
+        actions = {action.dest: action for action in self._actions if action.dest not in ("help", "config")}
+        known = set(actions)
         settings: dict[str, Any] = {}
         ignored = []
         for key, value in data.items():
             if key in known:
+                convert = actions[key].type
+                if isinstance(value, str) and callable(convert) and convert is not str:
+                    try:  # YAML left it a string: the flag's own type decides, as on the command line
+                        value = convert(value)
+                    except (TypeError, ValueError):
+                        self.error(
+                            f"--config: {path}: {key}: {value!r} is not a valid {getattr(convert, '__name__', 'value')}"
+                        )
                 settings[key] = [value] if key == "reward_funcs" and isinstance(value, str) else value
             elif key in IGNORED_TRL_SETTINGS:
                 ignored.append(key)

@@ -185,6 +185,7 @@ def test_a_bad_option_is_one_line_that_says_what_to_change(
         ("num_generation: 4\n", "unknown setting 'num_generation'; did you mean 'num_generations'?"),
         ("- a\n- b\n", "must be a mapping of settings (key: value), not list"),
         ("num_generations: [\n", "is not YAML"),
+        ("num_generations: many\n", "num_generations: 'many' is not a valid int"),
     ],
 )
 def test_a_bad_file_is_refused_with_what_to_change(
