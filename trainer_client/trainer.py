@@ -49,6 +49,7 @@ from trainer_client.batches import (
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.loss_config import GLOBAL_TOKEN_NORMALISED, VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
 from trainer_client.losses import compute_loss
+from trainer_client.options import SCALE_REWARDS
 from trainer_client.policy_weights import is_peft_model
 from trainer_client.step_callback import StepBook, SyncAndAck
 from trainer_client.step_progress import StepProgress
@@ -56,8 +57,6 @@ from trainer_client.stream import GroupFeed
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
-SCALE_REWARDS = ("group", "batch", "none")
-"""TRL's ``scale_rewards`` spellings (the proto's AdvantageScaling)."""
 
 
 @dataclass(kw_only=True)

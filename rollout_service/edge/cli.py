@@ -52,7 +52,7 @@ def apply_managed_flags(settings: ServiceSettings, options: dict[str, Any], vllm
         raise ValueError(f"managed server: {problems}") from None
     managed.extra_args += vllm_args
     settings.engine.managed = managed
-    settings.resolve_managed_device()
+    settings.fit_backend_to_managed_device()
 
 
 def settings_from_cli(config: Path | None, overrides: dict[str, Any]) -> ServiceSettings:

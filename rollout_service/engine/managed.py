@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, move_process
-from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings, managed_device
+from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
 from rollout_service.engine import vllm_guard
 from rollout_service.errors import StartupError
 
@@ -129,8 +129,6 @@ class ManagedVLLMServer:
     ) -> None:
         """``weight_transfer_backend``: the service's ``weight_sync.backend``; None serves
         without weight updates."""
-        if settings.device == "auto":
-            settings = settings.model_copy(update={"device": managed_device()})
         self.settings = settings
         self.weight_transfer_backend = weight_transfer_backend
         self.port = settings.port or free_port()

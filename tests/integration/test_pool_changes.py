@@ -22,7 +22,13 @@ from transformers import Qwen2ForCausalLM
 from rollout_api import rollout_pb2 as pb
 from rollout_service.edge.app import RunningService, running_service
 from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings
-from tests.integration.test_shared_capacity import _trained_steps, kill_if_running, start, trainer_command
+from tests.integration.test_shared_capacity import (
+    _trained_steps,
+    groups_per_step,
+    kill_if_running,
+    start,
+    trainer_command,
+)
 from tests.integration.test_stream import take_groups
 from tests.integration.test_weight_sync import vllm_completion, vllm_gauge, vllm_matches
 from tests.support import wait_until
@@ -88,14 +94,7 @@ async def test_a_server_joins_mid_run_at_the_policy_and_leaves_busy_with_nothing
         ):
             await asyncio.wait_for(starting, 300)  # first: the run must still be training when it joins
             out = tmp_path / "trainer"
-            options = (
-                "--per-device-train-batch-size",
-                str(4 * GROUPS_PER_STEP),
-                "--max-steps",
-                str(STEPS),
-                "--max-staleness",
-                "2",
-            )
+            options = (*groups_per_step(GROUPS_PER_STEP), "--max-steps", str(STEPS), "--max-staleness", "2")
             trainer = await start(trainer_command(running.grpc_target, tiny_model, out, *options), tmp_path / "t.log")
             try:
                 await wait_until(lambda: _trained_steps(out, 2), 180, "the trainer's first steps")

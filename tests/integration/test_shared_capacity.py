@@ -90,9 +90,18 @@ async def _buffer_full(client: RolloutClient, run_id: str) -> bool:
     return run.stats.groups_buffered >= run.max_buffered_groups and run.stats.slots_busy == 0
 
 
+TRAINER_GROUP_SIZE = 4
+"""The group size ``trainer_command`` trains with."""
+
+
+def groups_per_step(groups: int) -> tuple[str, str]:
+    """``trainer_command``'s flags for a step of ``groups`` groups."""
+    return ("--per-device-train-batch-size", str(TRAINER_GROUP_SIZE * groups))
+
+
 def trainer_command(target: str, model: Path, out: Path, *options: str) -> list[str]:
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(model)]
-    command += tiny_model_flags(num_generations=4, max_completion_length=16, output_dir=out)
+    command += tiny_model_flags(num_generations=TRAINER_GROUP_SIZE, max_completion_length=16, output_dir=out)
     command += options
     # One thread, unpinned: the session's vLLM is unpinned too (conftest), so pinning the
     # trainer to "its" core would only crowd it under the suite's load.
@@ -125,7 +134,7 @@ async def test_a_killed_trainer_loses_no_group_and_none_is_trained_twice(
         spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=16, max_staleness=2,
                                 max_buffered_groups=4)  # fmt: skip
         run_id = (await client.create_run(spec)).run_id
-        common = ("--run-id", run_id, "--per-device-train-batch-size", "8", "--max-staleness", "2")
+        common = ("--run-id", run_id, *groups_per_step(2), "--max-staleness", "2")
         main = await start(
             trainer_command(service_process, tiny_model, tmp_path / "main", *common, "--max-steps", "10"),
             tmp_path / "main.log",
@@ -172,7 +181,7 @@ async def test_admission_keeps_stale_drops_within_one_step(
     """A real trainer with max_staleness 1: admission lets through only what it trains in time."""
     await wait_until(lambda: serving(service_process), 60, "the service process to serve")
     out = tmp_path / "train"
-    options = ("--max-steps", "12", "--per-device-train-batch-size", "16", "--max-staleness", "1")
+    options = ("--max-steps", "12", *groups_per_step(4), "--max-staleness", "1")
     options += ("--max-buffered-groups", "8")
     trainer = await start(trainer_command(service_process, tiny_model, out, *options), tmp_path / "trainer.log")
     try:

@@ -46,5 +46,5 @@ def test_a_gpu_server_gets_its_memory_share_and_the_nccl_push(monkeypatch: pytes
 
 def test_a_server_built_from_its_own_settings_resolves_auto_too(monkeypatch: pytest.MonkeyPatch) -> None:
     for device in ("cpu", "gpu"):
-        monkeypatch.setattr("rollout_service.engine.managed.managed_device", lambda device=device: device)
+        monkeypatch.setattr(config_module, "managed_device", lambda device=device: device)
         assert ManagedVLLMServer(ManagedServerSettings()).settings.device == device

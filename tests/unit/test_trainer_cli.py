@@ -16,7 +16,7 @@ from rollout_api import rollout_pb2 as pb
 from trainer_client import precision
 from trainer_client import train as train_module
 from trainer_client.cli import TrainerArgumentParser, main
-from trainer_client.options import ModelOptions, RunOptions
+from trainer_client.options import SCALE_REWARDS, ModelOptions, RunOptions
 from trainer_client.train import buffered_groups
 from trainer_client.trainer import AsyncGRPOConfig
 
@@ -101,7 +101,7 @@ def test_a_trl_grpo_yaml_runs_unchanged(tmp_path: Path, caplog: pytest.LogCaptur
     assert (config.weight_decay, config.max_grad_norm, config.save_steps) == (0.01, 0.5, 100)
     assert config.gradient_checkpointing and config.output_dir == str(tmp_path / "out")
     assert config.scale_rewards == "none"  # TRL's older boolean spelling
-    assert train_module.SCALE_REWARDS[config.scale_rewards] == pb.ADVANTAGE_SCALING_NONE
+    assert SCALE_REWARDS[config.scale_rewards] == pb.ADVANTAGE_SCALING_NONE
     assert run.rewards == {"char_fraction": 1.0, "completion_length": 0.5}
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "ignoring TRL settings that mean nothing here (use_vllm: the rollout service generates" in warning

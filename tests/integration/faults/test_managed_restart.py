@@ -21,7 +21,13 @@ import pytest
 from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
-from tests.integration.test_shared_capacity import _trained_steps, kill_if_running, start, trainer_command
+from tests.integration.test_shared_capacity import (
+    _trained_steps,
+    groups_per_step,
+    kill_if_running,
+    start,
+    trainer_command,
+)
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
 
@@ -42,14 +48,7 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
         RolloutClient(running.grpc_target, timeout_s=30) as client,
     ):
         out = tmp_path / "trainer"
-        options = (
-            "--per-device-train-batch-size",
-            str(4 * GROUPS_PER_STEP),
-            "--max-steps",
-            str(STEPS),
-            "--max-staleness",
-            "1",
-        )
+        options = (*groups_per_step(GROUPS_PER_STEP), "--max-steps", str(STEPS), "--max-staleness", "1")
         trainer = await start(trainer_command(running.grpc_target, tiny_model, out, *options), tmp_path / "t.log")
         try:
             await wait_until(lambda: _trained_steps(out, 2), 180, "the trainer's first steps")

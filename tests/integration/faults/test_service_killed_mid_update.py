@@ -26,7 +26,7 @@ from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.engine.managed import free_port
 from rollout_service.weights.update_messages import init_info
 from tests.integration.conftest import restore_base_weights, service_settings, serving
-from tests.integration.test_shared_capacity import kill_if_running, start, trainer_command
+from tests.integration.test_shared_capacity import groups_per_step, kill_if_running, start, trainer_command
 from tests.integration.test_weight_sync import perturbed, vllm_matches
 from tests.support import wait_until
 from trainer_client.client import RolloutClient, dataset_run_spec
@@ -89,7 +89,7 @@ async def test_a_service_killed_mid_update_restarts_against_the_same_vllm(
         await wait_until(lambda: serving(target), 60, "the second service to serve")
         assert await vllm_matches(vllm_server.url, base_model) <= 1e-4  # resumed, on the old weights
         out = tmp_path / "trainer"
-        options = ("--per-device-train-batch-size", str(4 * GROUPS_PER_STEP), "--max-steps", str(STEPS))
+        options = (*groups_per_step(GROUPS_PER_STEP), "--max-steps", str(STEPS))
         trainer = await start(trainer_command(target, tiny_model, out, *options), tmp_path / "trainer.log")
         try:
             await asyncio.wait_for(trainer.wait(), 300)

@@ -20,7 +20,7 @@ import pytest
 from rollout_service.engine.managed import free_port
 from tests.integration.conftest import restore_base_weights, serving
 from tests.integration.faults.test_service_killed_mid_update import service_process
-from tests.integration.test_shared_capacity import kill_if_running, records, start, trainer_command
+from tests.integration.test_shared_capacity import groups_per_step, kill_if_running, records, start, trainer_command
 from tests.support import wait_until
 from trainer_client.client import RolloutClient
 
@@ -64,14 +64,7 @@ async def test_a_service_killed_mid_run_restarts_on_its_store_and_the_trainer_go
     store, port = tmp_path / "state.db", free_port()
     target = f"127.0.0.1:{port}"
     out = tmp_path / "trainer"
-    options = (
-        "--per-device-train-batch-size",
-        str(4 * GROUPS_PER_STEP),
-        "--max-steps",
-        str(STEPS),
-        "--max-buffered-groups",
-        "6",
-    )
+    options = (*groups_per_step(GROUPS_PER_STEP), "--max-steps", str(STEPS), "--max-buffered-groups", "6")
     with durable_service(vllm_server.url, tiny_model, port, store, tmp_path / "first.log") as first:
         await wait_until(lambda: serving(target), 60, "the first service to serve")
         trainer = await start(trainer_command(target, tiny_model, out, *options), tmp_path / "trainer.log")
