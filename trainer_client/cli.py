@@ -45,7 +45,6 @@ IGNORED_TRL_SETTINGS: dict[str, str] = {
             "vllm_server_host",
             "vllm_server_port",
             "vllm_server_timeout",
-            "vllm_group_port",
             "vllm_gpu_memory_utilization",
             "vllm_tensor_parallel_size",
             "vllm_max_model_length",

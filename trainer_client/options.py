@@ -92,6 +92,13 @@ class RunOptions:
             "this host reaches the service from."
         },
     )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={
+            "help": "Port this trainer hosts the weight push's rendezvous on, or the next free one of the 63 above "
+            "it (several trainers on one host); 0: any free port. Open it to vLLM's hosts."
+        },
+    )
     push: bool = field(
         default=True, metadata={"help": "Push weights (--no_push: a follower of a run another trainer pushes for)."}
     )

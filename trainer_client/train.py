@@ -204,9 +204,7 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
     consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
         pusher = (
-            make_pusher(feed, run_id, trainer_address, model_options.serves_adapter, options.shared_memory_push)
-            if options.push
-            else None
+            make_pusher(feed, run_id, trainer_address, model_options.serves_adapter, options) if options.push else None
         )
         feeder = start_prompt_feeder(feed, run_id, options) if main else None
         evaluator = None
@@ -275,12 +273,17 @@ def start_prompt_feeder(feed: GroupFeed, run_id: str, options: RunOptions) -> Fu
 
 
 def make_pusher(
-    feed: GroupFeed, run_id: str, trainer_address: str, serves_adapter: bool, shared_memory: bool = True
+    feed: GroupFeed, run_id: str, trainer_address: str, serves_adapter: bool, options: RunOptions
 ) -> WeightPusher | AdapterPusher:
     if serves_adapter:
         return AdapterPusher(feed.client, run_id)
     return WeightPusher(
-        feed.client, run_id, trainer_address=trainer_address, clock=feed.clock, shared_memory=shared_memory
+        feed.client,
+        run_id,
+        trainer_address=trainer_address,
+        clock=feed.clock,
+        shared_memory=options.shared_memory_push,
+        group_port=options.vllm_group_port,
     )
 
 

@@ -19,10 +19,11 @@ import torch
 
 from rollout_api import rollout_pb2 as pb
 from trainer_client.client import RolloutClient
+from trainer_client.group_port import GroupPortClaim
 from trainer_client.nccl_sender import NcclWeightSender
 from trainer_client.policy_weights import adapter_files, policy_weights
 from trainer_client.step_timing import PhaseClock
-from trainer_client.weights import GlooWeightSender, UpdateAbandoned, dtype_name, free_port
+from trainer_client.weights import GlooWeightSender, UpdateAbandoned, dtype_name
 
 SENDERS: dict[str, type[GlooWeightSender] | type[NcclWeightSender]] = {
     "gloo": GlooWeightSender,  # this project's engine for CPU servers
@@ -51,8 +52,11 @@ class WeightPusher:
         pause_mode: pb.PauseMode.ValueType = pb.PAUSE_MODE_UNSPECIFIED,
         clock: PhaseClock | None = None,
         shared_memory: bool = True,
+        group_port: int = 0,
     ) -> None:
-        """``shared_memory``: let a gloo push reach servers on this host through shared memory."""
+        """``shared_memory``: let a gloo push reach servers on this host through shared memory;
+        ``group_port``: the first port to host the rendezvous on (``group_port.GroupPortClaim``;
+        0: any free port)."""
         self.client = client
         self.clock = clock or PhaseClock()
         """Gets each push's push_begin, push_transfer and push_commit seconds."""
@@ -62,9 +66,11 @@ class WeightPusher:
         self.pause_mode = pause_mode
         self.shared_memory = shared_memory
         self._sender: GlooWeightSender | NcclWeightSender | None = None
-        self.port = free_port(trainer_address)
+        self._port_claim = GroupPortClaim(trainer_address, group_port)
+        self.port = self._port_claim.port
         """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
         epoch; nccl: a fresh one after each failed join, as vLLM's rendezvous has no epochs)."""
+        logger.info("weight push rendezvous at %s:%d (vLLM's workers connect to it)", trainer_address, self.port)
 
     async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
         """Push what vLLM must serve for ``model`` (merged, for a PEFT model); the new version."""
@@ -99,7 +105,7 @@ class WeightPusher:
             if self._sender is not None:
                 self._sender.leave()  # frees workers blocked in a receive; the gloo store stays
                 if self._sender.REJOIN_NEEDS_NEW_PORT:
-                    self.port = free_port(self.address)
+                    self.port = self._port_claim.renew()
             with contextlib.suppress(Exception):
                 await self.client.abort_weight_update(ticket.update_id, f"trainer: {type(exc).__name__}: {exc}")
             if isinstance(exc, UpdateAbandoned) and refused is not None:
@@ -130,7 +136,7 @@ class WeightPusher:
                 or self._sender.master_port != self.port
                 or (self._sender.world_size != world_size and not self._sender.RESIZES_IN_PLACE)
             ):
-                self.close()
+                self._close_sender()
                 self._sender = self._new_sender(sender_class, world_size)
             self._sender.leave()
             await asyncio.to_thread(self._sender.connect, ticket.group_epoch, world_size, abandoned)
@@ -155,7 +161,11 @@ class WeightPusher:
         return sender_class(self.address, self.port, world_size, self.timeout_s)
 
     def close(self) -> None:
-        """Leave the group and stop hosting its store."""
+        """Leave the group, stop hosting its store and free its port."""
+        self._close_sender()
+        self._port_claim.release()
+
+    def _close_sender(self) -> None:
         if self._sender is not None:
             self._sender.close()
             self._sender = None

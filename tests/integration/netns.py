@@ -13,6 +13,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,6 +41,51 @@ class Namespaces:
     def prefix(self, name: str) -> list[str]:
         """The command prefix that runs a program inside namespace ``name``."""
         return ["ip", "netns", "exec", self.names[name]]
+
+    def local_ports(self, name: str, first: int, last: int) -> None:
+        """Namespace ``name`` binds ports the program leaves to the system (port 0, a client's
+        own end) from ``first..last`` only: ``sysctl net.ipv4.ip_local_port_range``, which a
+        container sets with ``--sysctl`` and a Kubernetes pod in its ``securityContext``."""
+        command = f"echo '{first} {last}' > /proc/sys/net/ipv4/ip_local_port_range"
+        subprocess.run([*self.prefix(name), "sh", "-c", command], check=True, capture_output=True, timeout=30)
+
+    def accept_only(self, name: str, *ports: str) -> None:
+        """A firewall for namespace ``name``: TCP arriving from the bridge is delivered only to
+        ``ports`` (each ``"N"`` or ``"N-M"``), and dropped otherwise; its own loopback and the
+        test's namespace (the bridge's address) stay open. Replies on connections the
+        namespace opened pass, as through a stateful firewall: the kernel hands them to their
+        socket before any route lookup.
+
+        Policy-routing rules, as iproute2 is all these machines have: an arriving packet is
+        delivered by a lookup in the ``local`` table, here reached only through a rule that
+        names an open port, ahead of one that forbids the rest."""
+        netns, interface = self.names[name], self.interfaces[name]
+        # The test's own namespace is the operator, not another host: it polls health.
+        _ip("-n", netns, "rule", "add", "prio", "5", "iif", interface, "from", self.gateway, "lookup", "local")
+        for priority, port in enumerate(ports, start=10):
+            _ip("-n", netns, "rule", "add", "prio", str(priority), "iif", interface, "ipproto", "tcp", "dport", port,
+                "lookup", "local")  # fmt: skip
+        _ip("-n", netns, "rule", "add", "prio", "90", "iif", interface, "ipproto", "tcp", "prohibit")
+        _ip("-n", netns, "rule", "add", "prio", "100", "lookup", "local")
+        _ip("-n", netns, "rule", "del", "prio", "0")  # the default rule, ahead of all of the above
+
+    def connects(self, source: str, host: str, port: int, timeout_s: float = 3.0) -> bool:
+        """Whether a program in ``source`` reaches one listening on ``port`` in ``host``."""
+        listen = "import socket,sys;s=socket.create_server((sys.argv[1],int(sys.argv[2])));print(1,flush=True);input()"
+        connect = "import socket,sys;socket.create_connection((sys.argv[1],int(sys.argv[2])),float(sys.argv[3]))"
+        address = self.addresses[host]
+        with subprocess.Popen(
+            [*self.prefix(host), sys.executable, "-c", listen, address, str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as listener:
+            try:
+                assert listener.stdout is not None and listener.stdout.readline() == "1\n", "the listener did not start"
+                attempt = [*self.prefix(source), sys.executable, "-c", connect, address, str(port), str(timeout_s)]
+                return subprocess.run(attempt, capture_output=True, timeout=timeout_s + 30).returncode == 0
+            finally:
+                listener.kill()
 
 
 def _ip(*args: str) -> None:

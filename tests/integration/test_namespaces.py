@@ -24,9 +24,10 @@ from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import serving
 from tests.integration.netns import Namespaces, namespaces, unavailable
 from tests.integration.test_fsdp import FSDP_CONFIG
-from tests.integration.test_shared_capacity import start
+from tests.integration.test_shared_capacity import start, trainer_command
 from tests.integration.test_weight_sync import perturbed, vllm_matches
-from tests.support import wait_until
+from tests.support import run_to_end, wait_until
+from trainer_client.group_port import GROUP_PORT_SPAN
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
@@ -38,23 +39,27 @@ FSDP_STEPS = 2
 class NamespacedVLLM(ManagedVLLMServer):
     """The managed server's command, run inside a namespace and bound to its address."""
 
-    def __init__(self, net: Namespaces, settings: ManagedServerSettings) -> None:
+    def __init__(self, net: Namespaces, host: str, settings: ManagedServerSettings) -> None:
         super().__init__(settings, served_model_name="tiny")
         self.net = net
+        self.host = host
         self.port = VLLM_PORT
-        self.url = f"http://{net.addresses['vllm']}:{VLLM_PORT}"
+        self.url = f"http://{net.addresses[host]}:{VLLM_PORT}"
 
     def command(self) -> list[str]:
         command = super().command()
-        command[command.index("--host") + 1] = self.net.addresses["vllm"]
-        return self.net.prefix("vllm") + command
+        command[command.index("--host") + 1] = self.net.addresses[self.host]
+        return self.net.prefix(self.host) + command
 
 
 @contextlib.asynccontextmanager
-async def serving_stack(net: Namespaces, tiny_model: Path, tmp_path: Path) -> AsyncIterator[tuple[NamespacedVLLM, str]]:
-    """vLLM in namespace ``vllm`` and ``rollout-service serve`` in ``service``: (vLLM, the service's target)."""
+async def serving_stack(
+    net: Namespaces, tiny_model: Path, tmp_path: Path, vllm_host: str = "vllm"
+) -> AsyncIterator[tuple[NamespacedVLLM, str]]:
+    """vLLM in namespace ``vllm_host`` and ``rollout-service serve`` in ``service``: (vLLM, the service's target)."""
     vllm = NamespacedVLLM(
         net,
+        vllm_host,
         ManagedServerSettings(
             model=tiny_model,
             max_model_len=1024,
@@ -103,6 +108,40 @@ async def test_a_push_crosses_three_namespaces(tiny_model: Path, tmp_path: Path)
             # ... and vLLM, two namespaces away, serves exactly what it pushed.
             base = Qwen2ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
             assert await vllm_matches(vllm.url, perturbed(base, 5), cache_salt="pushed") <= 1e-4
+
+
+# The recipe of docs "Across hosts": each host opens its named ports and the range its
+# system binds unnamed ones from, which the gloo group's own listeners take.
+SERVICE_HOST_DATA_PORTS, TRAINER_HOST_DATA_PORTS = (40000, 40499), (41000, 41499)
+GROUP_PORT = 51216
+
+
+@pytest.mark.timeout(480)
+async def test_a_trainer_on_another_host_trains_through_only_the_named_ports(tiny_model: Path, tmp_path: Path) -> None:
+    """The service and vLLM on one host, ``rollout-trainer`` on another, and between them a
+    firewall open only on the service's gRPC port, the trainer's ``--vllm_group_port`` span
+    and each host's local port range: two steps train, each pushed over gloo across it."""
+    with namespaces("service", "trainer") as net:
+        for host, (first, last) in (("service", SERVICE_HOST_DATA_PORTS), ("trainer", TRAINER_HOST_DATA_PORTS)):
+            net.local_ports(host, first, last)
+        net.accept_only("service", str(SERVICE_PORT), "-".join(map(str, SERVICE_HOST_DATA_PORTS)))
+        net.accept_only(
+            "trainer", f"{GROUP_PORT}-{GROUP_PORT + GROUP_PORT_SPAN - 1}", "-".join(map(str, TRAINER_HOST_DATA_PORTS))
+        )
+        # The wall holds: what a system would pick without the recipe is out of reach, both ways.
+        assert not await asyncio.to_thread(net.connects, "service", "trainer", 45000)
+        assert not await asyncio.to_thread(net.connects, "trainer", "service", 45000)
+        assert await asyncio.to_thread(net.connects, "service", "trainer", TRAINER_HOST_DATA_PORTS[0])
+        async with serving_stack(net, tiny_model, tmp_path, vllm_host="service") as (_, target):
+            out = tmp_path / "train"
+            command = [*net.prefix("trainer"), *trainer_command(target, tiny_model, out, "--max_steps", "2")]
+            command += ["--vllm_group_port", str(GROUP_PORT), "--shared_memory_push", "false"]  # another host
+            code, output = await run_to_end(command, 300, cwd=REPO)
+            assert code == 0, output[-3000:]
+            assert f"rendezvous at {net.addresses['trainer']}:{GROUP_PORT} " in output, output[-3000:]
+            assert "weights travel over gloo" in output, output[-3000:]
+            summary = json.loads((out / "summary.json").read_text())
+            assert summary["final_policy_version"] == 2, summary
 
 
 async def all_exit_cleanly(nodes: dict[str, asyncio.subprocess.Process], logs: Path, timeout_s: float) -> None:
