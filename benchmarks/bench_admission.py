@@ -43,10 +43,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import build_tiny_model, tiny_model_flags
 from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
 from rollout_service.edge.app import running_service
-from trainer_client.client import RolloutClient
 
 COMPARISONS = {"admission": ("staleness", "buffer"), "abort": ("abort", "keep")}
 """What each ``--compare`` runs side by side: admission modes, or abort_stale_inflight on / off."""

@@ -32,6 +32,7 @@ from rich.table import Table
 from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.state_store import MemoryStore, SqliteStore, StateStore
@@ -43,7 +44,6 @@ from rollout_service.metrics import ServiceMetrics
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.types import Completion, SamplingParams
-from trainer_client.client import RolloutClient
 
 PROBE_INTERVAL_S = 0.01
 

@@ -43,9 +43,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import free_port
-from trainer_client.client import RolloutClient, dataset_run_spec
 
 TRAINERS = {"a-push": ("A", True), "a-follow": ("A", False), "b-1": ("B", False), "b-2": ("B", False)}
 

@@ -409,10 +409,10 @@ class Outcome:
 
 
 async def benchmark(args: argparse.Namespace, url: str, model_dir: Path, served_name: str) -> Outcome:
+    from rollout_api.client import RolloutClient, dataset_run_spec
     from rollout_service.config import load_settings
     from rollout_service.edge.app import load_tokenizer, running_service
     from trainer_client import weight_push
-    from trainer_client.client import RolloutClient, dataset_run_spec
 
     recorder = Recorder()
 

@@ -19,7 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from rollout_service.engine.control import PauseModeName
+from rollout_service.types import PauseModeName
 
 DEFAULT_MODEL_DIR = Path("models/tiny-qwen2")
 DEFAULT_WEIGHT_TRANSFER_BACKEND = "gloo"

@@ -6,12 +6,12 @@ import asyncio
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
 from rollout_service.errors import InvalidArgument, echo
-from rollout_service.evaluation import EvalSpec, EvalTally
+from rollout_service.eval_tally import EvalSpec, EvalTally
 from rollout_service.generation.episode import MultiTurnConfig
 from rollout_service.generation.prompts import PromptSource, PromptSpec
 from rollout_service.scoring.advantages import AdvantageComputer
@@ -265,3 +265,18 @@ class Run:
 
     def reward_weights(self) -> dict[str, float]:
         return dict(self.spec.rewards)
+
+    def stored_state(self) -> dict[str, Any]:
+        """The parts of the run that change, as the state store keeps them (a plain dict, so
+        the store needs no ``Run``)."""
+        admission = self.admission
+        return {
+            "state": self.state,
+            "error": self.error,
+            "policy_version": admission.policy_version,
+            "trainer_version": admission.trainer_version,
+            "await_version": admission.await_version,
+            "trained_per_version": admission.trained_per_version,  # staleness admission's estimate
+            "version_bumped": admission.version_bumped,
+            "lookahead_versions": admission.lookahead.versions if admission.lookahead is not None else None,
+        }

@@ -19,8 +19,9 @@ from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
 from rollout_service.delivery.lookahead import Lookahead
-from rollout_service.delivery.state_store import MemoryStore, StateStore, run_state
+from rollout_service.delivery.state_store import MemoryStore, StateStore
 from rollout_service.delivery.watchdog import RunWatchdog
+from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, echo
 from rollout_service.evaluation import EvalResult, Evaluations
@@ -45,8 +46,10 @@ from rollout_service.metrics import ServiceMetrics
 from rollout_service.runs import MAX_BUFFERED_GROUPS, Run, RunSpec
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
+from rollout_service.scoring.score import GroupScorer
 from rollout_service.types import EngineState
-from rollout_service.weights.adapters import AdapterPublisher
+from rollout_service.weights.adapters import AdapterPublisher, AdapterRouting
+from rollout_service.weights.partitions import PartitionRouting
 from rollout_service.weights.update_messages import UpdateTimes
 from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator, not_in_progress
@@ -139,16 +142,18 @@ class RolloutService:
         self.metrics = metrics
         self.settings = settings
         self.info = info
+        self.reward_executor = ThreadPoolExecutor(settings.reward_threads, thread_name_prefix="reward")
+        """Sync reward functions' own threads (``SchedulerSettings.reward_threads``)."""
+        self.scorer = GroupScorer(rewards, settings.reward_timeout_s, self.reward_executor)
         self.scheduler = Scheduler(
             engine,
-            rewards,
+            self.scorer,
             metrics,
             settings.max_inflight,
             renderer.decode,
-            settings.reward_timeout_s,
             group_requests=settings.group_requests,
             max_group_bytes=settings.max_group_bytes,
-            reward_threads=settings.reward_threads,
+            route=self._engine_for,
         )
         self.environment_executor = ThreadPoolExecutor(settings.environment_threads, thread_name_prefix="environment")
         """Sync environment methods' own threads (``SchedulerSettings.environment_threads``)."""
@@ -173,7 +178,7 @@ class RolloutService:
             stop_generation=self.scheduler.stop_generation,
         )
         self.scheduler.evaluations = self.evaluations
-        self.external = ExternalEpisodes(engine, renderer, self.scheduler.scorer, metrics)
+        self.external = ExternalEpisodes(engine, renderer, self.scorer, metrics)
         """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""
         self.adapters: AdapterPublisher | None = None
         """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
@@ -198,7 +203,7 @@ class RolloutService:
     def _set_run_version(self, run: Run, version: int) -> None:
         """The servers the run samples hold its policy at ``version``: admission and store follow."""
         run.admission.set_policy_version(version)
-        self.store.save_run_state(run.run_id, run_state(run))
+        self.store.save_run_state(run.run_id, run.stored_state())
 
     def set_trainer_version(self, version: int) -> None:
         """A push of base weights began (version: the servers' plus one) or was aborted
@@ -243,7 +248,7 @@ class RolloutService:
     async def create_run(self, spec: RunSpec, owner: str = "") -> Run:
         run = await self._new_run(spec, owner, Run.new_id())
         if spec.eval is None:  # an evaluation is pinned to a moment: it is not resumed after a restart
-            self.store.save_run(run.run_id, owner, spec, run_state(run))
+            self.store.save_run(run.run_id, owner, spec, run.stored_state())
         self._start_run(run)
         return run
 
@@ -573,7 +578,6 @@ class RolloutService:
         """``weight_sync.partitions``: each full-weight run, those restored from the state
         store included, gets its own servers and weight sync, and routing follows."""
         self.partitions = partitions
-        self.scheduler.partitions = partitions
         for run in self.runs.values():
             if _partitioned(run):
                 partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
@@ -648,9 +652,20 @@ class RolloutService:
                 run.state = "stopped"
             await self.scheduler.stop_run(run)
         self.tools.close()
-        self.scheduler.close()
-        # Not waiting, as the scheduler does not for its reward threads.
+        # Not waiting for user code's threads: a hung call must not hold up the shutdown
+        # (``shutdown_timeout_s`` ends the process).
+        self.reward_executor.shutdown(wait=False, cancel_futures=True)
         self.environment_executor.shutdown(wait=False, cancel_futures=True)
+
+    def _engine_for(self, run: Run) -> Engine:
+        """Runs that serve their own LoRA adapter name it in every request; with pool
+        partitions, a full-weight run's requests go to its own servers only."""
+        engine = self.scheduler.engine
+        if run.spec.serve_adapter:
+            return AdapterRouting(engine, lambda: run.adapter)
+        if (partitions := self.partitions) is not None:
+            return PartitionRouting(cast(EnginePool, engine), run.run_id, lambda: partitions.servers_for(run.run_id))
+        return engine
 
 
 def _partitioned(run: Run) -> bool:

@@ -10,6 +10,8 @@ from enum import StrEnum
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "max_turns", "max_episode_tokens", "max_model_len"]
+PauseModeName = Literal["keep", "abort", "wait", "none"]
+"""What a server does with its in-flight requests while its weights change (the proto's PauseMode)."""
 """Why an episode ended. ``stop``: the model ended its turn with nothing left to do (no tool
 call, or the environment said done); ``length``: a turn hit ``sampling.max_tokens``;
 ``abort``: the engine aborted a request; ``max_turns``: the model still wanted to go on

@@ -27,16 +27,12 @@ GRPC_EDGE = (
     "rollout_service.edge.server",
     "rollout_service.edge.security",
     "rollout_service.edge.reflection",
-    "trainer_client.client",
-    "trainer_client.top",
+    "rollout_api.client",
+    "rollout_api.top",
 )
 """The only modules that speak gRPC: the service's server, its security (TLS, tokens) and
-reflection, the trainer's client and the live view built on it. Everything else works with
-plain Python types and errors."""
-
-CLIENT_COMMANDS = {"rollout_service.edge.cli": ("trainer_client.top", "trainer_client.client")}
-"""Service CLI modules that may import a client-side module for a command that is a client
-of the service (``rollout-service top``), imported inside the command only."""
+reflection, and the Python client of the API with the live view built on it (shared by
+both sides' CLIs). Everything else works with plain Python types and errors."""
 
 ENGINE = "rollout_service.engine"
 SERVICE_CORE = (
@@ -45,6 +41,17 @@ SERVICE_CORE = (
 )  # fmt: skip
 """The stages (and the runs, the service and the edge that use them): what the engine
 (HTTP clients of vLLM, its pool and the managed server) must not depend on."""
+
+
+STAGES = (
+    "rollout_service.engine", "rollout_service.generation", "rollout_service.scoring", "rollout_service.delivery",
+    "rollout_service.edge",
+)  # fmt: skip
+"""The data path, in order: a stage imports earlier stages only, never a later one."""
+WEIGHTS = "rollout_service.weights"
+"""Beside the stages: it drives the engine, and only the edge (and the service) drives it."""
+FOUNDATION = ("rollout_service.config", "rollout_service.types", "rollout_service.errors", "rollout_service.metrics")
+"""What every stage imports: it imports no stage."""
 
 
 @dataclass(frozen=True)
@@ -105,17 +112,92 @@ def violations(graph: dict[str, set[str]]) -> list[Violation]:
                 found.append(Violation(module, name, "only the gRPC edge imports grpc"))
             if within(module, "trainer_client") and within(name, ("rollout_service", "rollout_demo")):
                 found.append(Violation(module, name, "the trainer does not import the service"))
-            client_command = within(name, CLIENT_COMMANDS.get(module, ()))
-            trainer_side = within(name, ("trainer_client", "rollout_demo"))
-            if within(module, "rollout_service") and trainer_side and not client_command:
+            if within(module, "rollout_service") and within(name, ("trainer_client", "rollout_demo")):
                 found.append(Violation(module, name, "the service does not import the trainer"))
             if within(module, ("rollout_api", "rollout_common", "vllm_gloo_transfer")) and within(
                 name, ("rollout_service", "trainer_client", "rollout_demo")
             ):
                 found.append(Violation(module, name, "shared packages import neither side"))
+            named_by_its_module = name.rsplit(".", 1)[0] in imported and name.rsplit(".", 1)[0] in graph
             if within(module, ENGINE) and within(name, SERVICE_CORE):
                 found.append(Violation(module, name, "the engine imports nothing from scheduling, scoring or delivery"))
+            elif not named_by_its_module and (rule := stage_order_broken(module, name)):
+                found.append(Violation(module, name, rule))
+    return found + cycles(graph)
+
+
+def stage_of(name: str) -> int | None:
+    return next((index for index, stage in enumerate(STAGES) if within(name, stage)), None)
+
+
+def stage_order_broken(module: str, name: str) -> str | None:
+    """Which data-path rule importing ``name`` from ``module`` breaks, if any."""
+    own, imported = stage_of(module), stage_of(name)
+    if own is not None and imported is not None and imported > own:
+        return f"a stage imports earlier stages only ({' <- '.join(s.rsplit('.', 1)[1] for s in STAGES)})"
+    if within(name, WEIGHTS) and (within(module, FOUNDATION) or (own is not None and STAGES[own] != STAGES[-1])):
+        return "only the edge and the service drive the weights"
+    if within(module, WEIGHTS) and imported is not None and imported > 0:
+        return "the weights import no stage but the engine"
+    if within(module, FOUNDATION) and imported is not None:
+        return "config, types, errors and metrics import no stage"
+    return None
+
+
+def cycles(graph: dict[str, set[str]]) -> list[Violation]:
+    """One violation per import cycle among the graph's modules (each strongly connected
+    component of more than one module), naming the cycle."""
+    edges = {module: sorted(n for n in imported if n in graph and n != module) for module, imported in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[Violation] = []
+
+    def visit(root: str) -> None:  # Tarjan's algorithm, iterative: no recursion limit
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = stack[stack.index(node) :]
+                    del stack[stack.index(node) :]
+                    if len(component) > 1:
+                        path = cycle_through(sorted(component)[0], set(component), edges)
+                        found.append(Violation(path[0], path[1], f"no import cycles ({' -> '.join(path)})"))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                work.append((child, iter(edges[child])))
+            elif child in stack:
+                low[node] = min(low[node], index[child])
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
     return found
+
+
+def cycle_through(start: str, component: set[str], edges: dict[str, list[str]]) -> list[str]:
+    """The shortest path from ``start`` back to itself inside its component."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in edges[node]:
+                if child == start:
+                    return [*paths[node], start]
+                if child in component and child not in paths:
+                    paths[child] = [*paths[node], child]
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"{start} is in no cycle")
 
 
 def package_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:

@@ -1,8 +1,7 @@
 """Thin trainer client of the rollout service; importable without vLLM.
 
 ``from trainer_client import AsyncGRPOConfig, AsyncGRPOTrainer`` (``trainer_client.api``). The
-exports load on first use, so the gRPC client (``trainer_client.client``) stays importable
-without torch.
+exports load on first use, so the package's light modules stay importable without torch.
 """
 
 from __future__ import annotations

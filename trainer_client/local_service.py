@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from trainer_client.client import HealthCheckFailed, health_status
+from rollout_api.client import HealthCheckFailed, health_status
 from trainer_client.weights import free_port
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable, Iterator
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import RolloutClient
+from rollout_api.client import RolloutClient
 
 logger = logging.getLogger(__name__)
 

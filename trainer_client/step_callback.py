@@ -1,6 +1,6 @@
 """What happens between optimizer steps: ack the step's groups, push weights when due, log
-the step's record. ``StreamGRPOTrainer`` registers ``SyncAndAck``; ``StepBook`` is where the
-trainer notes, during a step, what the callback acks and logs at its end.
+the step's record. ``train.py`` registers ``SyncAndAck`` on the ``StreamGRPOTrainer`` it builds,
+whose ``StepBook`` holds what the callback acks and logs at each step's end.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
@@ -18,12 +18,10 @@ from transformers import TrainerCallback
 from trainer_client import fsdp
 from trainer_client.policy_weights import policy_weights
 from trainer_client.step_timing import COMPUTE_CPU, step_seconds
+from trainer_client.trainer import AsyncGRPOConfig, StepBook, StreamGRPOTrainer
 from trainer_client.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from trainer_client.trainer import AsyncGRPOConfig, StreamGRPOTrainer
 
 PUSH_ATTEMPTS = 3
 """Failed pushes in a row a trainer lives through (a vLLM server that died mid-push fails
@@ -33,17 +31,6 @@ STEP_LINE = "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d, %.3f
 """The INFO line at the end of each step (step, reward mean, policy version, groups, dropped
 stale, step seconds, seconds waiting for groups). ``benchmarks/bench_vs_trl.py`` reads it to
 time its CPU readings to the run's first and last step."""
-
-
-class StepBook:
-    """What the current optimizer step trained on, for acks and per-step metrics."""
-
-    def __init__(self) -> None:
-        self.group_ids: dict[str, None] = {}  # ordered set
-        self.stale_group_ids: dict[str, None] = {}
-        self.rewards: list[float] = []
-        self.staleness: list[int] = []
-        self.loss_metrics: dict[str, list[float]] = {}
 
 
 def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:

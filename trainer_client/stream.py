@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import GroupStream, RolloutClient, unavailable
+from rollout_api.client import GroupStream, RolloutClient, unavailable
 from trainer_client.step_timing import PhaseClock
 
 logger = logging.getLogger(__name__)

@@ -31,17 +31,18 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from rollout_common.model_signature import signature_of
 from trainer_client import fsdp, precision
 from trainer_client.advertised_address import advertised_address
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
-from trainer_client.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.local_service import LocalServiceError, local_service
 from trainer_client.options import ADMISSION_MODES, SCALE_REWARDS, ModelOptions, RunOptions
 from trainer_client.prompt_feeder import feed_prompts
 from trainer_client.prompts_file import PromptRows
+from trainer_client.step_callback import SyncAndAck
 from trainer_client.step_timing import summarize_seconds, with_lookahead
 from trainer_client.stream import GroupFeed
 from trainer_client.svg_plot import line_plot
@@ -214,6 +215,7 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
             (output_dir / "evals.jsonl").unlink(missing_ok=True)
         try:
             trainer = StreamGRPOTrainer(model=model, args=config, feed=feed, pusher=pusher, evaluator=evaluator)
+            trainer.add_callback(SyncAndAck(trainer))
             trainer.add_callback(RunInCheckpoint(run_id))
             trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
         finally:

@@ -8,7 +8,8 @@ weights into vLLM through the service (``WeightPusher``) and the feed's current 
 version advances, which is what staleness is judged against. Groups used by a step are
 acked as trained when the step ends. Batches (dataset, collator, log-probs) are in
 ``batches.py``; what happens between steps (ack, push, the step's record) in
-``step_callback.py``; a step of several micro-batches trains each as it arrives
+``step_callback.py``, whose ``SyncAndAck`` the builder of the trainer registers
+(``train.py``); a step of several micro-batches trains each as it arrives
 (``arriving_batches.py``).
 
 Being a ``Trainer`` subclass, checkpointing, logging integrations (``report_to``),
@@ -51,7 +52,6 @@ from trainer_client.loss_config import GLOBAL_TOKEN_NORMALISED, VLLM_IMPORTANCE_
 from trainer_client.losses import compute_loss
 from trainer_client.options import SCALE_REWARDS
 from trainer_client.policy_weights import is_peft_model
-from trainer_client.step_callback import StepBook, SyncAndAck
 from trainer_client.step_progress import StepProgress
 from trainer_client.stream import GroupFeed
 from trainer_client.weight_push import AdapterPusher, WeightPusher
@@ -187,6 +187,17 @@ class AsyncGRPOConfig(TrainingArguments):
         )
 
 
+class StepBook:
+    """What the current optimizer step trained on, for acks and per-step metrics."""
+
+    def __init__(self) -> None:
+        self.group_ids: dict[str, None] = {}  # ordered set
+        self.stale_group_ids: dict[str, None] = {}
+        self.rewards: list[float] = []
+        self.staleness: list[int] = []
+        self.loss_metrics: dict[str, list[float]] = {}
+
+
 class StreamGRPOTrainer(Trainer):
     loss_is_scaled_for_ga = True
     """``compute_loss`` scales for gradient accumulation itself (``losses.aggregate_loss``), as
@@ -224,7 +235,6 @@ class StreamGRPOTrainer(Trainer):
         self._forward_s = 0.0
         self._deferred: DeferredTokenNormaliser | None = None
         """The current step's token count, where its loss is normalised after its last micro-batch."""
-        self.add_callback(SyncAndAck(self))
         if not args.disable_tqdm:
             self.remove_callback(ProgressCallback)
             self.add_callback(StepProgress())

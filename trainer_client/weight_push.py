@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import RolloutClient
+from rollout_api.client import RolloutClient
 from trainer_client.group_port import GroupPortClaim
 from trainer_client.nccl_sender import NcclWeightSender
 from trainer_client.policy_weights import adapter_files, policy_weights

@@ -108,7 +108,7 @@ async def generate_alone(args: argparse.Namespace, target: str) -> dict[str, Any
     ``max_staleness`` 1 lets a run generate (the groups of the step after next wait for the
     push of the step being trained); otherwise as many as the service's slots hold."""
     from rollout_api import rollout_pb2 as pb
-    from trainer_client.client import RolloutClient, dataset_run_spec
+    from rollout_api.client import RolloutClient, dataset_run_spec
 
     async with RolloutClient(target) as client:
         spec = dataset_run_spec(args.dataset, {"vowel_share": 1.0}, group_size=args.group_size)

@@ -56,7 +56,7 @@ async def run_project(
     push_log: PushLog | None,
 ) -> RunResult:
     """One run of contender ``name`` (the project's defaults plus ``flags``) to its last step."""
-    from trainer_client.client import RolloutClient
+    from rollout_api.client import RolloutClient
 
     out = work / f"{name}-{seed}"
     env_settings, flags = leading_env_settings(flags)

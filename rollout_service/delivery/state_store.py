@@ -32,12 +32,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from rollout_service.types import PromptItem, ScoredGroup
-
-if TYPE_CHECKING:
-    from rollout_service.runs import Run
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +72,7 @@ class StoredRun:
     spec: Any
     """The ``RunSpec`` it was created with."""
     state: dict[str, Any]
-    """State that changes: versions and admission's estimate (``run_state``)."""
+    """State that changes: versions and admission's estimate (``Run.stored_state``)."""
     groups: list[ScoredGroup] = field(default_factory=list)
     """Scored and not acked, oldest first."""
     acked: dict[str, str] = field(default_factory=dict)
@@ -400,18 +397,3 @@ def open_store(setting: str, codec: GroupCodec) -> StateStore:
     if setting == "memory":
         return MemoryStore()
     return SqliteStore(Path(setting), codec)
-
-
-def run_state(run: Run) -> dict[str, Any]:
-    """The parts of a run that change, as the store keeps them."""
-    admission = run.admission
-    return {
-        "state": run.state,
-        "error": run.error,
-        "policy_version": admission.policy_version,
-        "trainer_version": admission.trainer_version,
-        "await_version": admission.await_version,
-        "trained_per_version": admission.trained_per_version,  # staleness admission's estimate
-        "version_bumped": admission.version_bumped,
-        "lookahead_versions": admission.lookahead.versions if admission.lookahead is not None else None,
-    }

@@ -179,7 +179,13 @@ async def running_service(
             store=store,
         )
         stack.push_async_callback(service.close)
-        recovery = ServerRecovery(service, pool)
+        recovery = ServerRecovery(
+            service,
+            pool,
+            lambda: service.policy_version,
+            service.set_policy_version,
+            lambda: service.runs.get(service.base_weights_run or ""),
+        )
         recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
         if restored := await service.restore():
             logger.info(
@@ -196,6 +202,9 @@ async def running_service(
             recovery,
             lambda url: VLLMServerClient(url, model, engine_settings, metrics, connections),
             engine_settings.connect_timeout_s,
+            model=model,
+            engine_urls=service.info.engine_urls,
+            metrics=metrics,
             managed_urls=frozenset([managed.url] if managed is not None else []),
         )
         stack.push_async_callback(service.membership.close)  # after weight sync's close, which may resume them

@@ -251,7 +251,7 @@ def health(
 ) -> None:
     """Exit 0 if the service answers SERVING to gRPC health, else 2 with the reason: a
     readiness probe (Kubernetes' own gRPC probe cannot do TLS). TLS from ROLLOUT_TLS_CA."""
-    from trainer_client.client import HealthCheckFailed, health_status  # a client: see CLIENT_COMMANDS
+    from rollout_api.client import HealthCheckFailed, health_status  # the API's client, loaded by this command only
 
     try:
         status = asyncio.run(health_status(target, timeout))
@@ -271,7 +271,7 @@ def top(
 ) -> None:
     """A live view: slots busy, tokens/s, and per run its version and where its groups are.
     TLS and token from ROLLOUT_TLS_CA / ROLLOUT_TOKEN_FILE, as every client here."""
-    from trainer_client.top import ServiceUnreachable, show  # a client of the service: see CLIENT_COMMANDS
+    from rollout_api.top import ServiceUnreachable, show  # the API's client, loaded by this command only
 
     try:
         show(target, interval, once, timeout)

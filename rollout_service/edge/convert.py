@@ -15,7 +15,8 @@ from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.edge.group_wire import delivery_response
 from rollout_service.errors import InvalidArgument
-from rollout_service.evaluation import EvalResult, EvalSpec, eval_result
+from rollout_service.eval_tally import EvalSpec
+from rollout_service.evaluation import EvalResult, eval_result
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import AdmissionMode, Run, RunSpec
 from rollout_service.types import (

@@ -9,11 +9,11 @@ server and the step.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
-PauseModeName = Literal["keep", "abort", "wait", "none"]
+from rollout_service.types import PauseModeName
 
 
 class WeightControl(Protocol):

@@ -40,10 +40,10 @@ from rollout_service.types import (
 
 if TYPE_CHECKING:
     from rollout_service.engine.protocol import Engine
+    from rollout_service.generation.group_scoring import GroupScoring
     from rollout_service.generation.prompts import PromptRenderer
     from rollout_service.metrics import ServiceMetrics
     from rollout_service.runs import Run
-    from rollout_service.scoring.score import GroupScorer
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class ExternalSource:
 class ExternalEpisodes:
     """Runs each turn of an outside episode on the engine, and groups closed episodes."""
 
-    def __init__(self, engine: Engine, renderer: PromptRenderer, scorer: GroupScorer, metrics: ServiceMetrics) -> None:
+    def __init__(self, engine: Engine, renderer: PromptRenderer, scorer: GroupScoring, metrics: ServiceMetrics) -> None:
         self.engine = engine
         self.renderer = renderer
         self.scorer = scorer

@@ -30,26 +30,21 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinity, samples_groups_at_once
 from rollout_service.errors import EngineError, EnvironmentFailure, RequestRejected, RewardError
 from rollout_service.evaluation import Evaluations
 from rollout_service.generation.episode import run_episode, run_single_turn, run_single_turn_group
 from rollout_service.generation.external import ExternalSource
+from rollout_service.generation.group_scoring import GroupScoring
 from rollout_service.generation.prompts import OncePromptSource
 from rollout_service.generation.slots import WeightedSlots
 from rollout_service.generation.tools import ToolResult
 from rollout_service.metrics import RecentRate, ServiceMetrics
 from rollout_service.runs import Run
-from rollout_service.scoring.rewards import RewardRegistry
-from rollout_service.scoring.score import GroupScorer
 from rollout_service.types import EpisodeResult, PromptItem, SamplingParams
-from rollout_service.weights.adapters import AdapterRouting
-from rollout_service.weights.partitions import PartitionRouting, PoolPartitions
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +66,26 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
-        rewards: RewardRegistry,
+        scorer: GroupScoring,
         metrics: ServiceMetrics,
         max_inflight: int,
         decode: Callable[[list[int]], str],
-        reward_timeout_s: float = 60.0,
         group_requests: bool = True,
         max_group_bytes: int = 4 << 20,
-        reward_threads: int = 16,
+        route: Callable[[Run], Engine] | None = None,
     ) -> None:
+        """``route``: the engine a run's requests go to (its adapter, its partition's servers);
+        default ``engine``."""
         self.engine = engine
+        self.route = route or (lambda run: engine)
         self.max_group_bytes = max_group_bytes
         self.group_requests = group_requests
         """Single-turn groups as one request when the engine can (``SchedulerSettings``)."""
         self.decode = decode
         self.metrics = metrics
         self.max_inflight = max_inflight
-        self.reward_executor = ThreadPoolExecutor(reward_threads, thread_name_prefix="reward")
-        """Sync reward functions' own threads (``SchedulerSettings.reward_threads``)."""
-        self.scorer = GroupScorer(rewards, reward_timeout_s, self.reward_executor)
-        """Scores each group as its last member finishes (``scoring.score``)."""
+        self.scorer = scorer
+        """Scores each group as its last member finishes."""
         self.slots_busy = 0
         self.max_slots_busy_seen = 0
         self.engine_failures = 0
@@ -106,16 +101,9 @@ class Scheduler:
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self.evaluations: Evaluations | None = None
         """Told of evaluation runs' scored groups and of their end (set by the service)."""
-        self.partitions: PoolPartitions | None = None
-        """Set when full-weight runs each sample their own servers (``weights.partitions``)."""
         metrics.slots_total.set(max_inflight)
 
     # -- lifecycle -----------------------------------------------------------------------
-    def close(self) -> None:
-        """After every run stopped. Not waiting for the reward threads: a hung user call must
-        not hold up the shutdown (``shutdown_timeout_s`` ends the process)."""
-        self.reward_executor.shutdown(wait=False, cancel_futures=True)
-
     def start_run(self, run: Run) -> None:
         if self._samples_group_at_once(run):
             self._group_request_runs[run.run_id] = run
@@ -310,22 +298,10 @@ class Scheduler:
         if not task.cancelled():
             task.exception()
 
-    def _engine_for(self, run: Run) -> Engine:
-        """Runs that serve their own LoRA adapter name it in every request; with pool
-        partitions, a full-weight run's requests go to its own servers only."""
-        if run.spec.serve_adapter:
-            return AdapterRouting(self.engine, lambda: run.adapter)
-        if self.partitions is not None:
-            partitions = self.partitions
-            return PartitionRouting(
-                cast(EnginePool, self.engine), run.run_id, lambda: partitions.servers_for(run.run_id)
-            )
-        return self.engine
-
     async def _run_member(
         self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str, index: int
     ) -> EpisodeResult:
-        engine = self._engine_for(run)
+        engine = self.route(run)
         if run.episode is None:
             result = await run_single_turn(
                 engine, prompt, params, lambda: run.policy_version, self.decode, affinity=group_id
@@ -355,7 +331,7 @@ class Scheduler:
             forget(key)
 
     async def _run_group_request(self, run: Run, prompt: PromptItem, group_id: str) -> list[EpisodeResult]:
-        engine = cast(GroupEngine, self._engine_for(run))
+        engine = cast(GroupEngine, self.route(run))
         size = run.spec.group_size
         results = await run_single_turn_group(
             engine, prompt, run.spec.sampling, size, lambda: run.policy_version, self.decode, affinity=group_id

@@ -34,6 +34,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -42,9 +43,9 @@ from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient, served_models
 from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError, echo
-from rollout_service.service import RolloutService
+from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import EngineRemoved, EngineState
-from rollout_service.weights.server_recovery import ServerRecovery
+from rollout_service.weights.server_recovery import ServerRecovery, WeightPlane
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +64,35 @@ def check_engine_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+class MetaStore(Protocol):
+    """The part of the state store a join or leave writes (``delivery.state_store``, a stage the
+    weights do not import)."""
+
+    def set_meta(self, key: str, value: Any) -> None: ...
+
+
+class MembershipHost(WeightPlane, Protocol):
+    """What joins and leaves read and change on the service, at each use because a restore
+    replaces the kept servers."""
+
+    added_engines: list[str]
+    """Servers AddEngine added, kept across restarts."""
+
+    @property
+    def store(self) -> MetaStore: ...
+
+
 class PoolMembership:
     def __init__(
         self,
-        service: RolloutService,
+        service: MembershipHost,
         pool: EnginePool,
         recovery: ServerRecovery,
         new_client: Callable[[str], VLLMServerClient],
         connect_timeout_s: float,
+        model: str,
+        engine_urls: list[str],
+        metrics: ServiceMetrics,
         managed_urls: frozenset[str] = frozenset(),
     ) -> None:
         self.service = service
@@ -78,6 +100,11 @@ class PoolMembership:
         self.recovery = recovery
         self.new_client = new_client
         self.connect_timeout_s = connect_timeout_s
+        self.model = model
+        """The pool's model, which a joining server must serve."""
+        self.engine_urls = engine_urls
+        """The service's list of its servers (``ServiceInfo.engine_urls``), kept in step here."""
+        self.metrics = metrics
         self.managed_urls = managed_urls
         """Servers the service runs itself: they leave only with it."""
         self.controls: dict[str, VLLMControlClient] = {}
@@ -121,8 +148,8 @@ class PoolMembership:
                 await self._forget(url, client, control)
                 raise
             self.controls[url] = control
-            self.service.info.engine_urls.append(url)
-            self.service.metrics.engines.set(len(self.pool.clients))
+            self.engine_urls.append(url)
+            self.metrics.engines.set(len(self.pool.clients))
             if remember:
                 self._remember(url, True)
         logger.info("%s joined the pool (%s)", url, self.pool.held.get(url) or "taking requests")
@@ -154,7 +181,7 @@ class PoolMembership:
             self.service.store.set_meta("added_engines", engines)
 
     async def _check_model(self, url: str) -> None:
-        model = self.service.info.model
+        model = self.model
         try:
             served = [entry["id"] for entry in await served_models(url, max(self.connect_timeout_s, 10.0))]
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
@@ -234,9 +261,9 @@ class PoolMembership:
         self.recovery.awaiting_weights.discard(url)
         if self.pool.client(url) is client:
             self.pool.remove(url)
-        if url in self.service.info.engine_urls:
-            self.service.info.engine_urls.remove(url)
-        self.service.metrics.engines.set(len(self.pool.clients))
+        if url in self.engine_urls:
+            self.engine_urls.remove(url)
+        self.metrics.engines.set(len(self.pool.clients))
         await client.close()
         if control is not None:
             await control.close()

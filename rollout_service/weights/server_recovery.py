@@ -28,20 +28,50 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 from rollout_service.engine.control import WeightControl, WeightSyncError
 from rollout_service.engine.pool import EnginePool
-from rollout_service.service import RolloutService
+from rollout_service.runs import Run
+from rollout_service.weights.adapters import AdapterPublisher
+from rollout_service.weights.partitions import PoolPartitions
+from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
 
 STARTUP_HOLD = "the service is starting: which policy version this server holds is not checked yet"
 
 
+class WeightPlane(Protocol):
+    """The service's weight plane, read at each use because it is attached after start-up."""
+
+    @property
+    def weight_sync(self) -> WeightSyncCoordinator | None: ...
+
+    @property
+    def adapters(self) -> AdapterPublisher | None: ...
+
+    @property
+    def partitions(self) -> PoolPartitions | None: ...
+
+
 class ServerRecovery:
-    def __init__(self, service: RolloutService, pool: EnginePool) -> None:
-        self.service = service
+    def __init__(
+        self,
+        weights: WeightPlane,
+        pool: EnginePool,
+        policy_version: Callable[[], int],
+        set_policy_version: Callable[[int], None],
+        base_weights_owner: Callable[[], Run | None],
+    ) -> None:
+        self.weights = weights
         self.pool = pool
+        self.policy_version = policy_version
+        """The servers' base-weights version now (0: no full-weight push has committed)."""
+        self.set_policy_version = set_policy_version
+        self.base_weights_owner = base_weights_owner
+        """The run whose trainer pushes the base weights, if it is live: it is asked for a push."""
         self.awaiting_weights: set[str] = set()
         """Restarted servers held until the next full-weight push commits."""
 
@@ -55,9 +85,9 @@ class ServerRecovery:
         """After the restore and weight sync's start: release the servers that hold the
         restored policy version by their own label; hold the others until it is pushed, and
         ask for that push. A server that cannot say counts as not holding it."""
-        service, sync = self.service, self.service.weight_sync
-        version = service.policy_version
-        if service.partitions is not None or sync is None or version == 0:
+        weights, sync = self.weights, self.weights.weight_sync
+        version = self.policy_version()
+        if weights.partitions is not None or sync is None or version == 0:
             for client in self.pool.clients:  # partitions route by their own readiness; 0: the checkpoint
                 self.pool.release(client.base_url)
             return
@@ -76,14 +106,14 @@ class ServerRecovery:
         self.pool.hold(url, "its vLLM process exited; restarting it")
 
     async def server_restarted(self, url: str) -> None:
-        service = self.service
-        if service.partitions is not None:
-            service.partitions.server_restarted(url)
-        elif service.weight_sync is not None:
-            service.weight_sync.server_restarted()
-        if service.adapters is not None:
-            await service.adapters.reload(url)
-        if service.partitions is not None:  # its run routes to it once it holds the run's policy
+        weights = self.weights
+        if weights.partitions is not None:
+            weights.partitions.server_restarted(url)
+        elif weights.weight_sync is not None:
+            weights.weight_sync.server_restarted()
+        if weights.adapters is not None:
+            await weights.adapters.reload(url)
+        if weights.partitions is not None:  # its run routes to it once it holds the run's policy
             self.pool.release(url)
             return
         self.awaiting_weights.add(url)
@@ -97,15 +127,14 @@ class ServerRecovery:
     def _wait_for_policy(self, url: str, why: str) -> None:
         """Release ``url`` if the checkpoint is the policy (no full-weight push yet), else
         hold it until the next push commits and ask for that push now."""
-        service = self.service
-        version = service.policy_version
+        version = self.policy_version()
         if version == 0:
             self.awaiting_weights.discard(url)
             self.pool.release(url)
             return
         reason = f"{url} {why}; it takes requests once policy version {version} is pushed"
         self.pool.hold(url, reason)
-        owner = service.runs.get(service.base_weights_run or "")
+        owner = self.base_weights_owner()
         if owner is None:
             logger.warning("%s; no run pushes the base weights now, so it waits for the next push", reason)
             return
@@ -115,8 +144,8 @@ class ServerRecovery:
     def version_committed(self, version: int) -> None:
         """A full-weight push committed: every weight-sync server holds it, so the servers
         that waited for it take requests. One not yet among them (joining) waits on."""
-        self.service.set_policy_version(version)
-        sync = self.service.weight_sync
+        self.set_policy_version(version)
+        sync = self.weights.weight_sync
         synced = {server.base_url for server in sync.servers} if sync is not None else set(self.awaiting_weights)
         for url in self.awaiting_weights & synced:
             self.pool.release(url)

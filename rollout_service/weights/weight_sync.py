@@ -475,8 +475,8 @@ class WeightSyncCoordinator:
                 self._progressed(update, "eval_hold")
             try:
                 # No label here: vLLM sets it in a second engine-core call after the apply, one
-                # engine step or more (s64: 9 ms median of a 50 ms push) during which the
-                # version, and with it staleness admission, would wait. ``_label`` sets it after.
+                # engine step or more during which the version, and with it staleness
+                # admission, would wait. ``_label`` sets it after.
                 await self._phase(update, "finish", *(s.finish_weight_update(None, control_s) for s in self.servers))
                 if self.settings.reset_prefix_cache:
                     await self._phase(

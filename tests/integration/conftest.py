@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import ManagedServerSettings, load_settings
 from rollout_service.edge.app import RunningService, running_service
 from rollout_service.engine.managed import ManagedVLLMServer, free_port
-from trainer_client.client import RolloutClient
 from trainer_client.weight_push import WeightPusher
 
 # Developers may reuse a running server across pytest invocations:

@@ -11,9 +11,9 @@ import json
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_api.client import RolloutClient, dataset_run_spec
 from tests.integration.test_weight_sync import perturbed
 from trainer_client.advertised_address import advertised_address
-from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.weight_push import WeightPusher
 
 

@@ -8,13 +8,13 @@ import grpc
 import pytest
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, dataset_run_spec, health_status
 from rollout_service.edge.app import RunningService
 from rollout_service.edge.server import SERVICE_NAME
 from tests.integration.test_discovery import fetch_text
 from tests.integration.test_stream import take_groups
 from tests.support import wait_until
 from tests.unit.test_hostile_input import with_bad_utf8
-from trainer_client.client import RolloutClient, dataset_run_spec, health_status
 
 pytestmark = pytest.mark.integration
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, health_status
 from rollout_service.edge.app import RunningService
 from tests.support import wait_until
-from trainer_client.client import RolloutClient, health_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 logger = logging.getLogger(__name__)

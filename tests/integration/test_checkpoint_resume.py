@@ -13,10 +13,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import tiny_model_flags
 from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
-from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
 

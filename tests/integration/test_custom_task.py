@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import ManagedVLLMServer, free_port
 from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
-from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
 

@@ -57,8 +57,8 @@ async def test_health_is_serving(service) -> None:
 
 
 async def test_metrics_endpoint_exports_service_metrics(service, client) -> None:
+    from rollout_api.client import dataset_run_spec
     from tests.integration.test_stream import take_groups
-    from trainer_client.client import dataset_run_spec
 
     run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))
     await take_groups(client, run.run_id, 2)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.edge.app import RunningService
 from tests.integration.conftest import restore_base_weights
 from tests.support import wait_until
-from trainer_client.client import RolloutClient, dataset_run_spec
 
 pytestmark = pytest.mark.integration
 STEPS = 12

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, serving
 from tests.integration.test_weight_sync import vllm_matches
 from tests.support import run_to_end, wait_until
-from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
 STEPS = 3

@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import RolloutClient, dataset_run_spec
+from rollout_api.client import RolloutClient, dataset_run_spec
 from trainer_client.weight_push import AdapterPusher, WeightPusher
 
 pytestmark = pytest.mark.integration

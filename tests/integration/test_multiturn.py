@@ -28,6 +28,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import dataset_run_spec
 from rollout_service.config import SchedulerSettings
 from rollout_service.edge.group_wire import group_to_pb
 from rollout_service.engine.vllm_client import completion_body, parse_completion
@@ -42,7 +43,6 @@ from rollout_service.types import Completion, EpisodeSpec, PromptItem, SamplingP
 from tests.integration.conftest import service_settings, service_with_client
 from tests.integration.test_stream import take_groups
 from tests.support import wait_until
-from trainer_client.client import dataset_run_spec
 from trainer_client.weight_push import WeightPusher
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

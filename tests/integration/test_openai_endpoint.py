@@ -22,10 +22,10 @@ from openai import AsyncOpenAI, BadRequestError, NotFoundError
 from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient
 from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings
-from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
 

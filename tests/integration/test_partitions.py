@@ -17,11 +17,11 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_service.weights.partitions import PoolPartitions
 from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings, service_with_client
 from tests.integration.test_weight_sync import perturbed
 from tests.integration.test_weight_transfer import hf_logprobs
-from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.weight_push import WeightPusher
 
 pytestmark = pytest.mark.integration

@@ -20,6 +20,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_service.edge.app import RunningService, running_service
 from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings
 from tests.integration.test_shared_capacity import (
@@ -32,7 +33,6 @@ from tests.integration.test_shared_capacity import (
 from tests.integration.test_stream import take_groups
 from tests.integration.test_weight_sync import vllm_completion, vllm_gauge, vllm_matches
 from tests.support import wait_until
-from trainer_client.client import RolloutClient, dataset_run_spec
 
 pytestmark = pytest.mark.integration
 

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from rollout_api.client import dataset_run_spec
 from rollout_service.config import EngineSettings
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.vllm_client import VLLMServerClient
@@ -22,7 +23,6 @@ from tests.integration.conftest import service_settings, service_with_client
 from tests.integration.test_stream import take_groups
 from tests.integration.test_weight_sync import vllm_gauge
 from tests.support import wait_until
-from trainer_client.client import dataset_run_spec
 
 pytestmark = pytest.mark.integration
 PROMPT = [1, 89, 87, 266, 203, 59, 965, 73, 293, 908, 88, 2, 203, 1, 69, 391, 522, 340, 88, 203] * 2

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rollout_api.client import ClientSecurity, RolloutClient
 from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
 from tests.tls_certs import tls_security
-from trainer_client.client import ClientSecurity, RolloutClient
 
 pytestmark = pytest.mark.integration
 TRAINER_TOKEN = "trainer-token-0123456789"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient
 from rollout_service.edge.app import RunningService
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.test_weight_sync import vllm_gauge
 from tests.support import wait_until
-from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
 GROUPS, G, MAX_TOKENS = 2, 4, 900

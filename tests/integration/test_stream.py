@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import RolloutClient, dataset_run_spec
+from rollout_api.client import RolloutClient, dataset_run_spec
 
 pytestmark = pytest.mark.integration
 

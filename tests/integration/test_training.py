@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from rollout_api.client import RolloutClient
 from rollout_common.cpu_budget import CpuBudget
 from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import REUSE_URL, restore_base_weights, serving
 from tests.support import run_to_end, wait_until
 from trainer_client import precision
-from trainer_client.client import RolloutClient
 from trainer_client.step_timing import ON_STEP_PATH
 
 pytestmark = pytest.mark.integration

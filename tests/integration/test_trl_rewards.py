@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import dataset_run_spec
 from rollout_service.config import SchedulerSettings
 from rollout_service.generation.prompts import PromptRenderer, PromptSpec
 from rollout_service.metrics import ServiceMetrics
@@ -26,7 +27,6 @@ from tests.integration.reward_plugins import TRL_REWARDS
 from tests.integration.test_multiturn import ForcedEngine
 from tests.integration.test_stream import take_groups
 from tests.support import wait_until
-from trainer_client.client import dataset_run_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -10,13 +10,13 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
+from rollout_api.client import ClientSecurity, RolloutClient
 from rollout_service.config import SecuritySettings
 from rollout_service.edge.cli import app
 from rollout_service.edge.security import load_token_table
 from rollout_service.edge.server import start_grpc_server
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_security import run_spec, status_of
-from trainer_client.client import ClientSecurity, RolloutClient
 
 
 def write(directory: Path, *flags: str) -> str:

@@ -13,7 +13,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_service.config import WeightSyncSettings
 from rollout_service.edge.convert import run_spec_from_pb, run_spec_to_pb, run_to_pb, stats_to_pb
 from rollout_service.errors import FailedPrecondition, InvalidArgument
-from rollout_service.evaluation import EvalSpec
+from rollout_service.eval_tally import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import GRPC_CORE_WRITE_FAILED, unavailable
+from rollout_api.client import GRPC_CORE_WRITE_FAILED, unavailable
 from trainer_client.stream import ID_MEMORY, GroupFeed, RecentIds
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from rollout_api.client import RolloutClient
 from rollout_service.delivery.consumer import ConsumerSession
 from rollout_service.edge.server import start_grpc_server, status_code
 from rollout_service.errors import (
@@ -23,7 +24,6 @@ from rollout_service.errors import (
 )
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_service_limits import spec
-from trainer_client.client import RolloutClient
 
 
 class RunTooSmall(InvalidArgument):

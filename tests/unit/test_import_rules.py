@@ -34,6 +34,10 @@ def test_grpc_is_imported_by_the_edge_alone() -> None:
             "rollout_service.delivery.broker",
             "the engine imports nothing from scheduling",
         ),
+        ("rollout_service.scoring.score", "rollout_service.delivery.broker", "a stage imports earlier stages only"),
+        ("rollout_service.generation.scheduler", "rollout_service.weights.partitions", "only the edge and the service"),
+        ("rollout_service.weights.pool_membership", "rollout_service.delivery.state_store", "the weights import no"),
+        ("rollout_service.config", "rollout_service.engine.control", "config, types, errors and metrics import no"),
     ],
 )
 def test_each_rule_catches_its_break(module: str, imported: str, rule: str) -> None:
@@ -41,8 +45,25 @@ def test_each_rule_catches_its_break(module: str, imported: str, rule: str) -> N
     assert (found.module, found.imported) == (module, imported) and found.rule.startswith(rule)
 
 
+def test_an_import_cycle_is_named_once_whatever_its_length() -> None:
+    graph = {
+        "trainer_client.a": {"trainer_client.b", "torch"},
+        "trainer_client.b": {"trainer_client.c"},
+        "trainer_client.c": {"trainer_client.a"},
+        "trainer_client.d": {"trainer_client.a"},  # reaches the cycle, is not in it
+    }
+    (found,) = violations(graph)
+    cycle = "trainer_client.a -> trainer_client.b -> trainer_client.c -> trainer_client.a"
+    assert found.rule == f"no import cycles ({cycle})"
+    del graph["trainer_client.c"]
+    assert violations(graph) == []
+
+
 def test_allowed_imports_pass() -> None:
     graph = {
+        "rollout_service.edge.app": {"rollout_service.weights.partitions", "rollout_service.delivery.broker"},
+        "rollout_service.delivery.broker": {"rollout_service.scoring.score", "rollout_service.engine.pool"},
+        "rollout_service.weights.weight_sync": {"rollout_service.engine.control", "rollout_service.config"},
         "rollout_service.edge.server": {"grpc", "rollout_api.rollout_pb2_grpc"},
         "rollout_service.engine.managed": {"rollout_service.config", "rollout_common.cpu_budget"},
         "trainer_client.weights": {"vllm_gloo_transfer.packing"},

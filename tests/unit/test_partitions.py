@@ -13,7 +13,7 @@ from rollout_service.config import EngineSettings, WeightSyncSettings
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.errors import FailedPrecondition
-from rollout_service.evaluation import EvalSpec
+from rollout_service.eval_tally import EvalSpec
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.service import RolloutService
 from rollout_service.types import SamplingParams
@@ -175,7 +175,7 @@ async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_s
         adapter_run = await service.create_run(replace(run_spec(), serve_adapter=True))
         await partitions.settled()
         assert adapter_run.run_id not in partitions.partitions  # it shares every server
-        assert isinstance(service.scheduler._engine_for(adapter_run), AdapterRouting)
+        assert isinstance(service._engine_for(adapter_run), AdapterRouting)
         await service.delete_run(adapter_run.run_id)
 
         await service.delete_run(one.run_id)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient
 from rollout_service.config import SecuritySettings
 from rollout_service.edge.server import start_grpc_server
 from tests.unit.scripted import ScriptedEngine, make_service
 from trainer_client import prompt_feeder
-from trainer_client.client import RolloutClient
 
 PROMPTS = [pb.Prompt(token_ids=pb.TokenIds(ids=[i + 1]), metadata={"i": str(i)}) for i in range(3)]
 

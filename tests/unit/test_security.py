@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.testing import CliRunner, Result
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import ClientSecurity, RolloutClient, ServiceNotServing, wait_until_serving
 from rollout_service.config import SecuritySettings
 from rollout_service.edge.cli import app as cli_app
 from rollout_service.edge.dev_credentials import CertificateAuthority
@@ -24,7 +25,6 @@ from rollout_service.edge.server import set_serving, start_grpc_server
 from rollout_service.errors import StartupError
 from tests.tls_certs import LOCAL_HOSTS
 from tests.unit.scripted import ScriptedEngine, make_service
-from trainer_client.client import ClientSecurity, RolloutClient, ServiceNotServing, wait_until_serving
 
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789ab", "admin-token-0123456789"
 PRINCIPALS = {

@@ -14,7 +14,7 @@ import pytest
 from rollout_service.delivery import state_store
 from rollout_service.delivery.state_store import MemoryStore, SqliteStore, open_store
 from rollout_service.edge.group_wire import WireCodec
-from rollout_service.evaluation import EvalSpec
+from rollout_service.eval_tally import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from trainer_client.client import paced_lookahead
+from rollout_api.client import paced_lookahead
 from trainer_client.step_timing import (
     COMPUTE_CPU,
     PHASES,

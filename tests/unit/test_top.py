@@ -6,14 +6,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient
+from rollout_api.top import render, snapshot
 from rollout_service.config import SecuritySettings
 from rollout_service.edge.cli import app
 from rollout_service.edge.server import start_grpc_server
 from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_security import run_spec
-from trainer_client.client import RolloutClient
-from trainer_client.top import render, snapshot
 
 
 def text_of(renderable: object) -> str:

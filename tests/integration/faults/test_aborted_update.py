@@ -23,11 +23,11 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, dataset_run_spec, health_status
 from rollout_service.edge.app import RunningService
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings, service_with_client
 from tests.support import wait_until
-from trainer_client.client import RolloutClient, dataset_run_spec, health_status
 from trainer_client.weight_push import tensor_meta
 from trainer_client.weights import GlooWeightSender, free_port
 from vllm_gloo_transfer.groups import ARRIVED_KEY

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient
 from tests.support import wait_until
-from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_api.client import RolloutClient
 from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
@@ -29,7 +30,6 @@ from tests.integration.test_shared_capacity import (
     trainer_command,
 )
 from tests.support import wait_until
-from trainer_client.client import RolloutClient
 
 pytestmark = pytest.mark.integration
 

@@ -14,11 +14,11 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
+from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_service.engine.control import VLLMControlClient
 from tests.integration.conftest import restore_base_weights, service_settings, service_with_client
 from tests.integration.test_weight_sync import perturbed, vllm_matches, vllm_weight_label
 from tests.support import wait_until
-from trainer_client.client import RolloutClient, dataset_run_spec
 from trainer_client.weight_push import WeightPusher
 
 pytestmark = pytest.mark.integration

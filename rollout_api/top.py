@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.client import RolloutClient
+from rollout_api.client import RolloutClient
 
 RUN_COLUMNS = (
     "run",
