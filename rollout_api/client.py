@@ -317,8 +317,10 @@ class RolloutClient:
         tensors: list[pb.TensorMeta],
         pause_mode: pb.PauseMode.ValueType = pb.PAUSE_MODE_UNSPECIFIED,
         resend: bool = False,
+        join_group: bool = False,
     ) -> pb.BeginWeightUpdateResponse:
-        """``resend``: the current version's weights again; the commit keeps the version."""
+        """``resend``: the current version's weights again; the commit keeps the version;
+        ``join_group``: this trainer holds no transfer group (the servers join a fresh one)."""
         request = pb.BeginWeightUpdateRequest(
             run_id=run_id,
             trainer_address=trainer_address,
@@ -326,6 +328,7 @@ class RolloutClient:
             tensors=tensors,
             pause_mode=pause_mode,
             resend=resend,
+            join_group=join_group,
         )
         return await self.stub.BeginWeightUpdate(request, timeout=self.timeout_s, metadata=self._metadata)
 

@@ -212,42 +212,13 @@ class EngineSettings(Section):
     """A server with requests in flight that does not answer /health within this is treated
     as hung: its requests are abandoned (their groups dropped, their slots freed) and it gets
     no new ones until it answers again."""
-    routing: Literal["sticky", "least_loaded"] = "sticky"
-    """sticky: a group's requests, and each multi-turn episode's turns, stay on the server
-    they started on (its prefix cache holds their prompt and transcript) while its load is
-    within ``sticky_slack`` of the least loaded server's; then they move. least_loaded:
-    every request goes to the least loaded server."""
     sticky_slack: int = Field(default=2, ge=0)
-    """How many more sequences than the least loaded server a sticky server may hold and
-    still keep its groups and episodes."""
+    """A group's requests, and each multi-turn episode's turns, stay on the server they
+    started on (its prefix cache holds their prompt and transcript) while it holds at most
+    this many more sequences than the least loaded server; then they move."""
     metrics_interval_s: float = Field(default=2.0, ge=0)
     """How often each server's /metrics is read (KV-cache usage, queue, preemptions,
-    prefix-cache hits; exported per server as rollout_engine_*); 0: never. The adaptive
-    in-flight limit reads at its own ``poll_interval_s``."""
-
-
-class AdaptiveInflightSettings(Section):
-    """A limit of in-flight sequences per server that follows its KV-cache usage
-    (``engine.inflight_limit``). The service's slots are the sum of the servers' limits."""
-
-    enabled: bool = False
-    """Off: the fixed ``scheduler.max_inflight`` slots, spread least-loaded over the servers."""
-    target_kv_usage: float = Field(default=0.8, gt=0, lt=1)
-    """KV-cache usage to settle at: the limit grows below ``target - band`` and shrinks above
-    ``target + band`` and after any preemption."""
-    band: float = Field(default=0.1, ge=0, lt=0.5)
-    initial_per_server: int | None = Field(default=None, ge=1)
-    """Each server's first limit; None: ``max_inflight`` shared over the servers."""
-    min_per_server: int = Field(default=4, ge=1)
-    max_per_server: int = Field(default=256, ge=1)
-    poll_interval_s: float = Field(default=1.0, gt=0)
-    """How often each server's /metrics is read to adapt its limit."""
-
-    @model_validator(mode="after")
-    def _bounds_in_order(self) -> AdaptiveInflightSettings:
-        if self.min_per_server > self.max_per_server:
-            raise ValueError(f"min_per_server ({self.min_per_server}) is above max_per_server ({self.max_per_server})")
-        return self
+    prefix-cache hits; exported per server as rollout_engine_*); 0: never."""
 
 
 class SchedulerSettings(Section):
@@ -258,8 +229,6 @@ class SchedulerSettings(Section):
     per decode step hardly grows with the batch on small models, so more slots mean more
     tokens/s: 64 gave 1.16x the training steps/s of 32 (1.57 vs 1.35, 3 seeds each, tiny
     model) in benchmarks/bench_vs_trl.py."""
-    adaptive_inflight: AdaptiveInflightSettings = Field(default_factory=AdaptiveInflightSettings)
-    """Per-server limits from vLLM's KV-cache usage instead of the fixed ``max_inflight``."""
     default_max_buffered_groups: int = Field(default=64, ge=1)
     """Scored groups a run may hold for its consumers before it stops starting new groups."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
@@ -350,23 +319,6 @@ class WeightSyncSettings(Section):
     """Longest a weight update waits for evaluation runs holding the current policy version
     (``weights.version_holds``); then those evaluations stop with what they scored and the
     update goes on. Keep it below transfer_timeout_s, which bounds a commit's progress."""
-    prestart: bool = False
-    """Start the next update in vLLM (``/start_weight_update``) right after each commit, so a
-    push waits for one vLLM call before its broadcast is received instead of two. Only on
-    backends that touch the model at finish alone (gloo): there an open update changes
-    nothing until then. Each call crosses vLLM's API server and engine core between engine
-    steps, the slowest part of a push on a busy server.
-
-    Off by default: on the 2-core benchmark it cut a push's transfer from 26-28 ms to
-    14-17 ms, but steps/s were 1-7% lower with it in each of five alternated pairs of
-    sittings (s49, s50; median 5%), and the median time to target was the same (3.65 s
-    against 3.66). The push runs beside training, so its length matters less than steps/s."""
-    reset_prefix_cache: bool = False
-    """Also reset vLLM's prefix cache at each commit. Off: every request carries a prefix-cache
-    salt of its policy version, so no request reuses blocks of older weights anyway, and vLLM
-    refuses the reset while any request runs (with pause_mode none or keep it always does).
-    The call cost 4 ms of a 36 ms push of the tiny model (benchmarks/bench_weight_push.py).
-    On: the old blocks are freed at once when nothing runs (pause_mode abort or wait)."""
     partitions: bool = False
     """Split the servers among the full-weight runs, in proportion to their weight, each run
     pushing into and sampling from its own servers (``weights.partitions``): several

@@ -89,9 +89,6 @@ class ServiceMetrics:
         self.server_inflight = Gauge(
             "rollout_engine_inflight_requests", "Requests in flight per server", ["server"], registry=r
         )
-        self.server_inflight_limit = Gauge(
-            "rollout_engine_inflight_limit", "Adaptive in-flight limit per server (sequences)", ["server"], registry=r
-        )
         self.server_kv_cache_usage = Gauge(
             "rollout_engine_kv_cache_usage", "KV-cache usage vLLM reports (0..1)", ["server"], registry=r
         )
@@ -158,8 +155,7 @@ class ServiceMetrics:
         )
         self.weight_update_phase_seconds = Histogram(
             "rollout_weight_update_phase_seconds",
-            "Wall time of each weight-update phase over all servers "
-            "(join, pause, transfer, finish, reset_prefix_cache, resume)",
+            "Wall time of each weight-update phase over all servers (join, pause, transfer, finish, resume)",
             ["phase"],
             buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,

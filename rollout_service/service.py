@@ -236,15 +236,6 @@ class RolloutService:
         """Runs that sample the servers' base weights (not their own adapter)."""
         return [run for run in self.runs.values() if not run.spec.serve_adapter]
 
-    @property
-    def slot_ceiling(self) -> int:
-        """The most slots the service can have: ``max_inflight``, or with adaptive limits
-        their largest sum. A run's own ``max_inflight`` may not exceed it; 0 means it."""
-        adaptive = self.settings.adaptive_inflight
-        if not adaptive.enabled:
-            return self.settings.max_inflight
-        return max(self.settings.max_inflight, adaptive.max_per_server * len(self.info.engine_urls))
-
     async def create_run(self, spec: RunSpec, owner: str = "") -> Run:
         run = await self._new_run(spec, owner, Run.new_id())
         if spec.eval is None:  # an evaluation is pinned to a moment: it is not resumed after a restart
@@ -308,10 +299,10 @@ class RolloutService:
             )
         for name, _ in spec.rewards:
             self.rewards.get(name)  # raises InvalidArgument naming the registered functions
-        if spec.max_inflight > self.slot_ceiling:
+        if spec.max_inflight > self.settings.max_inflight:
             raise InvalidArgument(
                 f"max_inflight {spec.max_inflight} exceeds the service's slot limit "
-                f"{self.slot_ceiling}; use 0 for the service's limit"
+                f"{self.settings.max_inflight}; use 0 for the service's limit"
             )
         episode = self._episode_config(spec)
         tool_schemas = episode.tools.schemas() if episode is not None and episode.tools is not None else None
@@ -324,7 +315,7 @@ class RolloutService:
             spec=spec,
             source=source,
             broker=self._broker(run_id, spec, max_buffered),
-            max_inflight=spec.max_inflight or self.slot_ceiling,
+            max_inflight=spec.max_inflight or self.settings.max_inflight,
             advantages=AdvantageComputer(spec.scale_rewards),
             episode=episode,
             owner=owner,

@@ -84,8 +84,17 @@ class WeightPusher:
         the version stays."""
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
         with self.clock.measure("push_begin"):
+            # A trainer restarted on its fixed port has the last group's address and port,
+            # but no group: it says so, or the servers would not join it.
+            holds_group = self._sender is not None and self._sender.connected
             ticket = await self.client.begin_weight_update(
-                self.run_id, self.address, self.port, tensor_meta(tensors), self.pause_mode, resend=resend
+                self.run_id,
+                self.address,
+                self.port,
+                tensor_meta(tensors),
+                self.pause_mode,
+                resend=resend,
+                join_group=not holds_group,
             )
         # The commit is asked for now, not after the transfer: the service answers it once its
         # servers have received everything, and at once when it aborts the update, which is

@@ -146,15 +146,12 @@ async def running_service(
 
         metrics = ServiceMetrics()
         max_inflight = settings.scheduler.max_inflight
-        adaptive = settings.scheduler.adaptive_inflight
-        connections = max(max_inflight, adaptive.max_per_server if adaptive.enabled else 0)
-        clients = [VLLMServerClient(url, model, engine_settings, metrics, connections) for url in urls]
+        clients = [VLLMServerClient(url, model, engine_settings, metrics, max_inflight) for url in urls]
         monitor = _load_monitor(clients, metrics, settings)
         pool = EnginePool(
             clients,
             engine_settings.probe_interval_s,
             engine_settings.health_timeout_s,
-            routing=engine_settings.routing,
             sticky_slack=engine_settings.sticky_slack,
             monitor=monitor,
         )
@@ -191,16 +188,13 @@ async def running_service(
             logger.info(
                 "restored %d runs from %s (policy version %d)", restored, settings.state_store, service.policy_version
             )
-        if monitor is not None and monitor.capacity is not None:  # adaptive: slots follow the limits
-            monitor.on_capacity = service.scheduler.resize
-            service.scheduler.resize(monitor.capacity)
         watchdog = asyncio.create_task(service.watch_runs(), name="run-watchdog")
         stack.push_async_callback(_cancelled, watchdog)
         service.membership = PoolMembership(
             service,
             pool,
             recovery,
-            lambda url: VLLMServerClient(url, model, engine_settings, metrics, connections),
+            lambda url: VLLMServerClient(url, model, engine_settings, metrics, max_inflight),
             engine_settings.connect_timeout_s,
             model=model,
             engine_urls=service.info.engine_urls,
@@ -257,11 +251,7 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 def _load_monitor(
     clients: list[VLLMServerClient], metrics: ServiceMetrics, settings: ServiceSettings
 ) -> LoadMonitor | None:
-    """Reads the servers' /metrics: at the adaptive limit's period when it is on, else at
-    ``engine.metrics_interval_s`` (None when that is 0)."""
-    adaptive = settings.scheduler.adaptive_inflight
-    if adaptive.enabled:
-        return LoadMonitor(clients, metrics, adaptive.poll_interval_s, adaptive, settings.scheduler.max_inflight)
+    """Reads the servers' /metrics every ``engine.metrics_interval_s`` (None when that is 0)."""
     if settings.engine.metrics_interval_s > 0:
         return LoadMonitor(clients, metrics, settings.engine.metrics_interval_s)
     return None

@@ -130,10 +130,6 @@ def serve(
         ),
     ] = None,
     max_inflight: Annotated[int | None, typer.Option(help="Slots: episodes generating at once")] = None,
-    adaptive_inflight: Annotated[
-        bool | None,
-        typer.Option(help="Per-server in-flight limits from vLLM's KV-cache usage (max-inflight is the start)"),
-    ] = None,
     reward_module: Annotated[
         list[str] | None,
         typer.Option(help="Python module with a REWARD_FUNCTIONS dict, or module:function for one reward (repeatable)"),
@@ -173,8 +169,6 @@ def serve(
         if max_inflight < 1:
             _fail(f"--max-inflight is {max_inflight}; it must be >= 1")
         settings.scheduler.max_inflight = max_inflight
-    if adaptive_inflight is not None:
-        settings.scheduler.adaptive_inflight.enabled = adaptive_inflight
     # Added to the modules of the settings (YAML, environment), not in place of them, and
     # importable from the working directory as with `python -m` (a console script's path
     # starts at its bin/ folder).

@@ -348,7 +348,6 @@ def update_times_to_pb(times: UpdateTimes) -> pb.WeightUpdateTimes:
         pause_seconds=phase("pause", 0.0),
         transfer_seconds=phase("transfer", 0.0),
         finish_seconds=phase("finish", 0.0),
-        reset_prefix_cache_seconds=phase("reset_prefix_cache", 0.0),
         resume_seconds=phase("resume", 0.0),
         paused_seconds=times.paused_seconds,
         eval_hold_seconds=phase("eval_hold", 0.0),

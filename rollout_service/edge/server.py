@@ -308,6 +308,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             tensors_from_pb(request.tensors),
             mode,
             resend=request.resend,
+            join=request.join_group,
         )
         return pb.BeginWeightUpdateResponse(
             update_id=ticket.update_id,

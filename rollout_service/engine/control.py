@@ -34,7 +34,6 @@ class WeightControl(Protocol):
     async def finish_weight_update(self, version: str | None, timeout_s: float) -> None: ...
     async def set_weight_version(self, version: str, timeout_s: float) -> None: ...
     async def weight_version(self, timeout_s: float) -> str: ...
-    async def reset_prefix_cache(self, timeout_s: float) -> None: ...
     async def shutdown_weight_transfer(self, timeout_s: float) -> None: ...
 
 
@@ -130,9 +129,6 @@ class VLLMControlClient:
     async def weight_version(self, timeout_s: float) -> str:
         """The label of the weights vLLM serves (``/weight_info``); a fresh server says "default"."""
         return str((await self._call("GET", "/weight_info", timeout_s)).get("weight_version"))
-
-    async def reset_prefix_cache(self, timeout_s: float) -> None:
-        await self._call("POST", "/reset_prefix_cache", timeout_s)
 
     async def shutdown_weight_transfer(self, timeout_s: float) -> None:
         """Drop the workers' side of the transfer group (inference goes on); vLLM refuses it

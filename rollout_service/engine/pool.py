@@ -5,14 +5,13 @@ group's id and the member's index). A key sticks to the server it was first sent
 prefix cache holds the prompt, and an episode's transcript so far) while that server holds
 at most ``sticky_slack`` more sequences than the least loaded one; otherwise it moves to the
 least loaded and sticks there. An episode's first turn follows its group's server. Keys are
-forgotten when their episode or group ends. With per-server in-flight limits (adaptive), a
-server at its limit is passed over while another has room, and load compares as the
-fraction of the limit in use. ``routing="least_loaded"`` ignores the keys. Servers whose
-last request failed are tried only when no healthy one is left, and are probed (/health)
-every ``probe_interval_s``: one that answers again takes traffic again. Servers with requests
-in flight are probed too: one that does not answer within ``health_timeout_s`` is hung (a
-stopped process, a network path that keeps connections open and moves nothing); its
-requests are abandoned at once instead of at their deadline, and it counts as failed.
+forgotten when their episode or group ends. A request without a key goes to the least
+loaded. Servers whose last request failed are tried only when no healthy one is left, and
+are probed (/health) every ``probe_interval_s``: one that answers again takes traffic again.
+Servers with requests in flight are probed too: one that does not answer within
+``health_timeout_s`` is hung (a stopped process, a network path that keeps connections open
+and moves nothing); its requests are abandoned at once instead of at their deadline, and it
+counts as failed.
 ``on_usable`` is told when the pool goes from having a working server to none, and back
 (the service's gRPC health follows it).
 
@@ -51,7 +50,6 @@ class EnginePool:
         probe_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
         *,
-        routing: str = "sticky",
         sticky_slack: int = 2,
         monitor: LoadMonitor | None = None,
     ) -> None:
@@ -60,10 +58,9 @@ class EnginePool:
         self.clients = list(clients)
         self.probe_interval_s = probe_interval_s
         self.health_timeout_s = health_timeout_s
-        self.sticky = routing == "sticky"
         self.sticky_slack = sticky_slack
         self.monitor = monitor
-        """Reads the servers' /metrics (and adapts their limits); None: never."""
+        """Reads the servers' /metrics; None: never."""
         self._monitor_task: asyncio.Task[None] | None = None
         self.on_usable: Callable[[bool], None] = lambda usable: None
         self.usable = True
@@ -211,22 +208,18 @@ class EnginePool:
                 return free
             await self._changed.wait()
 
-    def pick(
-        self, affinity: str | None = None, servers: list[VLLMServerClient] | None = None, sequences: int = 1
-    ) -> VLLMServerClient:
-        """The server for a request of ``sequences`` sequences; ``servers``: the candidates
-        (default: every server)."""
+    def pick(self, affinity: str | None = None, servers: list[VLLMServerClient] | None = None) -> VLLMServerClient:
+        """The server for a request; ``servers``: the candidates (default: every server)."""
         servers = servers if servers is not None else self.clients
         healthy = [c for c in servers if c.consecutive_failures == 0] or servers
-        roomy = [c for c in healthy if c.has_room(sequences)] or healthy
-        least = min(roomy, key=lambda c: (_load(c), self._last_pick.get(c.base_url, -1)))
-        if not (self.sticky and affinity):
+        least = min(healthy, key=lambda c: (c.inflight, self._last_pick.get(c.base_url, -1)))
+        if not affinity:
             return self._picked(least)
         preferred = self._affinity.get(affinity)
         group, is_episode, _ = affinity.rpartition(EPISODE_SEPARATOR)
         if preferred is None and is_episode:
             preferred = self._affinity.get(group)
-        keeps = preferred in roomy and preferred.inflight <= least.inflight + self.sticky_slack
+        keeps = preferred in healthy and preferred.inflight <= least.inflight + self.sticky_slack
         chosen = preferred if keeps and preferred is not None else least
         self._affinity[affinity] = chosen
         if is_episode:
@@ -258,7 +251,7 @@ class EnginePool:
     ) -> list[Completion]:
         """``allowed``: the servers this request may go to (a run's partition); default all."""
         while True:
-            client = self.pick(affinity, await self.routable(allowed), n)
+            client = self.pick(affinity, await self.routable(allowed))
             try:
                 completions = await client.generate_many(prompt_ids, params, n)
                 if not self.usable:  # an answer proves a server generates: health need not wait for a probe
@@ -271,8 +264,3 @@ class EnginePool:
                 logger.info(
                     "%s left the pool mid-request (%s); sending the request to another server", client.base_url, exc
                 )
-
-
-def _load(client: VLLMServerClient) -> float:
-    """What least-loaded compares: sequences in flight, or the fraction of its limit in use."""
-    return client.inflight if client.limit is None else client.inflight / client.limit

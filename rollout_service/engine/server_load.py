@@ -1,8 +1,8 @@
 """What a vLLM server reports about its own load on ``/metrics``, read cheaply.
 
-The routing and the adaptive in-flight limit need five of vLLM's series, not the few
-hundred lines of histograms around them, so the text is scanned line by line for those
-names only (summed over label sets: one series per engine and model). A full Prometheus
+The service's per-server gauges (``load_monitor``) need a handful of vLLM's series, not
+the few hundred lines of histograms around them, so the text is scanned line by line for
+those names only (summed over label sets: one series per engine and model). A full Prometheus
 parse of a busy server's page is the slower way to get the same numbers.
 """
 

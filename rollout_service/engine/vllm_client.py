@@ -158,10 +158,6 @@ class VLLMServerClient:
         self.metrics = metrics
         self.inflight = 0
         """Sequences this service has running on the server."""
-        self.peak_inflight = 0
-        """The most sequences in flight since the load monitor last read (and reset) it."""
-        self.limit: int | None = None
-        """Its adaptive in-flight limit (``load_monitor``); None: only the service's slots bound it."""
         self.consecutive_failures = 0
         self.token_endpoint = settings.token_endpoint
         """Whether to use ``GENERATE_PATH``; False once the server answered it 403 or 404."""
@@ -216,16 +212,11 @@ class VLLMServerClient:
         except (aiohttp.ClientError, TimeoutError):
             return None
 
-    def has_room(self, sequences: int) -> bool:
-        """Whether ``sequences`` more fit under its limit (always, without one)."""
-        return self.limit is None or self.inflight + sequences <= self.limit
-
     async def generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
         """``n`` samples of one prompt in one request (vLLM's ``n``); ``inflight`` counts
         sequences, which is what loads a server."""
         self.inflight += n
         self._idle.clear()
-        self.peak_inflight = max(self.peak_inflight, self.inflight)
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
         start = time.perf_counter()
         try:

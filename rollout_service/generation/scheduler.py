@@ -95,8 +95,6 @@ class Scheduler:
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
         """Per run, its groups whose members are generating."""
-        self._group_request_runs: dict[str, Run] = {}
-        """Runs whose groups started as one request each: the slots never shrink below their G."""
         self._fed: set[str] = set()
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self.evaluations: Evaluations | None = None
@@ -105,8 +103,6 @@ class Scheduler:
 
     # -- lifecycle -----------------------------------------------------------------------
     def start_run(self, run: Run) -> None:
-        if self._samples_group_at_once(run):
-            self._group_request_runs[run.run_id] = run
         self._tasks[run.run_id] = set()
         self._inflight[run.run_id] = {}
         run.admission.on_change(lambda: self._abort_stale(run))
@@ -127,7 +123,6 @@ class Scheduler:
         await run.broker.close()
         self._slots.forget(run.run_id)
         self._inflight.pop(run.run_id, None)
-        self._group_request_runs.pop(run.run_id, None)
         self._fed.discard(run.run_id)
 
     def stop_generation(self, run: Run) -> None:
@@ -159,15 +154,6 @@ class Scheduler:
     def slots(self) -> WeightedSlots:
         """The shared slots, read for their time accounting (busy and free slot-seconds)."""
         return self._slots
-
-    def resize(self, total: int) -> None:
-        """Follow the servers' summed in-flight limits (``engine.load_monitor``), but never
-        below the largest group a running run samples in one request: one that started
-        taking its G slots must be able to finish taking them."""
-        total = max([total, *(run.spec.group_size for run in self._group_request_runs.values())])
-        self.max_inflight = total
-        self._slots.resize(total)
-        self.metrics.slots_total.set(total)
 
     async def _acquire_slots(self, run: Run, count: int = 1) -> None:
         """``count`` slots at once (a group request's G): the run's own limit first (only its

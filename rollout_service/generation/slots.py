@@ -106,17 +106,6 @@ class WeightedSlots:
             self._handout_scheduled = True
             asyncio.get_running_loop().call_soon(self._hand_out)
 
-    def resize(self, total: int) -> None:
-        """Change the slot count (adaptive in-flight limits). Fewer than are busy: no slot is
-        handed out until enough are released; more: waiters get the new ones at once."""
-        if total < 1:
-            raise ValueError(f"total slots must be >= 1, got {total}")
-        self._integrate()
-        self.total = total
-        if self.busy < total and self._anyone_waiting() and not self._handout_scheduled:
-            self._handout_scheduled = True
-            asyncio.get_running_loop().call_soon(self._hand_out)
-
     def busy_of(self, key: str) -> int:
         holder = self._holders.get(key)
         return holder.busy if holder is not None else 0

@@ -14,7 +14,7 @@ from typing import Any
 from rollout_service.errors import InvalidArgument, echo
 
 TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
-PHASES = ("eval_hold", "join", "pause", "transfer", "finish", "reset_prefix_cache", "resume")
+PHASES = ("eval_hold", "join", "pause", "transfer", "finish", "resume")
 """Phases of an update in order; ``transfer`` is /start_weight_update and /update_weights,
 which returns once the trainer's broadcast has arrived. ``eval_hold`` is the wait for
 evaluation runs holding the current version (at begin, or before finish with pause_mode none)."""

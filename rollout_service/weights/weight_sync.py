@@ -10,8 +10,8 @@ One update at a time, in two RPCs from the trainer:
   rank 0 and broadcasts only after begin returns).
 - ``commit``: waits for the pipeline, then finish_weight_update (vLLM applies the weights),
   bumps the policy version and resumes generation. Cached KV of the old weights is not
-  reused because every request is salted with its policy version; the prefix-cache reset
-  is a setting (``WeightSyncSettings.reset_prefix_cache``). vLLM's own label of the weights
+  reused because every request is salted with its policy version (no prefix-cache reset,
+  which vLLM refuses while requests run). vLLM's own label of the weights
   (``/weight_info``) is set after the commit, off the path that admission waits on.
 
 A resend (the current version's weights again, for a restarted server that asked for them)
@@ -179,9 +179,6 @@ class WeightSyncCoordinator:
         # a join its predecessor made through the same long-lived store (a reconnecting trainer).
         self._epoch = time.time_ns() // 1_000_000 % 2**31
         self._world_sizes: list[int] | None = None
-        self._prestarting: asyncio.Task[set[str]] | None = None
-        """Started after a commit (``WeightSyncSettings.prestart``): the servers, by URL, where
-        it opened the next update."""
         self._lock = asyncio.Lock()
         self._labelling: asyncio.Task[None] | None = None
         """The last commit's ``_label``: the next one waits for it, so labels land in order."""
@@ -201,8 +198,10 @@ class WeightSyncCoordinator:
         tensors: list[TensorSpec],
         mode: PauseModeName,
         resend: bool = False,
+        join: bool = False,
     ) -> UpdateTicket:
-        """Start an update; ``resend``: the trainer sends the current version's weights again."""
+        """Start an update; ``resend``: the trainer sends the current version's weights again;
+        ``join``: the trainer holds no group, whatever its address and port."""
         validate_begin(trainer_address, trainer_port, tensors)
         if mode == "none" and self.settings.backend not in APPLIES_AT_FINISH:
             raise FailedPrecondition(no_pause_refused(self.settings.backend))
@@ -221,7 +220,7 @@ class WeightSyncCoordinator:
             except BaseException:
                 self.pausing_update_pending = False
                 raise
-            join = self._group != (trainer_address, trainer_port)
+            join = join or self._group != (trainer_address, trainer_port)
             update = _Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, self._clock(), resend=resend)
             if held_s:
                 update.phases["eval_hold"] = held_s
@@ -326,11 +325,7 @@ class WeightSyncCoordinator:
     async def _transfer(
         self, update: _Update, update_info: dict[str, Any], control_s: float, transfer_s: float, join: bool
     ) -> None:
-        prestarted = await self._take_prestarted()
-        # Joins trust it too (a trainer's new port changes nothing in the servers): a
-        # restarted server drops the record (``server_restarted``), an added one is not in it.
-        starting = [server for server in self.servers if server.base_url not in prestarted]
-        await asyncio.gather(*(self._start(server, control_s, join) for server in starting))
+        await asyncio.gather(*(self._start(server, control_s, join) for server in self.servers))
         await asyncio.gather(
             *(
                 self._in_vllm(update, server, "receive", server.update_weights(update_info, transfer_s))
@@ -363,41 +358,6 @@ class WeightSyncCoordinator:
             except WeightSyncError as exc:
                 logger.info("could not label %s's weights as version %d: %s", server.base_url, version, exc)
 
-    def _prestart_next(self) -> None:
-        """After a commit: open the next update on every server now, off the next push's path."""
-        if self.settings.prestart and self.settings.backend in APPLIES_AT_FINISH:
-            self._prestarting = self._spawn(self._prestart(list(self.servers)))
-
-    async def _prestart(self, servers: list[WeightControl]) -> set[str]:
-        async def one(server: WeightControl) -> str | None:
-            try:
-                await server.start_weight_update(self.settings.control_timeout_s)
-            except WeightSyncError as exc:  # the next update starts it as usual
-                logger.info("could not open the next weight update on %s ahead: %s", server.base_url, exc)
-                return None
-            return server.base_url
-
-        return {url for url in await asyncio.gather(*(one(server) for server in servers)) if url is not None}
-
-    async def _close_prestarted(self) -> None:
-        """At shutdown: finish the update opened ahead (it applies nothing), so the servers
-        are left as they were found, for the next service or any other client."""
-        timeout = self.settings.control_timeout_s
-        try:
-            opened = await asyncio.wait_for(self._take_prestarted(), timeout)
-        except TimeoutError:
-            return
-        for server in self.servers:
-            if server.base_url in opened:
-                try:
-                    await server.finish_weight_update(str(self.version), timeout)
-                except WeightSyncError as exc:
-                    logger.info("could not close the update opened ahead on %s: %s", server.base_url, exc)
-
-    async def _take_prestarted(self) -> set[str]:
-        task, self._prestarting = self._prestarting, None
-        return set() if task is None else await task
-
     async def _start(self, server: WeightControl, control_s: float, join: bool) -> None:
         """``/start_weight_update``. A service that died between a transfer and its commit
         leaves vLLM in the middle of that update ("already active"); a new service's first
@@ -408,8 +368,8 @@ class WeightSyncCoordinator:
         except WeightSyncError as exc:
             if not join or "already active" not in str(exc):
                 raise
-            # Opened ahead by this service (prestart) or left by a dead one; the join dropped
-            # whatever it had received, so finishing it applies nothing.
+            # Left by a dead service; the join dropped whatever it had received, so finishing
+            # it applies nothing.
             logger.info("%s has a weight update open; closing it before this one", server.base_url)
             await server.finish_weight_update(str(self.version), control_s)
             await server.start_weight_update(control_s)
@@ -478,10 +438,6 @@ class WeightSyncCoordinator:
                 # engine step or more during which the version, and with it staleness
                 # admission, would wait. ``_label`` sets it after.
                 await self._phase(update, "finish", *(s.finish_weight_update(None, control_s) for s in self.servers))
-                if self.settings.reset_prefix_cache:
-                    await self._phase(
-                        update, "reset_prefix_cache", *(s.reset_prefix_cache(control_s) for s in self.servers)
-                    )
             except WeightSyncError as exc:
                 # Some servers may have applied the weights: the group and the versions are
                 # no longer trustworthy, so the next update re-joins and re-sends everything.
@@ -493,7 +449,6 @@ class WeightSyncCoordinator:
             await self._resume(update)
             self._set_current(None)
             self._labelling = self._spawn(self._label(new_version, self._labelling))
-            self._prestart_next()
             if update.resend:
                 self.updates_resent += 1
             else:
@@ -559,10 +514,8 @@ class WeightSyncCoordinator:
 
     def server_restarted(self) -> None:
         """A server came back as a new process, outside the transfer group: the next update
-        joins a fresh group (an update in flight fails on the old process and aborts), and
-        starts its update: the new process has none opened ahead."""
+        joins a fresh group (an update in flight fails on the old process and aborts)."""
         self._group = None
-        self._prestarting = None
 
     async def abort(self, update_id: str, reason: str) -> int:
         update = self._get(update_id)
@@ -791,7 +744,6 @@ class WeightSyncCoordinator:
     async def close(self) -> None:
         if self._current is not None:
             await self._abort(self._current, "service shutting down")
-        await self._close_prestarted()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

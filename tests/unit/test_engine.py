@@ -262,24 +262,11 @@ def test_episodes_start_on_their_groups_server_stay_on_their_own_and_let_go_when
     assert pool._affinity.keys() == {episode_affinity("g", 0), episode_affinity("g", 1), episode_affinity("g", 2)}
 
 
-def test_least_loaded_routing_ignores_affinity() -> None:
+def test_a_request_without_a_key_goes_to_the_least_loaded_and_sticks_nowhere() -> None:
     pool = pool_of([0, 0])
-    pool.sticky = False
-    first = pool.pick("g")
+    first = pool.pick(None)
     first.inflight += 1
-    assert pool.pick("g") is not first and not pool._affinity
-
-
-def test_servers_at_their_limit_are_passed_over_and_load_compares_as_a_fraction_of_it() -> None:
-    pool = pool_of([6, 2])
-    big, small = pool.clients
-    big.limit, small.limit = 16, 4
-    assert pool.pick() is big  # 6/16 of its limit in use, against 2/4
-    assert pool.pick(sequences=3) is big
-    big.inflight = 15
-    assert pool.pick(sequences=2) is small  # 17 would be over the big one's limit
-    small.inflight = 4
-    assert pool.pick(sequences=2) is big  # none has room: the least loaded, over its limit
+    assert pool.pick(None) is not first and not pool._affinity
 
 
 def test_failing_servers_are_used_only_when_nothing_else_is_left() -> None:

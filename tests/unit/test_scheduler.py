@@ -436,17 +436,3 @@ async def test_a_group_larger_than_the_runs_slots_goes_one_member_at_a_time_inst
         assert engine.group_calls == 0 and engine.max_active <= 4
     finally:
         await service.delete_run(run.run_id)
-
-
-async def test_adaptive_slots_never_shrink_below_a_group_requested_at_once() -> None:
-    engine = ScriptedGroupEngine()
-    service = make_service(engine, max_inflight=16)
-    run = await service.create_run(spec([[1, 2]], group_size=8))
-    try:
-        service.scheduler.resize(4)  # the servers' limits fell below G
-        assert service.scheduler.max_inflight == 8
-        await wait_until(lambda: run.counters.groups_scored >= 2, 5, "groups to be scored")
-    finally:
-        await service.delete_run(run.run_id)
-    service.scheduler.resize(4)  # the run is gone: the limits rule again
-    assert service.scheduler.max_inflight == 4

@@ -173,26 +173,3 @@ async def test_runs_that_take_two_slots_at_a_time_still_share_by_weight() -> Non
         task.cancel()
     await asyncio.gather(*feeders, return_exceptions=True)
     assert heavy / (heavy + light) == pytest.approx(0.75, abs=0.04)
-
-
-async def test_resized_slots_hand_out_new_ones_at_once_and_take_away_only_as_they_free() -> None:
-    slots = WeightedSlots(2)
-    await slots.acquire("a")
-    await slots.acquire("a")
-    waiter = asyncio.ensure_future(slots.acquire("a"))
-    await asyncio.sleep(0)
-    assert not waiter.done()
-    slots.resize(3)
-    await asyncio.wait_for(waiter, 1)
-    assert slots.busy == 3
-    slots.resize(1)  # below what is busy: nothing is taken back ...
-    blocked = asyncio.ensure_future(slots.acquire("a"))
-    slots.release("a")
-    slots.release("a")
-    await asyncio.sleep(0)
-    assert not blocked.done() and slots.busy == 1  # ... but nothing is handed out over it
-    slots.release("a")
-    await asyncio.wait_for(blocked, 1)
-    assert slots.busy == 1
-    with pytest.raises(ValueError, match=">= 1"):
-        slots.resize(0)

@@ -80,10 +80,12 @@ class ScriptedControl:
         self.backend = backend
         self.refusal = refusal
         self.begin_ports: list[int] = []
+        self.join_asked: list[bool] = []
         self.aborted: list[str] = []
 
-    async def begin_weight_update(self, run_id, address, port, tensors, pause_mode, resend=False):  # type: ignore[no-untyped-def]
+    async def begin_weight_update(self, run_id, address, port, tensors, pause_mode, resend=False, join_group=False):  # type: ignore[no-untyped-def]
         self.begin_ports.append(port)
+        self.join_asked.append(join_group)
         return SimpleNamespace(
             update_id=f"u{len(self.begin_ports)}",
             join_group=True,
@@ -111,6 +113,7 @@ async def test_a_failed_nccl_join_is_aborted_and_the_next_join_uses_a_fresh_port
             await asyncio.wait_for(pusher.push(weights), 10)
     assert len(control.aborted) == 2 and "RuntimeError" in control.aborted[0]
     assert control.begin_ports[0] != control.begin_ports[1]
+    assert control.join_asked == [True, True]  # a pusher without a group says so, whatever its port
     pusher.close()
 
 

@@ -22,7 +22,6 @@ STEP_SECONDS = {
     "start_weight_update": 3.0,
     "update_weights": 4.0,
     "finish_weight_update": 5.0,
-    "reset_prefix_cache": 6.0,
     "resume": 7.0,
     "shutdown_weight_transfer": 0.0,
 }
@@ -91,9 +90,6 @@ class ScriptedControl:
     async def set_weight_version(self, version: str, timeout_s: float) -> None:
         self.labels.append(version)  # off the update's path: no clock, no step
 
-    async def reset_prefix_cache(self, timeout_s: float) -> None:
-        await self._step("reset_prefix_cache")
-
     async def shutdown_weight_transfer(self, timeout_s: float) -> None:
         await self._step("shutdown_weight_transfer")
 
@@ -109,24 +105,20 @@ class ScriptedControl:
         return self.paused
 
 
-def coordinator(
-    server: ScriptedControl, clock: Clock, metrics: ServiceMetrics, reset_prefix_cache: bool = False
-) -> WeightSyncCoordinator:
-    settings = WeightSyncSettings(
-        transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001, reset_prefix_cache=reset_prefix_cache
-    )
+def coordinator(server: ScriptedControl, clock: Clock, metrics: ServiceMetrics) -> WeightSyncCoordinator:
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001)
     return WeightSyncCoordinator([server], settings, lambda _: None, metrics=metrics, clock=clock)
 
 
 async def test_a_committed_update_records_its_phases_and_paused_seconds() -> None:
     clock, metrics = Clock(), ServiceMetrics()
     server = ScriptedControl(clock)
-    sync = coordinator(server, clock, metrics, reset_prefix_cache=True)
+    sync = coordinator(server, clock, metrics)
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(server.received.wait(), 5)
         assert sync.paused_seconds() == pytest.approx(2 + 3 + 4)  # in progress: counted up to now
-        assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(28))
+        assert await asyncio.wait_for(sync.commit(ticket.update_id), 5) == (1, pytest.approx(22))
     finally:
         await sync.close()
     times = sync.last_update
@@ -136,18 +128,17 @@ async def test_a_committed_update_records_its_phases_and_paused_seconds() -> Non
         "pause": 2.0,
         "transfer": 7.0,
         "finish": 5.0,
-        "reset_prefix_cache": 6.0,
         "resume": 7.0,
     }
-    assert times.paused_seconds == pytest.approx(2 + 7 + 5 + 6 + 7)  # from the pause call to the resumed
+    assert times.paused_seconds == pytest.approx(2 + 7 + 5 + 7)  # from the pause call to the resumed
     assert sync.paused_seconds() == pytest.approx(times.paused_seconds)
     sample = metrics.registry.get_sample_value
-    assert sample("rollout_weight_update_paused_seconds_total") == pytest.approx(27)
+    assert sample("rollout_weight_update_paused_seconds_total") == pytest.approx(21)
     assert sample("rollout_weight_updates_total", {"outcome": "committed"}) == 1
     assert sample("rollout_weight_update_phase_seconds_sum", {"phase": "transfer"}) == 7.0
     assert sample("rollout_weight_update_phase_seconds_count", {"phase": "resume"}) == 1
     pb = update_times_to_pb(times)
-    assert (pb.join_seconds, pb.transfer_seconds, pb.resume_seconds, pb.paused_seconds) == (1, 7, 7, 27)
+    assert (pb.join_seconds, pb.transfer_seconds, pb.resume_seconds, pb.paused_seconds) == (1, 7, 7, 21)
 
 
 async def test_the_paused_window_spans_a_pause_whose_call_runs_late(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,8 +178,8 @@ async def test_an_update_without_pause_never_pauses_or_resumes_the_server() -> N
         await wait_until(lambda: server.labels == ["1"], 5, lambda: f"labels {server.labels}")
     finally:
         await sync.close()
-    # No prefix-cache reset by default: requests are salted by version, and vLLM refuses it
-    # while requests run. Nothing is opened ahead by default (prestart).
+    # No prefix-cache reset: requests are salted by version, and vLLM refuses it while
+    # requests run.
     assert server.calls == ["init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update"]
     times = sync.last_update
     assert times is not None and times.committed and "pause" not in times.phases
@@ -226,59 +217,11 @@ async def test_a_resend_applies_the_weights_and_keeps_the_version() -> None:
     assert sample("rollout_weight_updates_total", {"outcome": "committed"}) == 1
 
 
-@pytest.mark.parametrize(
-    ("settings", "opened_ahead"),
-    [
-        (WeightSyncSettings(prestart=True), True),
-        (WeightSyncSettings(), False),
-        (WeightSyncSettings(backend="nccl", prestart=True), False),  # its start moves the model away: never ahead
-    ],
-    ids=["gloo", "default-off", "nccl"],
-)
-async def test_a_commit_opens_the_next_update_so_the_next_push_skips_its_start(
-    settings: WeightSyncSettings, opened_ahead: bool
-) -> None:
+async def test_a_join_closes_an_update_a_dead_service_left_open() -> None:
+    """After a server restart the next update is a join; a server that still has an update
+    open (a service died between its transfer and its commit) has it closed first."""
     server = ScriptedControl(Clock())
-    sync = WeightSyncCoordinator([server], settings, lambda _: None)
-    mode = "none" if settings.backend == "gloo" else "keep"
-    try:
-        for expected_version in (1, 2):
-            ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, mode)
-            assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected_version
-        await asyncio.wait_for(sync._take_prestarted(), 5)  # the last commit's, for a stable record
-    finally:
-        await sync.close()
-    updates = [call for call in server.calls if call not in ("pause", "resume")]
-    # opened ahead: each commit opens the next update, so the second update's start is the
-    # first commit's, and the second commit's shows at the end
-    assert updates == [
-        "init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
-        "start_weight_update", "update_weights", "finish_weight_update",
-        *(["start_weight_update"] if opened_ahead else []),
-    ]  # fmt: skip
-
-
-async def test_a_trainer_that_joins_again_uses_the_update_opened_ahead() -> None:
-    """A new trainer port makes the next update a join; the servers are the same, so the
-    update opened ahead holds: no start (one vLLM call less on the join's path)."""
-    server = ScriptedControl(Clock())
-    sync = WeightSyncCoordinator([server], WeightSyncSettings(prestart=True), lambda _: None)
-    try:
-        for port, expected_version in ((listening_port(), 1), (listening_port("another trainer"), 2)):
-            ticket = await sync.begin("run", "127.0.0.1", port, TENSORS, "none")
-            assert ticket.join_group
-            assert (await asyncio.wait_for(sync.commit(ticket.update_id), 5))[0] == expected_version
-    finally:
-        await sync.close()
-    opened_ahead_then_joined = ["start_weight_update", "init_weight_transfer", "update_weights", "finish_weight_update"]
-    assert server.calls[4:8] == opened_ahead_then_joined
-
-
-async def test_after_a_server_restart_the_update_opened_ahead_is_not_trusted() -> None:
-    """The restarted server is a fresh process without the open update: the next update (a
-    join) starts every server, closing first an update still open."""
-    server = ScriptedControl(Clock())
-    sync = WeightSyncCoordinator([server], WeightSyncSettings(prestart=True), lambda _: None)
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         await asyncio.wait_for(sync.commit(ticket.update_id), 5)
@@ -293,7 +236,7 @@ async def test_after_a_server_restart_the_update_opened_ahead_is_not_trusted() -
         await sync.close()
     assert server.calls[:6] == [
         "init_weight_transfer",
-        "start_weight_update",  # already active: the one opened ahead
+        "start_weight_update",  # already active: the dead service's
         "finish_weight_update",
         "start_weight_update",
         "update_weights",
@@ -594,3 +537,22 @@ async def test_an_answered_failure_leaves_no_server_busy() -> None:
         assert not stuck
     finally:
         await sync.close()
+
+
+async def test_a_trainer_without_a_group_is_joined_at_the_last_groups_address_and_port() -> None:
+    """A trainer restarted on its fixed ``--vllm_group_port`` comes back at the same address
+    and port as the group the servers hold, but without that group: it says so, and the
+    servers join a fresh one; a trainer that holds its group is not joined again."""
+    server = ScriptedControl(Clock())
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
+    port = listening_port()
+    joins = []
+    try:
+        for join in (False, False, True):
+            ticket = await sync.begin("run", "127.0.0.1", port, TENSORS, "none", join=join)
+            joins.append(ticket.join_group)
+            await asyncio.wait_for(sync.commit(ticket.update_id), 5)
+    finally:
+        await sync.close()
+    assert joins == [True, False, True]
+    assert server.calls.count("init_weight_transfer") == 2
