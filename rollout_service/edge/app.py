@@ -176,13 +176,7 @@ async def running_service(
             store=store,
         )
         stack.push_async_callback(service.close)
-        recovery = ServerRecovery(
-            service,
-            pool,
-            lambda: service.policy_version,
-            service.set_policy_version,
-            lambda: service.runs.get(service.base_weights_run or ""),
-        )
+        recovery = ServerRecovery(service, pool)
         recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
         if restored := await service.restore():
             logger.info(
