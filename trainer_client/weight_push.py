@@ -67,13 +67,10 @@ class WeightPusher:
         self.shared_memory = shared_memory
         self._sender: GlooWeightSender | NcclWeightSender | None = None
         self._port_claim = GroupPortClaim(trainer_address, group_port)
-        logger.info("weight push rendezvous at %s:%d (vLLM's workers connect to it)", trainer_address, self.port)
-
-    @property
-    def port(self) -> int:
+        self.port = self._port_claim.port
         """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
         epoch; nccl: a fresh one after each failed join, as vLLM's rendezvous has no epochs)."""
-        return self._port_claim.port
+        logger.info("weight push rendezvous at %s:%d (vLLM's workers connect to it)", trainer_address, self.port)
 
     async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
         """Push what vLLM must serve for ``model`` (merged, for a PEFT model); the new version."""
@@ -117,7 +114,7 @@ class WeightPusher:
             if self._sender is not None:
                 self._sender.leave()  # frees workers blocked in a receive; the gloo store stays
                 if self._sender.REJOIN_NEEDS_NEW_PORT:
-                    self._port_claim.renew()
+                    self.port = self._port_claim.renew()
             with contextlib.suppress(Exception):
                 await self.client.abort_weight_update(ticket.update_id, f"trainer: {type(exc).__name__}: {exc}")
             if isinstance(exc, UpdateAbandoned) and refused is not None:
@@ -210,12 +207,6 @@ class AdapterPusher:
         self.client = client
         self.run_id = run_id
         self.timeout_s = timeout_s
-
-    @property
-    def port(self) -> int:
-        """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
-        epoch; nccl: a fresh one after each failed join, as vLLM's rendezvous has no epochs)."""
-        return self._port_claim.port
 
     async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
         """Publish the adapter; the new version. ``resend`` changes nothing: the service

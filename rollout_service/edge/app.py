@@ -176,7 +176,13 @@ async def running_service(
             store=store,
         )
         stack.push_async_callback(service.close)
-        recovery = ServerRecovery(service, pool)
+        recovery = ServerRecovery(
+            service,
+            pool,
+            lambda: service.policy_version,
+            service.set_policy_version,
+            lambda: service.runs.get(service.base_weights_run or ""),
+        )
         recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
         if restored := await service.restore():
             logger.info(

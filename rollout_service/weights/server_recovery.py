@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from rollout_service.engine.control import WeightControl, WeightSyncError
@@ -43,8 +44,7 @@ STARTUP_HOLD = "the service is starting: which policy version this server holds 
 
 
 class WeightPlane(Protocol):
-    """The service's weight plane and policy version, read at each use because they are
-    attached, and change, after start-up."""
+    """The service's weight plane, read at each use because it is attached after start-up."""
 
     @property
     def weight_sync(self) -> WeightSyncCoordinator | None: ...
@@ -55,22 +55,23 @@ class WeightPlane(Protocol):
     @property
     def partitions(self) -> PoolPartitions | None: ...
 
-    @property
-    def policy_version(self) -> int:
-        """The servers' base-weights version (0: no full-weight push has committed)."""
-        ...
-
-    def set_policy_version(self, version: int) -> None: ...
-
-    def base_weights_owner(self) -> Run | None:
-        """The run whose trainer pushes the base weights, if it is live: it is asked for a push."""
-        ...
-
 
 class ServerRecovery:
-    def __init__(self, weights: WeightPlane, pool: EnginePool) -> None:
+    def __init__(
+        self,
+        weights: WeightPlane,
+        pool: EnginePool,
+        policy_version: Callable[[], int],
+        set_policy_version: Callable[[int], None],
+        base_weights_owner: Callable[[], Run | None],
+    ) -> None:
         self.weights = weights
         self.pool = pool
+        self.policy_version = policy_version
+        """The servers' base-weights version now (0: no full-weight push has committed)."""
+        self.set_policy_version = set_policy_version
+        self.base_weights_owner = base_weights_owner
+        """The run whose trainer pushes the base weights, if it is live: it is asked for a push."""
         self.awaiting_weights: set[str] = set()
         """Restarted servers held until the next full-weight push commits."""
 
@@ -85,7 +86,7 @@ class ServerRecovery:
         restored policy version by their own label; hold the others until it is pushed, and
         ask for that push. A server that cannot say counts as not holding it."""
         weights, sync = self.weights, self.weights.weight_sync
-        version = self.weights.policy_version
+        version = self.policy_version()
         if weights.partitions is not None or sync is None or version == 0:
             for client in self.pool.clients:  # partitions route by their own readiness; 0: the checkpoint
                 self.pool.release(client.base_url)
@@ -126,14 +127,14 @@ class ServerRecovery:
     def _wait_for_policy(self, url: str, why: str) -> None:
         """Release ``url`` if the checkpoint is the policy (no full-weight push yet), else
         hold it until the next push commits and ask for that push now."""
-        version = self.weights.policy_version
+        version = self.policy_version()
         if version == 0:
             self.awaiting_weights.discard(url)
             self.pool.release(url)
             return
         reason = f"{url} {why}; it takes requests once policy version {version} is pushed"
         self.pool.hold(url, reason)
-        owner = self.weights.base_weights_owner()
+        owner = self.base_weights_owner()
         if owner is None:
             logger.warning("%s; no run pushes the base weights now, so it waits for the next push", reason)
             return
@@ -143,7 +144,7 @@ class ServerRecovery:
     def version_committed(self, version: int) -> None:
         """A full-weight push committed: every weight-sync server holds it, so the servers
         that waited for it take requests. One not yet among them (joining) waits on."""
-        self.weights.set_policy_version(version)
+        self.set_policy_version(version)
         sync = self.weights.weight_sync
         synced = {server.base_url for server in sync.servers} if sync is not None else set(self.awaiting_weights)
         for url in self.awaiting_weights & synced:

@@ -24,11 +24,11 @@ from rollout_service.types import SamplingParams
 from rollout_service.weights.adapters import AdapterPublisher, RunAdapter
 from rollout_service.weights.partitions import PoolPartitions
 from rollout_service.weights.pool_membership import PoolMembership, check_engine_url
-from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_engine import OK_BODY, serving
+from tests.unit.test_server_recovery import recovery_of
 from tests.unit.test_service_limits import spec
 
 
@@ -83,7 +83,7 @@ class Pool:
             return VLLMServerClient(url, "m", engine_settings(url), metrics, max_connections=4)
 
         self.pool = EnginePool([new_client(first)])
-        self.recovery = ServerRecovery(self.service, self.pool)
+        self.recovery = recovery_of(self.service, self.pool)
         control = VLLMControlClient(first)
         self.service.weight_sync = WeightSyncCoordinator(
             [control], WeightSyncSettings(), self.recovery.version_committed

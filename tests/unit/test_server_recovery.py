@@ -13,6 +13,7 @@ from rollout_service.engine.control import WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.service import RolloutService
 from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.unit.scripted import ScriptedEngine, make_service
@@ -25,7 +26,18 @@ def recovery_on_one_server():  # type: ignore[no-untyped-def]
     service = make_service(ScriptedEngine())
     client = VLLMServerClient(URL, "m", EngineSettings(urls=[URL]), ServiceMetrics(), max_connections=1)
     pool = EnginePool([client])
-    return service, pool, ServerRecovery(service, pool)
+    return service, pool, recovery_of(service, pool)
+
+
+def recovery_of(service: RolloutService, pool: EnginePool) -> ServerRecovery:
+    """As the app builds it: on the service's weight plane and policy version."""
+    return ServerRecovery(
+        service,
+        pool,
+        lambda: service.policy_version,
+        service.set_policy_version,
+        lambda: service.runs.get(service.base_weights_run or ""),
+    )
 
 
 async def next_message(session: ConsumerSession):  # type: ignore[no-untyped-def]
