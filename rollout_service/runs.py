@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
 from rollout_service.errors import InvalidArgument, echo
@@ -36,7 +37,7 @@ MAX_SECONDS = 7 * 86_400
 
 PromptSourceKind = Literal["dataset", "prompts", "submitted", "external"]
 RunState = Literal["running", "stopped", "failed", "completed"]
-AdmissionMode = Literal["staleness", "paced", "buffer"]
+AdmissionMode = Literal["staleness", "paced"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class RunSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     group_size: int = 8
     rewards: tuple[tuple[str, float], ...] = ()
-    max_staleness: int = 1
+    max_staleness: int = DEFAULT_MAX_STALENESS
     max_inflight: int = 0
     max_buffered_groups: int = 0
     scale_rewards: AdvantageScaling = AdvantageScaling.GROUP
@@ -57,7 +58,7 @@ class RunSpec:
     episode: EpisodeSpec = field(default_factory=EpisodeSpec)
     weight: float = 1.0
     """Share of the slots relative to other runs while both have work."""
-    admission: AdmissionMode = "staleness"
+    admission: AdmissionMode = "paced"
     lease_timeout_s: float = 0.0
     """0: the service's default."""
     await_first_update: bool = False
@@ -273,8 +274,6 @@ class Run:
         return {
             "state": self.state,
             "error": self.error,
-            "policy_version": admission.policy_version,
-            "trainer_version": admission.trainer_version,
             "await_version": admission.await_version,
             "trained_per_version": admission.trained_per_version,  # staleness admission's estimate
             "version_bumped": admission.version_bumped,

@@ -48,6 +48,7 @@ from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.scoring.score import GroupScorer
 from rollout_service.types import EngineState
+from rollout_service.versions import PolicyVersion, VersionChange
 from rollout_service.weights.adapters import AdapterPublisher, AdapterRouting
 from rollout_service.weights.partitions import PartitionRouting
 from rollout_service.weights.update_messages import UpdateTimes
@@ -130,8 +131,11 @@ class RolloutService:
         environments: EnvironmentRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         store: StateStore | None = None,
+        partitioned: bool = False,
     ) -> None:
+        """``partitioned``: ``weight_sync.partitions``, each full-weight run on servers of its own."""
         self.clock = clock
+        self.partitioned = partitioned
         self.started = clock()
         self.store: StateStore = store if store is not None else MemoryStore()
         """Runs, unacked groups and acked ids, durable across restarts (``delivery.state_store``)."""
@@ -167,7 +171,8 @@ class RolloutService:
         self.deleted: OrderedDict[str, Run] = OrderedDict()
         """The last ``DELETED_RUNS_KEPT`` deleted runs, their groups and metric series freed, so
         that GetRun and a late subscriber can still be told what happened."""
-        self.policy_version = 0
+        self.versions = PolicyVersion()
+        """The base weights' versions: the runs on them share it; the state store keeps it."""
         self.weight_sync: WeightSyncCoordinator | None = None
         self.holds = VersionHolds()
         """Evaluation runs holding the servers' version; the weight sync waits on them."""
@@ -178,6 +183,7 @@ class RolloutService:
             stop_generation=self.scheduler.stop_generation,
         )
         self.scheduler.evaluations = self.evaluations
+        self.versions.watch(self._base_version_changed)
         self.external = ExternalEpisodes(engine, renderer, self.scorer, metrics)
         """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""
         self.adapters: AdapterPublisher | None = None
@@ -191,26 +197,23 @@ class RolloutService:
         """Servers AddEngine added and RemoveEngine has not removed, kept across restarts
         (``PoolMembership.rejoin``)."""
 
-    def set_policy_version(self, version: int) -> None:
-        """The servers now hold base weights of this version. Runs on the base weights share
-        it; runs that serve their own adapter count their adapter pushes instead."""
-        self.policy_version = version
-        self.store.set_meta("policy_version", version)
-        for run in self._runs_on_base_weights():
-            self._set_run_version(run, version)
-        self.evaluations.version_changed(version)
+    @property
+    def policy_version(self) -> int:
+        """The base weights' version the servers hold (0: the checkpoint's)."""
+        return self.versions.served
 
-    def _set_run_version(self, run: Run, version: int) -> None:
-        """The servers the run samples hold its policy at ``version``: admission and store follow."""
-        run.admission.set_policy_version(version)
-        self.store.save_run_state(run.run_id, run.stored_state())
+    def set_policy_version(self, version: int) -> None:
+        self.versions.commit(version)
 
     def set_trainer_version(self, version: int) -> None:
-        """A push of base weights began (version: the servers' plus one) or was aborted
-        (theirs): admission plans with the trainer's version, which leads the servers'."""
-        for run in self._runs_on_base_weights():
-            run.admission.set_trainer_version(version)
-        self.evaluations.version_changed(self.policy_version)  # an update ended: a held-back evaluation may start
+        self.versions.set_trainer(version)
+
+    def _base_version_changed(self, change: VersionChange) -> None:
+        """The store keeps the servers' version across restarts; an update that ended may let
+        a held-back evaluation start."""
+        if change.served_moved:
+            self.store.set_meta("policy_version", self.versions.served)
+        self.evaluations.version_changed(self.versions.served)
 
     async def watch_runs(self) -> None:
         """Report runs that stop making progress (``delivery.watchdog``), until cancelled."""
@@ -231,10 +234,6 @@ class RolloutService:
                 run.error = NO_ENGINE_ERROR
             elif run.error == NO_ENGINE_ERROR:
                 run.error = ""
-
-    def _runs_on_base_weights(self) -> list[Run]:
-        """Runs that sample the servers' base weights (not their own adapter)."""
-        return [run for run in self.runs.values() if not run.spec.serve_adapter]
 
     async def create_run(self, spec: RunSpec, owner: str = "") -> Run:
         run = await self._new_run(spec, owner, Run.new_id())
@@ -261,7 +260,6 @@ class RolloutService:
                 continue
             admission, state = run.admission, saved.state
             admission.await_version = min(admission.await_version, state.get("await_version", 0))
-            admission.set_trainer_version(max(state.get("trainer_version", 0), self.policy_version))
             admission.trained_per_version = state.get("trained_per_version")  # not re-learned from nothing
             admission.version_bumped = state.get("version_bumped", admission.version_bumped)
             if admission.lookahead is not None and state.get("lookahead_versions") is not None:
@@ -328,20 +326,27 @@ class RolloutService:
         self.runs[run.run_id] = run
         self.scheduler.start_run(run)
         if self.partitions is not None and _partitioned(run):
-            self.partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
+            self.partitions.add_run(run.run_id, run.spec.weight, run.admission.versions)
+        if run.spec.eval is None:  # the store keeps what admission learned, as versions move
+            run.admission.on_change(lambda: self.store.save_run_state(run.run_id, run.stored_state()))
         spec = run.spec
         logger.info("created run %s (%s, G=%d)", run.run_id, spec.display_name or spec.source_kind, spec.group_size)
 
     def _broker(self, run_id: str, spec: RunSpec, max_buffered: int) -> RunBroker:
-        version = 0 if spec.serve_adapter else self.policy_version
         trains = spec.eval is None  # an evaluation's groups are never trained: staleness does not apply
-        bounded = spec.admission in ("staleness", "paced") and trains
+        if spec.serve_adapter:  # its versions count its adapter pushes
+            versions = PolicyVersion()
+        elif self.partitioned and trains:  # its own servers, pushed by its own trainer
+            versions = PolicyVersion(self.versions.served)
+        else:
+            versions = self.versions
+        version = versions.served
         paced = spec.admission == "paced" and trains and spec.max_staleness > 0
         admission = RunAdmission(
             run_id,
             self.metrics,
-            max_staleness=spec.max_staleness if bounded else None,
-            policy_version=version,
+            max_staleness=spec.max_staleness if trains else None,
+            versions=versions,
             await_version=version + 1 if spec.await_first_update and trains else 0,
             free_clock=self.scheduler.slots.free_seconds,
             doomed_after=spec.max_staleness if self.settings.abort_stale_inflight and trains else None,
@@ -571,7 +576,7 @@ class RolloutService:
         self.partitions = partitions
         for run in self.runs.values():
             if _partitioned(run):
-                partitions.add_run(run.run_id, run.spec.weight, run.policy_version)
+                partitions.add_run(run.run_id, run.spec.weight, run.admission.versions)
 
     async def weight_sync_for_push(self, run_id: str) -> WeightSyncCoordinator:
         """The coordinator a push of ``run_id`` begins on; with partitions, once the run has
@@ -589,15 +594,6 @@ class RolloutService:
         if sync is None:
             raise not_in_progress(update_id)
         return sync
-
-    # -- pool partitions' callbacks: one run's weights, not the pool's -----------------------
-    def run_version_committed(self, run_id: str, version: int) -> None:
-        if (run := self.runs.get(run_id)) is not None:
-            self._set_run_version(run, version)
-
-    def run_trainer_version(self, run_id: str, version: int) -> None:
-        if (run := self.runs.get(run_id)) is not None:
-            run.admission.set_trainer_version(version)
 
     def request_run_weights(self, run_id: str, reason: str) -> None:
         if (run := self.runs.get(run_id)) is not None:

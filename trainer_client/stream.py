@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import GroupStream, RolloutClient, unavailable
+from rollout_common.staleness import within_staleness
 from trainer_client.step_timing import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -335,7 +336,7 @@ class GroupFeed:
         """Within max_staleness of ``at_version`` (default: ``training_version``) and not older
         than the trainer's first push (samples of weights this trainer never had are not its policy's)."""
         at = self.training_version if at_version is None else at_version
-        return policy_version >= self.min_version and at - policy_version <= self.max_staleness
+        return policy_version >= self.min_version and within_staleness(policy_version, at, self.max_staleness)
 
     def ack_trained(self, group_ids: list[str], version: int | None = None) -> None:
         """``version``: the policy version they were trained at (default: the trainer's now)."""

@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, ProgressCallback, Trainer, TrainingArguments
 
+from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from trainer_client import fsdp, precision
 from trainer_client.arriving_batches import ArrivingBatches, DeferredTokenNormaliser
 from trainer_client.batches import (
@@ -72,11 +73,9 @@ class AsyncGRPOConfig(TrainingArguments):
     bf16: bool | None = None  # type: ignore[assignment]
     """bf16 autocast over float32 weights, as TRL's; None: where the hardware multiplies bf16
     natively (``precision``)."""
-    max_staleness: int = 2
-    """Groups whose oldest token is more than this many policy versions old are dropped. At 2
-    (also prime-rl's default ``async_level``, for the same reason) the groups of the step
-    after next start before the current push commits, so a push never holds generation up;
-    at 1 they wait for it, and at most one step's groups generate at once (README, speed)."""
+    max_staleness: int = DEFAULT_MAX_STALENESS
+    """Groups whose oldest token is more than this many policy versions old are dropped
+    (``rollout_common.staleness``, whose default the service shares)."""
     weight_sync_steps: int = 1
     """Push weights into vLLM after every this many optimizer steps."""
     background_push: bool = True

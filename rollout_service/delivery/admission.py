@@ -4,9 +4,10 @@ One object per run owns both, because admission is a function of the versions: w
 and adapter pushes move the versions here, the scheduler's reservations wait on the answer
 (through the run's broker, which adds its buffer bound), and acks report what was trained.
 
-Two versions matter: V (``policy_version``), what the servers hold for this run (a group
-admitted now samples from it), and T (``trainer_version``), the trainer's, which runs one
-ahead of V while a push is in flight (``set_trainer_version`` at its begin, and at an abort).
+Two versions matter, both read from the run's ``PolicyVersion`` (``rollout_service.versions``,
+their one owner, shared by the runs on the base weights): V (``policy_version``), what the
+servers hold for this run (a group admitted now samples from it), and T (``trainer_version``),
+the trainer's, which runs one ahead of V while a push is in flight.
 
 Staleness-aware admission: with ``max_staleness`` set, the groups started but not yet
 consumed (reserved + buffered + leased: "pending", counted by the broker) stay within what
@@ -40,8 +41,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from rollout_common.staleness import within_staleness
 from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.versions import PolicyVersion, VersionChange
 
 
 class RunAdmission:
@@ -52,7 +55,7 @@ class RunAdmission:
         run_id: str,
         metrics: ServiceMetrics,
         max_staleness: int | None = None,
-        policy_version: int = 0,
+        versions: PolicyVersion | None = None,
         await_version: int = 0,
         free_clock: Callable[[], float] = time.monotonic,
         doomed_after: int | None = None,
@@ -63,14 +66,12 @@ class RunAdmission:
         """Paced admission: the lookahead that replaces max_staleness in the bound; None: staleness as given."""
         self.doomed_after = doomed_after
         """The trainer's max_staleness, when groups that could only go stale must not start
-        (``abort_stale_inflight``); None: no such check (buffer admission as it was)."""
+        (``abort_stale_inflight``); None: no such check."""
         self.metrics = metrics
         self.max_staleness = max_staleness
-        self.policy_version = policy_version
-        """V: the version the servers hold for this run."""
+        self.versions = versions if versions is not None else PolicyVersion()
+        self._stop_watching = self.versions.watch(self._version_changed)
         self.await_version = await_version
-        self.trainer_version = policy_version
-        """T: the servers' version, plus one while a push is in flight."""
         self.trained_by_version: dict[int, int] = {}
         """Groups acked as trained, by the trainer version they were trained at (recent ones)."""
         self.trained_per_version: float | None = None
@@ -95,7 +96,7 @@ class RunAdmission:
     # -- the answer ----------------------------------------------------------------------
     def allows(self, pending: int) -> bool:
         """May a group start, with ``pending`` groups started and not yet consumed?"""
-        return self.policy_version >= self.await_version and not self.doomed and self._within_staleness(pending)
+        return self.policy_version >= self.await_version and not self.doomed and self._within_budget(pending)
 
     @property
     def doomed(self) -> bool:
@@ -108,9 +109,9 @@ class RunAdmission:
         """Samples started at ``version`` are more than max_staleness behind the trainer's
         version, so it can only drop them (always False without ``doomed_after``). The
         scheduler aborts in-flight groups on the same rule."""
-        return self.doomed_after is not None and version < self.trainer_version - self.doomed_after
+        return self.doomed_after is not None and not within_staleness(version, self.trainer_version, self.doomed_after)
 
-    def _within_staleness(self, pending: int) -> bool:
+    def _within_budget(self, pending: int) -> bool:
         per_version = self.groups_per_version
         if self.max_staleness is None or per_version is None:
             return True
@@ -145,33 +146,40 @@ class RunAdmission:
         self._on_change.append(callback)
 
     # -- versions ------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """V: the version the servers hold for this run."""
+        return self.versions.served
+
+    @property
+    def trainer_version(self) -> int:
+        """T: the servers' version, plus one while a push is in flight."""
+        return self.versions.trainer
+
     def set_policy_version(self, version: int) -> None:
-        """The servers now hold this version (a push committed; a resend commits the same
-        one). Either way the weights a restarted server wanted have arrived."""
-        self.weights_wanted = ""
-        if version <= self.policy_version:
-            return
-        self.policy_version = version
-        self.version_bumped = True
-        self._advance_trainer(max(version, self.trainer_version))
-        self._changed()
+        """The servers now hold this version (``PolicyVersion.commit``)."""
+        self.versions.commit(version)
 
     def set_trainer_version(self, version: int) -> None:
-        """The trainer's weights are at this version: one ahead of the servers' when a push
-        begins, the servers' again when it is aborted."""
-        if version > self.trainer_version:
-            self._advance_trainer(version)
-        elif version < self.trainer_version:
-            self.trainer_version = max(version, self.policy_version)
+        """The trainer's weights are at this version (``PolicyVersion.set_trainer``)."""
+        self.versions.set_trainer(version)
+
+    def _version_changed(self, change: VersionChange) -> None:
+        """A commit (a resend commits the same version) brings the weights a restarted server
+        wanted; a move of T closes the version that ended."""
+        if change.committed:
+            self.weights_wanted = ""
+            if not change.served_moved:
+                return
+            self.version_bumped = True
+        if self.trainer_version > change.previous_trainer:
+            self._version_ended(change.previous_trainer)
         self._changed()
 
-    def _advance_trainer(self, version: int) -> None:
-        """Move T forward and learn C from the version that just ended (one with nothing
-        trained, like the one before a trainer's first push, teaches nothing)."""
-        ended = self.trainer_version
-        if version <= ended:
-            return
-        self.trainer_version = version
+    def _version_ended(self, ended: int) -> None:
+        """Learn C from the trainer version that just ended (one with nothing trained, like
+        the one before a trainer's first push, teaches nothing)."""
+        version = self.trainer_version
         if self.lookahead is not None:
             self.lookahead.version_ended()
             self.metrics.lookahead_versions.labels(self.run_id).set(self.lookahead.versions)
@@ -200,7 +208,8 @@ class RunAdmission:
         self.trained_by_version[version] = self.trained_by_version.get(version, 0) + 1
 
     def forget(self) -> None:
-        """The run was deleted: drop what consumers reported."""
+        """The run was deleted: stop watching its versions, drop what consumers reported."""
+        self._stop_watching()
         self.credits.clear()
         self.trained_by_version.clear()
 

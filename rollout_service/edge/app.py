@@ -174,13 +174,13 @@ async def running_service(
             tools=tools,
             environments=environments,
             store=store,
+            partitioned=settings.weight_sync.partitions,
         )
         stack.push_async_callback(service.close)
         recovery = ServerRecovery(
             service,
             pool,
-            lambda: service.policy_version,
-            service.set_policy_version,
+            service.versions,
             lambda: service.runs.get(service.base_weights_run or ""),
         )
         recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
@@ -327,10 +327,9 @@ async def _attach_weights(
         service.weight_sync = WeightSyncCoordinator(
             controls,
             settings.weight_sync,
+            service.versions,  # a restarted service goes on from its stored version
             recovery.version_committed,
-            version=service.policy_version,  # a restarted service goes on from its stored version
             metrics=service.metrics,
-            on_trainer_version=service.set_trainer_version,
             holds=service.holds,
             on_stuck=recovery.pool.set_stuck,
         )
@@ -366,8 +365,6 @@ def _attach_partitions(
         recovery.pool,
         controls,
         settings.weight_sync,
-        service.run_version_committed,
-        service.run_trainer_version,
         service.request_run_weights,
         service.metrics,
     )

@@ -39,6 +39,7 @@ from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import Completion, SamplingParams
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.versions import PolicyVersion
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
@@ -108,8 +109,6 @@ class PoolPartitions:
         pool: EnginePool,
         controls: Sequence[WeightControl],
         settings: WeightSyncSettings,
-        on_version: Callable[[str, int], None],
-        on_trainer_version: Callable[[str, int], None],
         request_weights: Callable[[str, str], None],
         metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
@@ -124,8 +123,6 @@ class PoolPartitions:
         self.holds_weights_of: dict[str, str | None] = dict.fromkeys(self.controls)
         """Server -> the run whose pushed weights it holds (None: the checkpoint's)."""
         self.partitions: dict[str, _Partition] = {}
-        self._on_version = on_version
-        self._on_trainer_version = on_trainer_version
         self._request_weights = request_weights
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -157,16 +154,15 @@ class PoolPartitions:
         return ""
 
     # -- runs coming and going --------------------------------------------------------------
-    def add_run(self, run_id: str, weight: float, version: int) -> None:
-        """The run has a coordinator at once (its trainer may begin a push); its servers
-        follow in the background (``settled``), since taking one from another run waits for
-        that server's requests to drain."""
+    def add_run(self, run_id: str, weight: float, versions: PolicyVersion) -> None:
+        """The run has a coordinator at once (its trainer may begin a push), which moves the
+        run's ``versions``; its servers follow in the background (``settled``), since taking
+        one from another run waits for that server's requests to drain."""
         coordinator = WeightSyncCoordinator(
             [],
             self.settings,
-            lambda v: self._committed(run_id, v),
-            version=version,
-            on_trainer_version=lambda v: self._on_trainer_version(run_id, v),
+            versions,
+            lambda v: self._committed(run_id),
             metrics=self.metrics,
             on_stuck=self.pool.set_stuck,
         )
@@ -300,7 +296,7 @@ class PoolPartitions:
         partition.ready.add(url)
         self.pool.notify_changed()
 
-    def _committed(self, run_id: str, version: int) -> None:
+    def _committed(self, run_id: str) -> None:
         """A push of the run committed: every server of its coordinator holds its policy."""
         partition = self.partitions.get(run_id)
         if partition is not None:
@@ -308,7 +304,6 @@ class PoolPartitions:
                 self.holds_weights_of[control.base_url] = run_id
                 if self.owner.get(control.base_url) == run_id and control.base_url not in partition.ready:
                     self._ready(partition, control.base_url)
-        self._on_version(run_id, version)
 
 
 class PartitionRouting:

@@ -34,6 +34,7 @@ from typing import Protocol
 from rollout_service.engine.control import WeightControl, WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.runs import Run
+from rollout_service.versions import PolicyVersion
 from rollout_service.weights.adapters import AdapterPublisher
 from rollout_service.weights.partitions import PoolPartitions
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
@@ -61,15 +62,13 @@ class ServerRecovery:
         self,
         weights: WeightPlane,
         pool: EnginePool,
-        policy_version: Callable[[], int],
-        set_policy_version: Callable[[int], None],
+        versions: PolicyVersion,
         base_weights_owner: Callable[[], Run | None],
     ) -> None:
         self.weights = weights
         self.pool = pool
-        self.policy_version = policy_version
-        """The servers' base-weights version now (0: no full-weight push has committed)."""
-        self.set_policy_version = set_policy_version
+        self.versions = versions
+        """The base weights' versions (served 0: no full-weight push has committed)."""
         self.base_weights_owner = base_weights_owner
         """The run whose trainer pushes the base weights, if it is live: it is asked for a push."""
         self.awaiting_weights: set[str] = set()
@@ -86,7 +85,7 @@ class ServerRecovery:
         restored policy version by their own label; hold the others until it is pushed, and
         ask for that push. A server that cannot say counts as not holding it."""
         weights, sync = self.weights, self.weights.weight_sync
-        version = self.policy_version()
+        version = self.versions.served
         if weights.partitions is not None or sync is None or version == 0:
             for client in self.pool.clients:  # partitions route by their own readiness; 0: the checkpoint
                 self.pool.release(client.base_url)
@@ -127,7 +126,7 @@ class ServerRecovery:
     def _wait_for_policy(self, url: str, why: str) -> None:
         """Release ``url`` if the checkpoint is the policy (no full-weight push yet), else
         hold it until the next push commits and ask for that push now."""
-        version = self.policy_version()
+        version = self.versions.served
         if version == 0:
             self.awaiting_weights.discard(url)
             self.pool.release(url)
@@ -144,7 +143,6 @@ class ServerRecovery:
     def version_committed(self, version: int) -> None:
         """A full-weight push committed: every weight-sync server holds it, so the servers
         that waited for it take requests. One not yet among them (joining) waits on."""
-        self.set_policy_version(version)
         sync = self.weights.weight_sync
         synced = {server.base_url for server in sync.servers} if sync is not None else set(self.awaiting_weights)
         for url in self.awaiting_weights & synced:

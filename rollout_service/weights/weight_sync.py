@@ -50,6 +50,7 @@ from rollout_service.config import APPLIES_AT_FINISH, WeightSyncSettings, no_pau
 from rollout_service.engine.control import PauseModeName, WeightControl, WeightSyncError
 from rollout_service.errors import FailedPrecondition, echo
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.versions import PolicyVersion
 from rollout_service.weights.update_messages import (
     TensorSpec,
     UpdateTicket,
@@ -138,9 +139,8 @@ class WeightSyncCoordinator:
         self,
         servers: Sequence[WeightControl],
         settings: WeightSyncSettings,
-        on_version: Callable[[int], None],
-        version: int = 0,
-        on_trainer_version: Callable[[int], None] = lambda version: None,
+        versions: PolicyVersion,
+        on_commit: Callable[[int], None] = lambda version: None,
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         holds: VersionHolds | None = None,
@@ -155,7 +155,8 @@ class WeightSyncCoordinator:
         """A begin that pauses the servers is waiting or in progress: no evaluation may start
         under it (the paused servers would never finish it)."""
         self.settings = settings
-        self.version = version
+        self.versions = versions
+        """The versions of the weights this coordinator pushes: it moves them, others watch."""
         self.updates_committed = 0
         """Commits that bumped the version (resends not counted)."""
         self.updates_resent = 0
@@ -165,9 +166,8 @@ class WeightSyncCoordinator:
         self._paused_seconds = 0.0
         self._metrics = metrics
         self._clock = clock
-        self._on_version = on_version
-        self._on_trainer_version = on_trainer_version
-        """Told the trainer's version: one ahead of the servers' from a begin, theirs again on an abort."""
+        self._on_commit = on_commit
+        """Told each committed version, after ``versions``: the servers that waited for it may serve."""
         self._current: _Update | None = None
         self._no_update_running = asyncio.Event()
         """Set while ``_current`` is None: when the servers may change (``add_server``)."""
@@ -237,7 +237,7 @@ class WeightSyncCoordinator:
             )
             update.pipeline.add_done_callback(lambda task: self._pipeline_done(update, task))
             self._set_current(update)
-            self._on_trainer_version(self.version if resend else self.version + 1)
+            self.versions.begin(resend)
             self._spawn(self._watchdog(update))
         logger.info(
             "weight update %s begun for run %s (%d tensors, join=%s%s)",
@@ -443,9 +443,9 @@ class WeightSyncCoordinator:
                 # no longer trustworthy, so the next update re-joins and re-sends everything.
                 await self._abort_locked(update, f"applying failed: {exc}")
                 raise FailedPrecondition(self._aborted_message(update)) from None
-            self.version = new_version
             self.pausing_update_pending = False  # before the news: an evaluation may start on it
-            self._on_version(new_version)
+            self.versions.commit(new_version)
+            self._on_commit(new_version)
             await self._resume(update)
             self._set_current(None)
             self._labelling = self._spawn(self._label(new_version, self._labelling))
@@ -512,6 +512,11 @@ class WeightSyncCoordinator:
         finally:
             self._lock.release()
 
+    @property
+    def version(self) -> int:
+        """The version the servers hold."""
+        return self.versions.served
+
     def server_restarted(self) -> None:
         """A server came back as a new process, outside the transfer group: the next update
         joins a fresh group (an update in flight fails on the old process and aborts)."""
@@ -546,7 +551,7 @@ class WeightSyncCoordinator:
         finally:  # whatever the resume raised, the update is over: later begins must work
             self._set_current(None)
             self.pausing_update_pending = False  # before the news: an evaluation may start on it
-            self._on_trainer_version(self.version)
+            self.versions.abort()
             self.updates_aborted += 1
             self._finished(update, committed=False)
         logger.warning(

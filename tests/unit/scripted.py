@@ -92,7 +92,9 @@ class ScriptedGroupEngine(ScriptedEngine):
         return [await self.generate(prompt_ids, params, affinity=affinity)] * n
 
 
-def make_service(engine: ScriptedEngine, max_inflight: int = 4, max_buffered: int = 64, rewards=None, **settings):
+def make_service(
+    engine: ScriptedEngine, max_inflight: int = 4, max_buffered: int = 64, rewards=None, partitioned=False, **settings
+):
     registry = RewardRegistry()
     for name, fn in (rewards or {}).items():
         registry.register(name, fn)
@@ -103,4 +105,5 @@ def make_service(engine: ScriptedEngine, max_inflight: int = 4, max_buffered: in
         metrics=ServiceMetrics(),
         settings=SchedulerSettings(max_inflight=max_inflight, default_max_buffered_groups=max_buffered, **settings),
         info=ServiceInfo(model="scripted", engine_urls=[], max_inflight=max_inflight),
+        partitioned=partitioned,
     )

@@ -380,7 +380,7 @@ def test_admission_answers_from_versions_and_pending_counts_alone() -> None:
 
 def test_no_group_starts_that_could_only_go_stale() -> None:
     """With doomed_after (abort_stale_inflight), a group is not started while the servers'
-    version is more than max_staleness behind the trainer's: buffer admission included."""
+    version is more than max_staleness behind the trainer's: with or without a staleness bound."""
     admission = RunAdmission("r", ServiceMetrics(), max_staleness=None, doomed_after=0)
     assert admission.allows(0)
     admission.set_trainer_version(1)  # a push begins: a group started now on version 0 is already too old

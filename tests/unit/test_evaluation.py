@@ -49,10 +49,9 @@ def wire(service, metrics=None, timeout_s: float = 60.0) -> tuple[WeightSyncCoor
     sync = WeightSyncCoordinator(
         [server],
         settings,
-        service.set_policy_version,
+        service.versions,
         metrics=metrics,
         clock=clock,
-        on_trainer_version=service.set_trainer_version,
         holds=service.holds,
     )
     service.weight_sync = sync

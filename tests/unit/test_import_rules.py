@@ -37,7 +37,7 @@ def test_grpc_is_imported_by_the_edge_alone() -> None:
         ("rollout_service.scoring.score", "rollout_service.delivery.broker", "a stage imports earlier stages only"),
         ("rollout_service.generation.scheduler", "rollout_service.weights.partitions", "only the edge and the service"),
         ("rollout_service.weights.pool_membership", "rollout_service.delivery.state_store", "the weights import no"),
-        ("rollout_service.config", "rollout_service.engine.control", "config, types, errors and metrics import no"),
+        ("rollout_service.config", "rollout_service.engine.control", "config, types, errors, metrics and versions"),
     ],
 )
 def test_each_rule_catches_its_break(module: str, imported: str, rule: str) -> None:

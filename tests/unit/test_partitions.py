@@ -17,6 +17,7 @@ from rollout_service.eval_tally import EvalSpec
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.service import RolloutService
 from rollout_service.types import SamplingParams
+from rollout_service.versions import PolicyVersion
 from rollout_service.weights.adapters import AdapterRouting
 from rollout_service.weights.partitions import PartitionRouting, PoolPartitions, plan_partitions
 from tests.support import listening_port
@@ -67,26 +68,30 @@ class Server(ScriptedControl):
 
 def partitions_over(
     urls: list[str], service: RolloutService | None = None
-) -> tuple[PoolPartitions, dict[str, list[int]], dict[str, list[str]]]:
-    """Partitions over ``urls``; their callbacks record versions and requests for weights,
+) -> tuple[PoolPartitions, dict[str, list[str]]]:
+    """Partitions over ``urls``; their requests for weights are recorded,
     or go to ``service``'s (as the app wires them)."""
     metrics = ServiceMetrics()
     settings = EngineSettings(urls=urls, model="tiny")
     pool = EnginePool([VLLMServerClient(url, "tiny", settings, metrics, 4) for url in urls])
-    versions: dict[str, list[int]] = {}
     wanted: dict[str, list[str]] = {}
     partitions = PoolPartitions(
         pool,
         [Server(url) for url in urls],
         WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60),
-        service.run_version_committed if service else lambda run, v: versions.setdefault(run, []).append(v),
-        service.run_trainer_version if service else lambda run, version: None,
         service.request_run_weights if service else lambda run, why: wanted.setdefault(run, []).append(why),
         metrics,
         drain_timeout_s=5,
     )
 
-    return partitions, versions, wanted
+    return partitions, wanted
+
+
+def recorded(log: dict[str, list[int]], run_id: str) -> PolicyVersion:
+    """A run's versions, with each version it commits recorded in ``log``."""
+    versions = PolicyVersion()
+    versions.watch(lambda change: log.setdefault(run_id, []).append(versions.served) if change.committed else None)
+    return versions
 
 
 async def push(partitions: PoolPartitions, run_id: str) -> int:
@@ -98,16 +103,17 @@ async def push(partitions: PoolPartitions, run_id: str) -> int:
 
 @pytest.mark.timeout(30)
 async def test_a_server_changes_runs_only_once_it_holds_the_new_runs_policy() -> None:
-    partitions, versions, wanted = partitions_over([A, B, C])
+    partitions, wanted = partitions_over([A, B, C])
+    versions: dict[str, list[int]] = {}
     try:
-        partitions.add_run("first", 1.0, 0)
+        partitions.add_run("first", 1.0, recorded(versions, "first"))
         await partitions.settled()
         assert set(partitions.servers_for("first")) == {A, B, C}  # the checkpoint is its policy
         assert await push(partitions, "first") == 1
         assert versions == {"first": [1]}
         assert {s.base_url for s in partitions.coordinator("first").servers} == {A, B, C}
 
-        partitions.add_run("second", 1.0, 0)
+        partitions.add_run("second", 1.0, recorded(versions, "second"))
         waiting = asyncio.ensure_future(partitions.pool.routable(lambda: partitions.servers_for("second")))
         await partitions.settled()
         (moved,) = [url for url, owner in partitions.assignment().items() if owner == "second"]
@@ -137,9 +143,9 @@ async def test_a_server_changes_runs_only_once_it_holds_the_new_runs_policy() ->
 
 @pytest.mark.timeout(30)
 async def test_a_restarted_server_waits_for_its_runs_next_push() -> None:
-    partitions, _, wanted = partitions_over([A, B])
+    partitions, wanted = partitions_over([A, B])
     try:
-        partitions.add_run("run", 1.0, 0)
+        partitions.add_run("run", 1.0, PolicyVersion())
         await partitions.settled()
         await push(partitions, "run")
         partitions.server_restarted(A)
@@ -153,8 +159,8 @@ async def test_a_restarted_server_waits_for_its_runs_next_push() -> None:
 
 @pytest.mark.timeout(30)
 async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_sync() -> None:
-    service = make_service(ScriptedEngine())
-    partitions, _, _ = partitions_over([A, B], service)
+    service = make_service(ScriptedEngine(), partitioned=True)
+    partitions, _ = partitions_over([A, B], service)
     service.partitions = partitions
     try:
         one = await service.create_run(run_spec())
@@ -200,10 +206,10 @@ async def test_a_runs_requests_go_to_its_servers_with_a_cache_salt_naming_it() -
 
 @pytest.mark.timeout(30)
 async def test_servers_that_join_or_leave_the_pool_are_shared_again() -> None:
-    partitions, _, wanted = partitions_over([A])
+    partitions, wanted = partitions_over([A])
     try:
-        partitions.add_run("first", 1.0, 0)
-        partitions.add_run("second", 1.0, 0)
+        partitions.add_run("first", 1.0, PolicyVersion())
+        partitions.add_run("second", 1.0, PolicyVersion())
         await partitions.settled()
         assert partitions.assignment() == {A: "first"}  # the second run waits for a server
         await partitions.await_servers("first", 5)

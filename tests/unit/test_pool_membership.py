@@ -28,7 +28,7 @@ from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.support import wait_until
 from tests.unit.scripted import ScriptedEngine, make_service
 from tests.unit.test_engine import OK_BODY, serving
-from tests.unit.test_server_recovery import recovery_of
+from tests.unit.test_server_recovery import commit, recovery_of
 from tests.unit.test_service_limits import spec
 
 
@@ -86,7 +86,7 @@ class Pool:
         self.recovery = recovery_of(self.service, self.pool)
         control = VLLMControlClient(first)
         self.service.weight_sync = WeightSyncCoordinator(
-            [control], WeightSyncSettings(), self.recovery.version_committed
+            [control], WeightSyncSettings(), self.service.versions, self.recovery.version_committed
         )
         info = self.service.info
         self.membership = PoolMembership(
@@ -150,7 +150,7 @@ async def test_after_a_push_it_is_held_until_a_push_it_took_part_in_commits(pool
     fakes, urls = servers
     run = await pool.service.create_run(spec())
     pool.service.base_weights_run = run.run_id
-    pool.recovery.version_committed(3)
+    commit(pool.service, pool.recovery, 3)
 
     state = await pool.membership.add(urls[1])
     assert not state.routable and "policy version 3 is pushed" in state.held_reason
@@ -158,7 +158,7 @@ async def test_after_a_push_it_is_held_until_a_push_it_took_part_in_commits(pool
     await asyncio.wait_for(pool.generate(), 5)
     assert (fakes[0].completions, fakes[1].completions) == (1, 0)  # held: nothing reaches it
 
-    pool.recovery.version_committed(4)  # the push included it (it is a weight-sync server)
+    commit(pool.service, pool.recovery, 4)  # the push included it (it is a weight-sync server)
     assert pool.membership.states()[1].routable
 
 
@@ -166,9 +166,9 @@ async def test_a_commit_of_an_update_begun_before_the_join_does_not_release_it(p
     """The server is awaiting weights before it joins the weight-sync servers: a commit in
     between (of an update that did not include it) must leave it held."""
     _, urls = servers
-    pool.recovery.version_committed(1)
+    commit(pool.service, pool.recovery, 1)
     pool.recovery.awaiting_weights.add(urls[1])
-    pool.recovery.version_committed(2)
+    commit(pool.service, pool.recovery, 2)
     assert urls[1] in pool.recovery.awaiting_weights
 
 
@@ -308,8 +308,6 @@ async def test_with_partitions_a_joining_server_goes_to_the_run_that_has_none(se
             pool.pool,
             pool.controls,
             WeightSyncSettings(),
-            service.run_version_committed,
-            service.run_trainer_version,
             service.request_run_weights,
         )
         stack.push_async_callback(service.partitions.close)

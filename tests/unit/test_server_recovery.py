@@ -34,10 +34,15 @@ def recovery_of(service: RolloutService, pool: EnginePool) -> ServerRecovery:
     return ServerRecovery(
         service,
         pool,
-        lambda: service.policy_version,
-        service.set_policy_version,
+        service.versions,
         lambda: service.runs.get(service.base_weights_run or ""),
     )
+
+
+def commit(service: RolloutService, recovery: ServerRecovery, version: int) -> None:
+    """What the weight sync does at a commit: the versions move, then recovery hears of it."""
+    service.versions.commit(version)
+    recovery.version_committed(version)
 
 
 async def next_message(session: ConsumerSession):  # type: ignore[no-untyped-def]
@@ -57,7 +62,7 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
     service, pool, recovery = recovery_on_one_server()
     run = await service.create_run(spec())
     service.base_weights_run = run.run_id  # its trainer pushes the base weights
-    recovery.version_committed(3)
+    commit(service, recovery, 3)
     run.broker.subscribe("trainer", 0)  # no credits: only control messages can come
     session = ConsumerSession(service, run.run_id, "trainer", 0)
     run.admission.watch(session.wake)
@@ -77,7 +82,7 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
     done, _ = await asyncio.wait({again}, timeout=0.2)  # bounded: one message per request
     assert not done
 
-    recovery.version_committed(4)  # the push answered: the restarted server holds version 4
+    commit(service, recovery, 4)  # the push answered: the restarted server holds version 4
     assert not pool.held
     assert run.policy_version == 4 and not run.admission.weights_wanted
     after = ConsumerSession(service, run.run_id, "after", 0)
@@ -90,12 +95,12 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
 
 
 async def test_without_a_pushing_run_the_server_waits_for_the_next_push() -> None:
-    _service, pool, recovery = recovery_on_one_server()
-    recovery.version_committed(2)
+    service, pool, recovery = recovery_on_one_server()
+    commit(service, recovery, 2)
     recovery.server_down(URL)
     await recovery.server_restarted(URL)
     assert URL in pool.held
-    recovery.version_committed(3)
+    commit(service, recovery, 3)
     assert not pool.held
 
 
@@ -106,12 +111,12 @@ async def test_a_resend_of_the_current_version_brings_the_server_back_at_that_ve
     service, pool, recovery = recovery_on_one_server()
     run = await service.create_run(spec())
     service.base_weights_run = run.run_id
-    recovery.version_committed(3)
+    commit(service, recovery, 3)
     recovery.server_down(URL)
     await recovery.server_restarted(URL)
     assert run.admission.weights_wanted
 
-    recovery.version_committed(3)  # the resend committed
+    commit(service, recovery, 3)  # the resend committed
     assert not pool.held
     assert run.policy_version == 3 and run.admission.trainer_version == 3
     assert not run.admission.weights_wanted
@@ -146,7 +151,7 @@ async def restarted_at(version: int, label: str | None):  # type: ignore[no-unty
     service.set_policy_version(version)
     service.base_weights_run = run.run_id
     service.weight_sync = WeightSyncCoordinator(
-        [LabelledControl(label)], WeightSyncSettings(), recovery.version_committed, version=version
+        [LabelledControl(label)], WeightSyncSettings(), service.versions, recovery.version_committed
     )
     await recovery.check_restored(timeout_s=1)
     return service, pool, recovery, run
@@ -159,7 +164,7 @@ async def test_a_restored_service_holds_a_server_that_does_not_serve_the_restore
     service, pool, recovery, run = await restarted_at(12, label)
     assert "policy version 12 is pushed" in pool.held[URL]
     assert run.admission.weights_requests == 1 and run.admission.weights_wanted
-    recovery.version_committed(12)  # the trainer's resend committed
+    commit(service, recovery, 12)  # the trainer's resend committed
     assert not pool.held and not run.admission.weights_wanted
     await service.delete_run(run.run_id)
 

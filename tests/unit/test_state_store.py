@@ -58,16 +58,18 @@ async def test_a_restarted_service_gets_its_runs_unacked_groups_and_acked_ids_ba
     unacked = {g.group_id for g in run.broker.buffered} | {g.group_id for g in taken[1:]}
     for r in list(first.runs.values()):
         await first.scheduler.stop_run(r)  # stop generating before the store is read back
+    first.set_trainer_version(4)  # a push begins and commits
+    first.set_policy_version(4)
     # Staleness admission's estimate and its switch, learned from acks and pushes:
     run.admission.trained_per_version, run.admission.version_bumped = 2.5, True
-    first.set_policy_version(3)  # as at a push: the runs' state is written
+    first.set_trainer_version(5)  # the next push begins: the runs' state is written
     first.store.close()  # the writes still queued are flushed
 
     second = durable_service(path)
     assert await second.restore() == 1
-    assert second.policy_version == 3 and list(second.runs) == [run.run_id]
+    assert second.policy_version == 4 and list(second.runs) == [run.run_id]
     restored = second.runs[run.run_id]
-    assert restored.spec == run.spec and restored.policy_version == 3
+    assert restored.spec == run.spec and restored.policy_version == 4
     assert restored.admission.trained_per_version == 2.5 and restored.admission.version_bumped
     held = {g.group_id for g in restored.broker.buffered}
     assert unacked <= held  # every unacked group is back, the leased ones returned

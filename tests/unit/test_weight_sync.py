@@ -12,6 +12,7 @@ from rollout_service.edge.convert import update_times_to_pb
 from rollout_service.engine.control import WeightSyncError
 from rollout_service.errors import FailedPrecondition
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.versions import PolicyVersion
 from rollout_service.weights.update_messages import TensorSpec
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.support import listening_port, wait_until
@@ -107,7 +108,7 @@ class ScriptedControl:
 
 def coordinator(server: ScriptedControl, clock: Clock, metrics: ServiceMetrics) -> WeightSyncCoordinator:
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001)
-    return WeightSyncCoordinator([server], settings, lambda _: None, metrics=metrics, clock=clock)
+    return WeightSyncCoordinator([server], settings, PolicyVersion(), metrics=metrics, clock=clock)
 
 
 async def test_a_committed_update_records_its_phases_and_paused_seconds() -> None:
@@ -195,10 +196,9 @@ async def test_a_resend_applies_the_weights_and_keeps_the_version() -> None:
     committed: list[int] = []
     trainer_versions: list[int] = []
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60)
-    sync = WeightSyncCoordinator(
-        [server], settings, committed.append, version=3, on_trainer_version=trainer_versions.append,
-        metrics=metrics, clock=clock,
-    )  # fmt: skip
+    versions = PolicyVersion(3)
+    versions.watch(lambda change: trainer_versions.append(versions.trainer) if not change.committed else None)
+    sync = WeightSyncCoordinator([server], settings, versions, committed.append, metrics=metrics, clock=clock)
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep", resend=True)
         assert ticket.policy_version == 3
@@ -221,7 +221,7 @@ async def test_a_join_closes_an_update_a_dead_service_left_open() -> None:
     """After a server restart the next update is a join; a server that still has an update
     open (a service died between its transfer and its commit) has it closed first."""
     server = ScriptedControl(Clock())
-    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(), PolicyVersion())
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         await asyncio.wait_for(sync.commit(ticket.update_id), 5)
@@ -309,7 +309,7 @@ async def test_servers_left_paused_by_a_dead_service_are_resumed_at_start() -> N
     left, running = ScriptedControl(clock), ScriptedControl(clock)
     left.paused, left.base_url = True, "http://left"
     settings = WeightSyncSettings(resume_retry_s=0.001)
-    sync = WeightSyncCoordinator([left, running], settings, lambda _: None)
+    sync = WeightSyncCoordinator([left, running], settings, PolicyVersion())
     try:
         assert await sync.resume_left_paused() == ["http://left"]
         assert not left.paused and running.resumes == 0
@@ -330,7 +330,7 @@ async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() 
         "HTTP 500: finish_weight_update called without a matching start_weight_update.",
     )  # fmt: skip
     down.fail = "init_weight_transfer"
-    sync = WeightSyncCoordinator([idle, mid_update, down], WeightSyncSettings(), lambda _: None)
+    sync = WeightSyncCoordinator([idle, mid_update, down], WeightSyncSettings(), PolicyVersion())
     try:
         assert await sync.release_left_transfer() == ["http://idle", "http://mid-update"]
     finally:
@@ -340,7 +340,7 @@ async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() 
 
     just_started = ScriptedControl(clock)
     just_started.base_url = "http://just-started"
-    sync = WeightSyncCoordinator([just_started, idle], WeightSyncSettings(), lambda _: None)
+    sync = WeightSyncCoordinator([just_started, idle], WeightSyncSettings(), PolicyVersion())
     try:  # a server the service started itself holds nothing to release
         assert await sync.release_left_transfer(skip=frozenset(["http://just-started"])) == ["http://idle"]
     finally:
@@ -348,7 +348,7 @@ async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() 
     assert just_started.calls == []
 
     nccl_server = ScriptedControl(clock)
-    sync = WeightSyncCoordinator([nccl_server], WeightSyncSettings(backend="nccl"), lambda _: None)
+    sync = WeightSyncCoordinator([nccl_server], WeightSyncSettings(backend="nccl"), PolicyVersion())
     try:
         assert await sync.release_left_transfer() == [nccl_server.base_url]
     finally:
@@ -359,7 +359,7 @@ async def test_a_transfer_group_a_dead_service_left_open_is_released_at_start() 
 async def test_an_update_without_pause_is_refused_where_the_engine_reloads_from_start() -> None:
     clock = Clock()
     server = ScriptedControl(clock)
-    sync = WeightSyncCoordinator([server], WeightSyncSettings(backend="nccl"), lambda _: None)
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(backend="nccl"), PolicyVersion())
     try:
         with pytest.raises(FailedPrecondition, match="generation must pause"):
             await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
@@ -414,7 +414,7 @@ async def test_the_watchdog_counts_from_the_last_progress_not_from_begin() -> No
     clock = Clock()
     server = SlowTransfer(clock)
     settings = WeightSyncSettings(transfer_timeout_s=1.0, control_timeout_s=0.5, resume_retry_s=0.001)
-    sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)
+    sync = WeightSyncCoordinator([server], settings, PolicyVersion(), clock=clock)
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
         await asyncio.wait_for(server.received.wait(), 5)
@@ -480,7 +480,7 @@ async def test_an_update_aborted_mid_join_holds_the_busy_server_until_vllm_lets_
     stuck: list[tuple[str, str | None]] = []
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, join_timeout_s=5, resume_retry_s=0.001)
     sync = WeightSyncCoordinator(
-        [server], settings, lambda _: None, clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
+        [server], settings, PolicyVersion(), clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
     )
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
@@ -507,7 +507,7 @@ async def test_a_begin_is_refused_while_a_server_stays_busy_with_an_aborted_call
     clock = Clock()
     server = EngineBusyControl(clock)
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=0.05, join_timeout_s=5)
-    sync = WeightSyncCoordinator([server], settings, lambda _: None, clock=clock)
+    sync = WeightSyncCoordinator([server], settings, PolicyVersion(), clock=clock)
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "none")
         await wait_until(lambda: server.joins == 1, 5, "the join to reach vLLM")
@@ -527,7 +527,7 @@ async def test_an_answered_failure_leaves_no_server_busy() -> None:
     stuck: list[tuple[str, str | None]] = []
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001)
     sync = WeightSyncCoordinator(
-        [server], settings, lambda _: None, clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
+        [server], settings, PolicyVersion(), clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
     )
     server.fail_once["init_weight_transfer"] = WeightSyncError(server.base_url, "/init", "HTTP 500", answered=True)
     try:
@@ -544,7 +544,7 @@ async def test_a_trainer_without_a_group_is_joined_at_the_last_groups_address_an
     and port as the group the servers hold, but without that group: it says so, and the
     servers join a fresh one; a trainer that holds its group is not joined again."""
     server = ScriptedControl(Clock())
-    sync = WeightSyncCoordinator([server], WeightSyncSettings(), lambda _: None)
+    sync = WeightSyncCoordinator([server], WeightSyncSettings(), PolicyVersion())
     port = listening_port()
     joins = []
     try:
