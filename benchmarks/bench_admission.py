@@ -1,18 +1,17 @@
-"""Stale drops and training throughput: staleness-aware admission on and off, or (``--compare
+"""Stale drops and training throughput: paced against staleness admission, or (``--compare
 abort``) stale in-flight groups aborted or kept.
 
-Why: with plain buffer admission the service generates up to ``max_buffered_groups`` ahead
-whatever the trainer can absorb, so with a small ``max_staleness`` much of it ages past the
-limit and is dropped: generation wasted. Staleness-aware admission generates only what the
-trainer will train in time. The question is what that costs in training throughput, and
-what it saves in drops. Both modes run side by side, alternating, in one invocation, each
-a real ``rollout-trainer`` process against one service (in this process) and one vLLM.
+Why: staleness admission generates as far ahead as ``max_staleness`` lets a group still
+train in time; paced admission only as far as keeps the trainer busy. The question is what
+each costs in training throughput, and what it saves in drops. Both modes run side by side,
+alternating, in one invocation, each a real ``rollout-trainer`` process against one service
+(in this process) and one vLLM.
 
 Per phase it reports groups generated (scored), trained and dropped as stale, the drop
 fraction, trained groups per second of wall time, generated tokens per second, and the
 fraction of generated tokens that were trained.
 
-``--compare abort``: buffer admission (generation runs ahead of a slower trainer), with the
+``--compare abort``: staleness admission (generation runs ahead of a slower trainer), with the
 service's ``abort_stale_inflight`` on and off. A group the trainer moved past while it was
 generating is then aborted in vLLM instead of finished and dropped; the table adds the
 groups aborted and vLLM's own count of generated tokens (aborted requests included) per
@@ -48,7 +47,7 @@ from rollout_common.tiny_model import build_tiny_model, tiny_model_flags
 from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
 from rollout_service.edge.app import running_service
 
-COMPARISONS = {"admission": ("staleness", "buffer"), "abort": ("abort", "keep")}
+COMPARISONS = {"admission": ("paced", "staleness"), "abort": ("abort", "keep")}
 """What each ``--compare`` runs side by side: admission modes, or abort_stale_inflight on / off."""
 
 
@@ -84,7 +83,7 @@ def vllm_generated_tokens(url: str) -> int:
 async def run_phase(service, args: argparse.Namespace, mode: str, round_: int, out: Path) -> Phase:
     """One trainer process on a fresh run, in ``mode``."""
     target, url = service.grpc_target, service.service.info.engine_urls[0]
-    admission = mode if args.compare == "admission" else "buffer"
+    admission = mode if args.compare == "admission" else "staleness"
     service.service.settings.abort_stale_inflight = mode != "keep"  # read as each run is created
     tokens_before = vllm_generated_tokens(url)
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
@@ -140,8 +139,8 @@ async def benchmark(args: argparse.Namespace) -> list[Phase]:
 def report(phases: list[Phase], console: Console, compare: str) -> dict[str, dict[str, float]]:
     modes = COMPARISONS[compare]
     title = {
-        "admission": "staleness-aware admission vs buffer-only admission",
-        "abort": "buffer admission, stale in-flight groups aborted vs kept",
+        "admission": "paced admission vs staleness admission",
+        "abort": "staleness admission, stale in-flight groups aborted vs kept",
     }[compare]
     table = Table(title=title)
     columns = ["mode", "round", "s", "generated", "trained", "dropped stale", "drop %", "trained/s", "tok/s"]

@@ -37,7 +37,6 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import DEFAULT_MODEL_DIR, ManagedServerSettings, load_settings
@@ -110,7 +109,6 @@ async def run_phase(server: ManagedVLLMServer, args: argparse.Namespace, mode: s
             "letters", {"char_fraction": 1.0}, group_size=args.group_size, max_tokens=args.max_tokens
         )
         spec.sampling.temperature = 1.0
-        spec.admission = pb.ADMISSION_MODE_BUFFER  # no trainer here: generate while the buffer has room
         run = await client.create_run(spec)
         origin = time.monotonic()
         stream = client.stream(run.run_id, f"bench-{mode}", credits=256)
@@ -154,7 +152,7 @@ async def run_phase(server: ManagedVLLMServer, args: argparse.Namespace, mode: s
 async def benchmark(args: argparse.Namespace) -> list[Phase]:
     settings = ManagedServerSettings(
         model=args.model_dir,
-        pin_processes=False,
+        cpu_placement="off",
         extra_args=["--num-gpu-blocks-override", str(args.kv_blocks)],
     )
     phases: list[Phase] = []

@@ -87,7 +87,6 @@ def episode_spec(args: argparse.Namespace) -> pb.RunSpec:
     # A turn that hits max_tokens ends its episode, and the random tiny model hardly ever
     # emits its end-of-turn token: a newline (about one in 40 of its tokens) ends turns instead.
     spec.sampling.stop.extend(["\n", "."])
-    spec.admission = pb.ADMISSION_MODE_BUFFER  # no trainer here: generate while the buffer has room
     spec.episode.CopyFrom(
         pb.EpisodeSpec(environment="guess_number", max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens)
     )
@@ -143,7 +142,7 @@ def start_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> list
     for index in range(2):
         core = index % max(1, len(os.sched_getaffinity(0)))
         os.environ[VLLM_BIND_ENV] = str(core)  # read as each server starts
-        settings = ManagedServerSettings(model=args.model_dir, pin_processes=False)
+        settings = ManagedServerSettings(model=args.model_dir, cpu_placement="off")
         urls.append(stack.enter_context(ManagedVLLMServer(settings, served_model_name="tiny")).url)
     os.environ.pop(VLLM_BIND_ENV)
     return urls

@@ -366,10 +366,10 @@ def dataset_run_spec(
     rewards: dict[str, float],
     group_size: int = 8,
     max_tokens: int = 64,
-    max_staleness: int = 1,
+    max_staleness: int | None = None,
     **fields: object,
 ) -> pb.RunSpec:
-    """A RunSpec over a built-in dataset, for the common case."""
+    """A RunSpec over a built-in dataset, for the common case (``max_staleness`` None: the service's default)."""
     spec = pb.RunSpec(
         group_size=group_size,
         max_staleness=max_staleness,

@@ -20,7 +20,6 @@ from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
 ADMISSION_MODES = {
     "staleness": pb.ADMISSION_MODE_STALENESS,
     "paced": pb.ADMISSION_MODE_PACED,
-    "buffer": pb.ADMISSION_MODE_BUFFER,
 }
 """``RunOptions.admission`` -> the proto's AdmissionMode."""
 SCALE_REWARDS = {
@@ -59,11 +58,11 @@ class RunOptions:
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per reward function (default: 1 each)."}
     )
-    admission: Literal["paced", "staleness", "buffer"] = field(
+    admission: Literal["paced", "staleness"] = field(
         default="paced",
         metadata={
             "help": "paced: generate only what trains within max_staleness, no further ahead than keeps this "
-            "trainer busy; staleness: as far ahead as max_staleness allows; buffer: fill the buffer."
+            "trainer busy; staleness: as far ahead as max_staleness allows."
         },
     )
     max_buffered_groups: int = field(

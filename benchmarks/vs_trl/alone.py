@@ -102,18 +102,16 @@ def train_alone_worker(args: argparse.Namespace) -> None:
 
 async def generate_alone(args: argparse.Namespace, target: str) -> dict[str, Any]:
     """Seconds (and busy core-seconds) to generate one step's groups through the service with
-    nothing training: a consumer acks every group at once (buffer admission, no pushes).
+    nothing training: a consumer acks every group at once (no pushes, so admission bounds nothing).
 
     ``--one-step-in-flight``: at most one step's groups generating at once, the most
     ``max_staleness`` 1 lets a run generate (the groups of the step after next wait for the
     push of the step being trained); otherwise as many as the service's slots hold."""
-    from rollout_api import rollout_pb2 as pb
     from rollout_api.client import RolloutClient, dataset_run_spec
 
     async with RolloutClient(target) as client:
         spec = dataset_run_spec(args.dataset, {"vowel_share": 1.0}, group_size=args.group_size)
         spec.sampling.max_tokens = args.max_tokens
-        spec.admission = pb.ADMISSION_MODE_BUFFER
         if args.one_step_in_flight:
             spec.max_inflight = args.prompts_per_step * args.group_size  # episodes: one per sample
         run = await client.create_run(spec)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from google.protobuf.descriptor import Descriptor
 
 from rollout_api import rollout_pb2 as pb
+from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from rollout_service import __version__
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
@@ -44,15 +45,13 @@ _SCALING_TO_PB = {
     AdvantageScaling.NONE: pb.ADVANTAGE_SCALING_NONE,
 }
 _ADMISSION_FROM_PB: dict[int, AdmissionMode] = {
-    pb.ADMISSION_MODE_UNSPECIFIED: "staleness",
+    pb.ADMISSION_MODE_UNSPECIFIED: "paced",
     pb.ADMISSION_MODE_STALENESS: "staleness",
-    pb.ADMISSION_MODE_BUFFER: "buffer",
     pb.ADMISSION_MODE_PACED: "paced",
 }
 _ADMISSION_TO_PB = {
     "staleness": pb.ADMISSION_MODE_STALENESS,
     "paced": pb.ADMISSION_MODE_PACED,
-    "buffer": pb.ADMISSION_MODE_BUFFER,
 }
 _STATE_TO_PB = {
     "running": pb.RUN_STATE_RUNNING,
@@ -188,7 +187,7 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         sampling=sampling_from_pb(spec.sampling),
         group_size=spec.group_size,
         rewards=tuple((r.name, r.weight if r.HasField("weight") else 1.0) for r in spec.reward_functions),
-        max_staleness=spec.max_staleness,
+        max_staleness=spec.max_staleness if spec.HasField("max_staleness") else DEFAULT_MAX_STALENESS,
         max_inflight=spec.max_inflight,
         max_buffered_groups=spec.max_buffered_groups,
         scale_rewards=_SCALING_FROM_PB[spec.scale_rewards],

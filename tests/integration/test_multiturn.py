@@ -456,7 +456,7 @@ async def test_weight_updates_mid_episode_keep_episodes_well_formed(vllm_server,
     async with service_with_client(settings) as (_service, client):
         spec = environment_run_spec()
         spec.max_buffered_groups = 32
-        spec.admission = pb.ADMISSION_MODE_BUFFER  # keep generating through the pushes
+        spec.max_staleness = 1000  # keep generating through the pushes
         run = await client.create_run(spec)
         stream = client.stream(run.run_id, "c", credits=64)
         pusher = WeightPusher(client, run.run_id, transfer_timeout_s=30)

@@ -44,11 +44,10 @@ async def scored(client: RolloutClient, run_id: str) -> int:
 
 async def test_runs_share_slots_by_weight_and_a_stalled_run_does_not_stall_the_other(client: RolloutClient) -> None:
     def spec(weight: float, buffer: int) -> pb.RunSpec:
-        # Runs with live consumers must always wait for slots, never for room: a deep buffer, and
-        # buffer-only admission (staleness-aware admission would hold back groups the consumer has
-        # not acked yet, and under CPU load that, not the slot sharing, set the shares).
+        # Runs with live consumers must always wait for slots, never for room: a deep buffer (no
+        # push happens, so admission bounds nothing else).
         return dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=16, weight=weight,
-                                max_buffered_groups=buffer, admission=pb.ADMISSION_MODE_BUFFER)  # fmt: skip
+                                max_buffered_groups=buffer)  # fmt: skip
 
     heavy, light = await client.create_run(spec(3, 1000)), await client.create_run(spec(1, 64))
     consumers = {run.run_id: asyncio.ensure_future(consume(client, run.run_id, "c")) for run in (heavy, light)}
