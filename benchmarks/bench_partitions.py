@@ -49,7 +49,7 @@ async def run_trainers(args: argparse.Namespace, model: Path, work: Path) -> dic
 
     servers = [
         ManagedVLLMServer(
-            ManagedServerSettings(model=model, log_file=work / f"vllm-{i}.log", pin_processes=False),
+            ManagedServerSettings(model=model, log_file=work / f"vllm-{i}.log", cpu_placement="off"),
             served_model_name="tiny",
         )
         for i in range(args.trainers)

@@ -10,9 +10,9 @@ Both sides derive their share from the same function of the cores this process m
 (``os.sched_getaffinity``), so the defaults agree without talking to each other:
 
 - the service sets ``VLLM_CPU_OMP_THREADS_BIND`` for its managed CPU server to the first
-  ``vllm_cores`` cores (``engine.managed.cpu_cores``; a value already in the environment
-  wins), pins the server's engine and worker processes to them, and lets its API server
-  process run on every core (``front_end_cores``);
+  ``vllm_cores`` cores (half; a value already in the environment wins) and, with
+  ``engine.managed.cpu_placement`` auto, pins the server's engine and worker processes to
+  them and lets its API server process run on every core (``front_end_cores``);
 - a trainer whose service runs on the same host (a loopback target) sets torch's threads to
   the remaining cores (``rollout-trainer --torch-threads``); a trainer on another host keeps
   every core.

@@ -91,36 +91,16 @@ class ManagedServerSettings(Section):
     """Context length the server reserves KV cache for."""
     kv_cache_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE on CPU (GiB)."""
-    cpu_cores: int | None = Field(default=None, ge=1)
-    """Cores the CPU server's worker is bound to (VLLM_CPU_OMP_THREADS_BIND), the first ones
-    of this process's; None: half of them, leaving the rest to a trainer on this host
-    (``rollout_common.cpu_budget``). A binding already in the environment wins."""
-    pin_processes: bool = True
-    """Pin the CPU server's processes, not only the worker's OpenMP threads: the engine core
-    and worker to the worker's cores, while the API server may use every core once the server
-    is healthy (``cpu_budget.CpuBudget.front_end_cores``). With nothing pinned, the API server
-    and engine core took about one core beside the worker's, on the cores left to the trainer."""
-    service_off_vllm_cores: bool = True
-    """With the server pinned, move the service's own process to the cores left to a trainer
-    (``cpu_budget.CpuBudget.service_cores``) while it runs, off the worker's cores, which are
-    the ones a run keeps full."""
-    nice: int = Field(default=10, ge=0, le=19)
-    """Scheduling niceness of the pinned CPU server's processes and of their session's
-    autogroup (what the kernel weighs against other sessions when autogroup is on), so that a
-    trainer on a core it shares with the API server runs first (measured in
-    ``benchmarks/SPEED_HISTORY.md``). Unpinned servers keep their priority. 0 leaves priority
-    as is."""
-    worker_in_engine_process: bool | None = None
-    """On CPU, run vLLM's model in its engine-core process (vLLM's ``uni`` executor, through
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a value already in the environment wins) instead of in
-    a worker process of its own, which vllm-cpu starts by default. None: on when the server is
-    pinned to one core (``pin_processes``, and no binding of the user's in the environment). Two
-    processes on one core hand each engine step to each other through a shared-memory queue
-    and spin while they wait for each other's half; one process does the same work in fewer
-    core-seconds (``benchmarks/SPEED_HISTORY.md``). Not the default
-    elsewhere: vLLM binds OpenMP threads only in a worker process, so an unpinned engine core's
-    model floats over every core, and in-process vLLM serves with one torch thread unless
-    ``OMP_NUM_THREADS`` says otherwise."""
+    cpu_placement: Literal["auto", "off"] = "auto"
+    """Where a CPU server runs. Both: its worker's OpenMP threads are bound to the first half
+    of this process's cores, leaving the rest to a trainer on this host
+    (``rollout_common.cpu_budget``). auto also pins all its processes there at niceness 10, so
+    a trainer on a core they share runs first; runs its model in the engine-core process when
+    that share is one core (two processes on one core spin waiting for each other's half of
+    each step); and moves the service's own process to the trainer's cores while the server
+    runs. off: the processes float at their own priority. A binding already in the environment
+    (``VLLM_CPU_OMP_THREADS_BIND``) wins, and places nothing else. Measured in
+    ``benchmarks/SPEED_HISTORY.md``."""
     dtype: str | None = None
     """vLLM's ``--dtype``. None: bfloat16 on a CPU that multiplies bf16 in hardware (AVX512-BF16
     or AMX, ``rollout_common.cpu_features``; there the trainer's default is bf16 autocast too),

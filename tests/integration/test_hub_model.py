@@ -39,7 +39,7 @@ def hub_service(hub_env: dict[str, str], tmp_path: Path) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--model", REPO_ID]
     command += ["--port", str(port), "--metrics-port", "0"]
-    env = {**hub_env, "ROLLOUT_ENGINE__MANAGED__PIN_PROCESSES": "false"}  # beside the session's vLLM
+    env = {**hub_env, "ROLLOUT_ENGINE__MANAGED__CPU_PLACEMENT": "off"}  # beside the session's vLLM
     with open(tmp_path / "service.log", "wb") as log, started(command, stdout=log, stderr=log, env=env):
         yield f"127.0.0.1:{port}"
 

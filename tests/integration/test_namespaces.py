@@ -65,7 +65,7 @@ async def serving_stack(
             max_model_len=1024,
             dtype="float32",  # held to a float32 reference within 1e-4, as the session's server
             log_file=tmp_path / "vllm.log",
-            pin_processes=False,
+            cpu_placement="off",
         ),
     )
     await asyncio.to_thread(vllm.start)

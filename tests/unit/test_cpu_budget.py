@@ -13,7 +13,7 @@ import pytest
 
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, available_cores, is_local_target, trainer_threads
 from rollout_service.config import ManagedServerSettings
-from rollout_service.engine.managed import ManagedVLLMServer
+from rollout_service.engine.managed import PINNED_NICENESS, ManagedVLLMServer
 
 
 @pytest.mark.parametrize(
@@ -47,8 +47,8 @@ def test_managed_cpu_server_is_bound_to_its_share(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
     server = ManagedVLLMServer(ManagedServerSettings(port=1))
     assert server.environment()[VLLM_BIND_ENV] == CpuBudget.split().vllm_bind()
-    one_core = ManagedVLLMServer(ManagedServerSettings(port=1, cpu_cores=1))
-    assert one_core.environment()[VLLM_BIND_ENV] == str(available_cores()[0])
+    unpinned = ManagedVLLMServer(ManagedServerSettings(port=1, cpu_placement="off"))
+    assert unpinned.environment()[VLLM_BIND_ENV] == CpuBudget.split().vllm_bind()  # the threads split all the same
 
 
 def test_a_binding_in_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,7 +80,7 @@ def test_trainer_threads_follow_the_budget_only_next_to_its_service() -> None:
 def test_managed_cpu_server_pins_every_process_to_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
     assert ManagedVLLMServer(ManagedServerSettings(port=1)).pinned_cores() == CpuBudget.split().vllm_cores
-    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).pinned_cores() is None
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, cpu_placement="off")).pinned_cores() is None
     assert ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).pinned_cores() is None
     monkeypatch.setenv(VLLM_BIND_ENV, "0-3")  # the user's own binding: do not second-guess it
     assert ManagedVLLMServer(ManagedServerSettings(port=1)).pinned_cores() is None
@@ -145,14 +145,14 @@ def test_the_managed_server_starts_on_the_vllm_cores_and_its_api_process_is_then
     with StandInServer(settings) as server, urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
         cores = json.loads(resp.read())
     budget = CpuBudget.split()
-    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + settings.nice)  # relative to the launcher's
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + PINNED_NICENESS)  # relative to the launcher's
     assert cores == {
         "started_on": list(budget.vllm_cores),  # so its children (engine core, worker) inherit them
         "child": list(budget.vllm_cores),
         "server": list(budget.front_end_cores),
         "nice": nice,  # a trainer's thread on a shared core runs first
         "child_nice": nice,
-        "autogroup_nice": settings.nice if Path("/proc/self/autogroup").exists() else None,
+        "autogroup_nice": PINNED_NICENESS if Path("/proc/self/autogroup").exists() else None,
     }
     assert sorted(os.sched_getaffinity(0)) == list(available_cores())  # the launching process keeps all its cores
     assert os.getpriority(os.PRIO_PROCESS, 0) < nice  # and its priority
@@ -162,15 +162,14 @@ def test_the_front_end_may_use_every_core_of_the_budget_once() -> None:
     assert CpuBudget.split((0, 1)).front_end_cores == (0, 1)
     assert CpuBudget.split((0, 1, 2, 3), vllm_cores=1).front_end_cores == (0, 1, 2, 3)
     assert CpuBudget.split((5,)).front_end_cores == (5,)  # one core: everything shares it, listed once
-    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).front_end_cores() is None
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, cpu_placement="off")).front_end_cores() is None
 
 
 def test_only_a_pinned_server_is_niced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
     if hasattr(os, "sched_setaffinity"):
-        assert ManagedVLLMServer(ManagedServerSettings(port=1)).niceness() == 10
-        assert ManagedVLLMServer(ManagedServerSettings(port=1, nice=0)).niceness() == 0
-    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).niceness() == 0
+        assert ManagedVLLMServer(ManagedServerSettings(port=1)).niceness() == PINNED_NICENESS
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, cpu_placement="off")).niceness() == 0
     assert ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).niceness() == 0
     monkeypatch.setenv(VLLM_BIND_ENV, "0")  # the user placed vLLM: priority is theirs too
     assert ManagedVLLMServer(ManagedServerSettings(port=1)).niceness() == 0
@@ -182,8 +181,7 @@ def test_the_service_takes_the_trainers_cores_off_vllms(monkeypatch: pytest.Monk
     assert CpuBudget.split((5,)).service_cores is None  # one core: nowhere else to go
     monkeypatch.delenv(VLLM_BIND_ENV, raising=False)
     assert ManagedVLLMServer(ManagedServerSettings(port=1)).service_cores() == CpuBudget.split().service_cores
-    assert ManagedVLLMServer(ManagedServerSettings(port=1, service_off_vllm_cores=False)).service_cores() is None
-    assert ManagedVLLMServer(ManagedServerSettings(port=1, pin_processes=False)).service_cores() is None
+    assert ManagedVLLMServer(ManagedServerSettings(port=1, cpu_placement="off")).service_cores() is None
     assert ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).service_cores() is None
 
 

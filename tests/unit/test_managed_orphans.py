@@ -50,7 +50,7 @@ def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def settings(tmp_path: Path, port: int, **overrides) -> ManagedServerSettings:  # type: ignore[no-untyped-def]
-    return ManagedServerSettings(model=tmp_path, pin_processes=False, port=port, **overrides)
+    return ManagedServerSettings(model=tmp_path, cpu_placement="off", port=port, **overrides)
 
 
 def record_as_left_by_a_dead_service(port: int, pgid: int) -> None:

@@ -94,7 +94,7 @@ class ShellServer(ManagedVLLMServer):
 
 async def test_stop_reaps_the_group_when_its_leader_died_first(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))  # its cwd, where the child's pid goes
-    server = ShellServer(ManagedServerSettings(model=tmp_path, pin_processes=False, log_file=tmp_path / "log"))
+    server = ShellServer(ManagedServerSettings(model=tmp_path, cpu_placement="off", log_file=tmp_path / "log"))
     server.start()
     pid_file = tmp_path / "child.pid"
     await wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", 10, "the child's pid")

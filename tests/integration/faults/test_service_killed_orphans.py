@@ -36,7 +36,7 @@ def managed_env(tiny_model: Path, tmp_path: Path, vllm_port: int) -> dict[str, s
         ROLLOUT_ENGINE__MANAGED__DTYPE="float32",
         ROLLOUT_ENGINE__MANAGED__MAX_MODEL_LEN="1024",
         ROLLOUT_ENGINE__MANAGED__KV_CACHE_GIB="1",
-        ROLLOUT_ENGINE__MANAGED__PIN_PROCESSES="false",  # the session's server may hold the pinned cores
+        ROLLOUT_ENGINE__MANAGED__CPU_PLACEMENT="off",  # the session's server may hold the pinned cores
         ROLLOUT_ENGINE__MANAGED__LOG_FILE=str(tmp_path / "vllm.log"),
         ROLLOUT_ADAPTERS__DIR=str(tmp_path / "adapters"),
         XDG_RUNTIME_DIR=str(tmp_path),  # the server's pid file: this test's
