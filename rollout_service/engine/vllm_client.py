@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -154,6 +156,9 @@ class VLLMServerClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.salt_prefix = secrets.token_hex(4)
+        """Prefixes every prefix-cache salt: blocks another service, or this one before a
+        restart, computed under other weights at the same version label are never reused."""
         self.settings = settings
         self.metrics = metrics
         self.inflight = 0
@@ -243,6 +248,8 @@ class VLLMServerClient:
             return [
                 Completion(list(one.token_ids), list(one.logprobs), one.finish_reason, one.server) for _ in range(n)
             ]
+        if params.cache_salt is not None:
+            params = replace(params, cache_salt=f"{self.salt_prefix}-{params.cache_salt}")
         if self.token_endpoint and not params.stop:
             body = generate_body(self.model, prompt_ids, params, n)
             try:

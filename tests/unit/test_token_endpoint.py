@@ -53,10 +53,22 @@ async def test_samples_come_as_token_ids_without_detokenization(server) -> None:
     assert [(c.token_ids, c.logprobs, c.finish_reason) for c in completions] == [([5, 6], [-0.1, -0.2], "length")] * 2
     [(path, body)] = seen
     assert path == GENERATE_PATH and body["token_ids"] == [1, 2, 3] and body["model"] == "adapter-1"
-    assert body["cache_salt"] == "v3"
+    assert body["cache_salt"] == f"{client.salt_prefix}-v3"
     sampling = body["sampling_params"]
     assert sampling["detokenize"] is False and sampling["logprobs"] == 0 and sampling["n"] == 2
     assert sampling["seed"] == 7 and sampling["top_k"] == 0 and sampling["max_tokens"] == 2
+
+
+async def test_two_lives_of_the_service_never_share_cached_blocks_of_one_version_label(server) -> None:
+    """A restarted service (or another one on the same servers) labels other weights with the
+    same version number: its requests must not reuse the blocks the first one cached."""
+    url, seen = server
+    first, second = await make_client(url), await make_client(url)
+    for client in (first, second):
+        await client.generate([1], SamplingParams(cache_salt="policy-v1"))
+        await client.close()
+    salts = [body["cache_salt"] for _, body in seen]
+    assert len(set(salts)) == 2 and all(salt.endswith("-policy-v1") for salt in salts)
 
 
 async def test_stop_strings_need_vllms_text_so_they_go_to_completions(server) -> None:
