@@ -30,8 +30,10 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
+from rollout_common.ports import free_port
 from rollout_common.tiny_model import TinyModelSpec, build_tiny_model
-from trainer_client.weights import GlooWeightSender, free_port, update_info_for
+from trainer_client.weights.gloo import GlooWeightSender
+from trainer_client.weights.sender import update_info_for
 from vllm_gloo_transfer.plugin import GlooWeightTransferEngine, GlooWeightTransferInitInfo
 
 HOST = "127.0.0.1"

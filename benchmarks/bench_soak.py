@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_common.ports import free_port
 from rollout_common.tiny_model import tiny_model_flags
-from rollout_service.engine.managed import free_port
 
 TRAINERS = {"a-push": ("A", True), "a-follow": ("A", False), "b-1": ("B", False), "b-2": ("B", False)}
 

@@ -62,7 +62,9 @@ from rich.table import Table
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from trainer_client.weights import GlooWeightSender, dtype_name, free_port, rendezvous_uri
+from rollout_common.ports import free_port
+from trainer_client.weights.gloo import GlooWeightSender, rendezvous_uri
+from trainer_client.weights.sender import dtype_name
 
 # The service, grpc and transformers are imported inside the functions that use them: the raw
 # receiver subprocess runs this file too and needs nothing but torch.
@@ -412,7 +414,7 @@ async def benchmark(args: argparse.Namespace, url: str, model_dir: Path, served_
     from rollout_api.client import RolloutClient, dataset_run_spec
     from rollout_service.config import load_settings
     from rollout_service.edge.app import load_tokenizer, running_service
-    from trainer_client import weight_push
+    from trainer_client.weights import push as weight_push
 
     recorder = Recorder()
 
@@ -456,7 +458,8 @@ async def benchmark(args: argparse.Namespace, url: str, model_dir: Path, served_
         assert running.service.weight_sync is not None
         for control in running.service.weight_sync.servers:
             recorder.instrument_control(control)
-        stack.enter_context(mock.patch.dict(weight_push.SENDERS, {"gloo": recorder.sender_class()}))
+        timed = recorder.sender_class()
+        stack.enter_context(mock.patch.object(weight_push, "sender_for", lambda backend: timed))
         client = await stack.enter_async_context(TimedRolloutClient(running.grpc_target, timeout_s=RPC_TIMEOUT_S))
         # A run is what BeginWeightUpdate is about; keep its generation to one buffered group so
         # it barely competes with the transfers for the 2 cores.

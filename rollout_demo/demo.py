@@ -34,11 +34,11 @@ def main(
 ) -> None:
     """Train the tiny model on the repeat_a task through the rollout service."""
     setup_logging("INFO")
+    from trainer_client.grpo_config import AsyncGRPOConfig
     from trainer_client.local_service import local_service
     from trainer_client.options import ModelOptions, RunOptions
     from trainer_client.step_timing import format_split
     from trainer_client.train import train
-    from trainer_client.trainer import AsyncGRPOConfig
 
     output_dir.mkdir(parents=True, exist_ok=True)
     with console.status("building the tiny model"):

@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 DEVICE_CHOICE = """
-from trainer_client.trainer import AsyncGRPOConfig
+from trainer_client.grpo_config import AsyncGRPOConfig
 config = AsyncGRPOConfig(output_dir="/tmp/gpu-check", max_steps=1)
 assert config.device.type == "cuda", config.device
 print(f"device {config.device}, bf16 {config.bf16}")

@@ -21,9 +21,9 @@ import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.options import ModelOptions, RunOptions
 from trainer_client.prompts_file import PromptRows
-from trainer_client.trainer import AsyncGRPOConfig
 
 RewardFunc = str | Callable[..., Any]
 

@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 from transformers import HfArgumentParser
 
+from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.options import ModelOptions, RunOptions
-from trainer_client.trainer import AsyncGRPOConfig
 
 logger = logging.getLogger(__name__)
 

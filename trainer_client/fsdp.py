@@ -28,7 +28,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainer_client.policy_weights import NamedTensors, is_peft_model
+from trainer_client.weights.policy_weights import NamedTensors, is_peft_model
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rollout_api.client import HealthCheckFailed, health_status
-from trainer_client.weights import free_port
+from rollout_common.ports import free_port
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0

@@ -16,10 +16,11 @@ from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 
 from trainer_client import fsdp
-from trainer_client.policy_weights import policy_weights
+from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.step_timing import COMPUTE_CPU, step_seconds
-from trainer_client.trainer import AsyncGRPOConfig, StepBook, StreamGRPOTrainer
-from trainer_client.weight_push import WeightPusher
+from trainer_client.trainer import StepBook, StreamGRPOTrainer
+from trainer_client.weights.policy_weights import policy_weights
+from trainer_client.weights.push import WeightPusher
 
 logger = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ from trainer_client import fsdp, precision
 from trainer_client.advertised_address import advertised_address
 from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
 from trainer_client.evaluator import PinnedEvaluator
+from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.local_service import LocalServiceError, local_service
 from trainer_client.options import ADMISSION_MODES, SCALE_REWARDS, ModelOptions, RunOptions
 from trainer_client.prompt_feeder import feed_prompts
@@ -46,8 +47,8 @@ from trainer_client.step_callback import SyncAndAck
 from trainer_client.step_timing import summarize_seconds, with_lookahead
 from trainer_client.stream import GroupFeed
 from trainer_client.svg_plot import line_plot
-from trainer_client.trainer import AsyncGRPOConfig, StreamGRPOTrainer
-from trainer_client.weight_push import AdapterPusher, WeightPusher
+from trainer_client.trainer import StreamGRPOTrainer
+from trainer_client.weights.push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)
 

@@ -2,5 +2,5 @@
 
 ``plugin`` runs inside vLLM's processes (registered through the ``vllm.general_plugins``
 entry point); ``packing`` is the wire format that it and the trainer's sender
-(``trainer_client.weights``) share. Importing ``packing`` needs torch only, not vLLM.
+(``trainer_client.weights.gloo``) share. Importing ``packing`` needs torch only, not vLLM.
 """

@@ -1,4 +1,4 @@
-"""The gloo push's wire format, shared by the trainer's sender (``trainer_client.weights``)
+"""The gloo push's wire format, shared by the trainer's sender (``trainer_client.weights.gloo``)
 and the receiving engine inside vLLM (``vllm_gloo_transfer.plugin``): the tensors are
 packed into buckets, each one broadcast, because a broadcast is a round trip that costs
 about a millisecond whatever its size; both sides derive the buckets from the announced

@@ -3,7 +3,7 @@
 vLLM's built-in backends (nccl, ipc, ...) all need CUDA. This engine runs the same
 handshake (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``) on CPU, so the CPU test suite exercises the real protocol.
-The trainer side is :class:`trainer_client.weights.GlooWeightSender` (plain torch, no vLLM).
+The trainer side is :class:`trainer_client.weights.gloo.GlooWeightSender` (plain torch, no vLLM).
 
 It is registered as backend ``"gloo"`` by :func:`register`, a ``vllm.general_plugins``
 entry point; serve with ``--weight-transfer-config '{"backend": "gloo"}'``.

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV, CpuBudget, move_process
+from rollout_common.ports import free_port
 from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
 from rollout_service.engine import vllm_guard
 from rollout_service.errors import StartupError
@@ -50,12 +51,6 @@ ORPHAN_GRACE_S = 10.0
 
 KILL_WAIT_S = 10.0
 """How long SIGKILLed processes may take to be gone (a GPU's memory is freed on the way)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 RECORD_KEYS = ("pgid", "started", "service", "service_started")

@@ -20,11 +20,12 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from rollout_api.client import RolloutClient
+from rollout_common.ports import free_port
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.config import ManagedServerSettings, load_settings
 from rollout_service.edge.app import RunningService, running_service
-from rollout_service.engine.managed import ManagedVLLMServer, free_port
-from trainer_client.weight_push import WeightPusher
+from rollout_service.engine.managed import ManagedVLLMServer
+from trainer_client.weights.push import WeightPusher
 
 # Developers may reuse a running server across pytest invocations:
 # ROLLOUT_TEST_VLLM_URL=http://127.0.0.1:8011 ROLLOUT_TEST_MODEL_DIR=/tmp/tiny (served as "tiny",

@@ -14,7 +14,7 @@ from transformers import Qwen2ForCausalLM
 from rollout_api.client import RolloutClient, dataset_run_spec
 from tests.integration.test_weight_sync import perturbed
 from trainer_client.advertised_address import advertised_address
-from trainer_client.weight_push import WeightPusher
+from trainer_client.weights.push import WeightPusher
 
 
 async def main(target: str, model_dir: str, seed: int) -> dict[str, object]:

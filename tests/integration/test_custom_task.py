@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from rollout_api.client import RolloutClient
+from rollout_common.ports import free_port
 from rollout_common.tiny_model import tiny_model_flags
-from rollout_service.engine.managed import ManagedVLLMServer, free_port
+from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, serving
 from tests.support import wait_until
 

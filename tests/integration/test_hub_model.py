@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_common.ports import free_port
 from rollout_common.tiny_model import tiny_model_flags
-from rollout_service.engine.managed import free_port
 from tests.integration.conftest import serving
 from tests.support import run_to_end, save_into_hub_cache, started, wait_until
 

@@ -20,7 +20,7 @@ from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
-from trainer_client.weight_push import AdapterPusher, WeightPusher
+from trainer_client.weights.push import AdapterPusher, WeightPusher
 
 pytestmark = pytest.mark.integration
 

@@ -43,7 +43,7 @@ from rollout_service.types import Completion, EpisodeSpec, PromptItem, SamplingP
 from tests.integration.conftest import service_settings, service_with_client
 from tests.integration.test_stream import take_groups
 from tests.support import wait_until
-from trainer_client.weight_push import WeightPusher
+from trainer_client.weights.push import WeightPusher
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -27,7 +27,7 @@ from tests.integration.test_fsdp import FSDP_CONFIG
 from tests.integration.test_shared_capacity import start, trainer_command
 from tests.integration.test_weight_sync import perturbed, vllm_matches
 from tests.support import run_to_end, wait_until
-from trainer_client.group_port import GROUP_PORT_SPAN
+from trainer_client.weights.group_port import GROUP_PORT_SPAN
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 

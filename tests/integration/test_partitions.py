@@ -22,7 +22,7 @@ from rollout_service.weights.partitions import PoolPartitions
 from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings, service_with_client
 from tests.integration.test_weight_sync import perturbed
 from tests.integration.test_weight_transfer import hf_logprobs
-from trainer_client.weight_push import WeightPusher
+from trainer_client.weights.push import WeightPusher
 
 pytestmark = pytest.mark.integration
 

@@ -23,12 +23,14 @@ from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_common.ports import free_port
 from rollout_service.edge.app import RunningService
 from tests.integration.conftest import second_vllm_server, service_settings, service_with_client
 from tests.support import wait_until
-from trainer_client.policy_weights import policy_weights
-from trainer_client.weight_push import WeightPusher, tensor_meta
-from trainer_client.weights import GlooWeightSender, UpdateAbandoned, free_port
+from trainer_client.weights.gloo import GlooWeightSender
+from trainer_client.weights.policy_weights import policy_weights
+from trainer_client.weights.push import WeightPusher, tensor_meta
+from trainer_client.weights.sender import UpdateAbandoned
 
 pytestmark = pytest.mark.integration
 BF16_LOGPROB_TOLERANCE = 0.05

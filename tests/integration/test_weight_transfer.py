@@ -32,8 +32,10 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from rollout_common.ports import free_port
 from rollout_service.engine.managed import ManagedVLLMServer
-from trainer_client.weights import GlooWeightSender, free_port, update_info_for
+from trainer_client.weights.gloo import GlooWeightSender
+from trainer_client.weights.sender import update_info_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the benchmark scripts run
 from vllm_push_log import APPLY_LINE  # what bench_vs_trl.py reads a push's cost from
@@ -257,7 +259,7 @@ def test_push_makes_vllm_logprobs_equal_the_trainers(
 # A trainer that joins, announces nothing itself, and dies after sending two tensors over gloo.
 DYING_TRAINER = """
 import json, os, signal, sys, torch
-from trainer_client.weights import GlooWeightSender
+from trainer_client.weights.gloo import GlooWeightSender
 host, port, world_size, timeout_s, shapes = json.loads(sys.argv[1])
 sender = GlooWeightSender(host, port, world_size, timeout_s, shared_memory=False)  # dies mid-stream
 sender.connect()

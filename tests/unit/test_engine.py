@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from rollout_common.ports import free_port
 from rollout_service.config import EngineSettings
-from rollout_service.engine.managed import free_port
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import episode_affinity
 from rollout_service.engine.vllm_client import VLLMServerClient

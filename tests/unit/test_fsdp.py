@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trainer_client import fsdp
-from trainer_client.policy_weights import policy_weights
+from trainer_client.weights.policy_weights import policy_weights
 
 WORLD = 2
 

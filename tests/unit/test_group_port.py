@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from trainer_client import group_port
-from trainer_client.group_port import GROUP_PORT_SPAN, GroupPortClaim
+from trainer_client.weights import group_port
+from trainer_client.weights.group_port import GROUP_PORT_SPAN, GroupPortClaim
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from rollout_common.ports import free_port
 from rollout_service.config import ManagedServerSettings
 from rollout_service.engine import vllm_guard
-from rollout_service.engine.managed import ManagedServerError, ManagedVLLMServer, free_port, pid_file
+from rollout_service.engine.managed import ManagedServerError, ManagedVLLMServer, pid_file
 from tests.support import started, wait_until
 
 # A vLLM API server, as far as its port goes: listens on argv[1] until killed.

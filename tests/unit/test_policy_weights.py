@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainer_client.policy_weights import policy_weights
+from trainer_client.weights.policy_weights import policy_weights
 
 
 def small_model() -> Qwen2ForCausalLM:

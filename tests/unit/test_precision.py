@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.precision import attention_implementation, has_native_bf16, loading_kwargs, resolve_bf16
-from trainer_client.trainer import AsyncGRPOConfig
 
 
 def cpu_with(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool) -> None:

@@ -15,15 +15,15 @@ import torch
 
 from rollout_api import rollout_pb2 as pb
 from tests.support import wait_until
-from trainer_client.weight_push import WeightPusher
-from trainer_client.weights import GlooWeightSender
+from trainer_client.weights.gloo import GlooWeightSender
+from trainer_client.weights.push import WeightPusher
 
 GROUP_TIMEOUT_S = 60.0
 WORKER = """
 import signal, sys
 from datetime import timedelta
 from torch.distributed import PrefixStore, TCPStore
-from trainer_client.weights import rendezvous_uri
+from trainer_client.weights.gloo import rendezvous_uri
 from vllm_gloo_transfer.groups import gloo_group
 from vllm_gloo_transfer.shared_memory import accept_shared_memory
 

@@ -12,7 +12,7 @@ import pytest
 
 from trainer_client.step_callback import PUSH_ATTEMPTS, SyncAndAck
 from trainer_client.step_timing import PhaseClock
-from trainer_client.weight_push import WeightPusher
+from trainer_client.weights.push import WeightPusher
 
 
 def callback_with_failed_push() -> tuple[SyncAndAck, SimpleNamespace]:

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_client.weights import GlooWeightSender, free_port, update_info_for
+from rollout_common.ports import free_port
+from trainer_client.weights.gloo import GlooWeightSender
+from trainer_client.weights.sender import update_info_for
 from vllm_gloo_transfer.plugin import GlooWeightTransferEngine, GlooWeightTransferInitInfo
 from vllm_gloo_transfer.shared_memory import (
     ALIGN_BYTES,

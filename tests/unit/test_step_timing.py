@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from rollout_api.client import paced_lookahead
+from rollout_common.ports import free_port
 from trainer_client.step_timing import (
     COMPUTE_CPU,
     PHASES,
@@ -16,7 +17,6 @@ from trainer_client.step_timing import (
     summarize_seconds,
     with_lookahead,
 )
-from trainer_client.weights import free_port
 
 
 def test_clock_accumulates_phases_from_several_threads_and_starts_afresh() -> None:

@@ -9,10 +9,10 @@ import pytest
 
 import trainer_client
 from trainer_client.api import AsyncGRPOTrainer, reward_name
+from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.local_service import service_command
 from trainer_client.options import RunOptions
 from trainer_client.prompts_file import PromptRows
-from trainer_client.trainer import AsyncGRPOConfig
 
 
 def top_level_reward(prompts, completions, **kwargs):  # type: ignore[no-untyped-def]

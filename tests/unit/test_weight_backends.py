@@ -21,13 +21,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rollout_common.ports import free_port
 from rollout_service.engine.control import WeightSyncError
 from rollout_service.weights.update_messages import init_info, leave_info
 from rollout_service.weights.weight_sync import await_listening
 from tests.support import listening_port
-from trainer_client.nccl_sender import NcclWeightSender, call_within
-from trainer_client.weight_push import WeightPusher, sender_for
-from trainer_client.weights import GlooWeightSender, UpdateAbandoned, free_port, rendezvous_uri
+from trainer_client.weights.backends import BACKENDS, sender_for
+from trainer_client.weights.gloo import GlooWeightSender, rendezvous_uri
+from trainer_client.weights.nccl import NcclWeightSender, call_within
+from trainer_client.weights.push import WeightPusher
+from trainer_client.weights.sender import UpdateAbandoned, WeightSender
 from vllm_gloo_transfer.groups import arrive, await_every_rank
 from vllm_gloo_transfer.packing import broadcast_buckets
 from vllm_gloo_transfer.plugin import GlooWeightTransferInitInfo
@@ -61,6 +64,7 @@ def test_the_sender_follows_the_backend_the_service_reports() -> None:
     assert sender_for("gloo") is GlooWeightSender
     assert sender_for("") is GlooWeightSender  # a service that predates the field
     assert sender_for("nccl") is NcclWeightSender
+    assert all(issubclass(sender_for(backend), WeightSender) for backend in BACKENDS)  # one surface for the pusher
     with pytest.raises(ValueError, match=r"'mooncake'.*\['gloo', 'nccl'\]"):
         sender_for("mooncake")
 
@@ -175,8 +179,9 @@ _RENDEZVOUS_ABANDONED_THEN_REJOINED = """
 import sys, threading, time, types
 import torch
 from vllm.distributed.utils import StatelessProcessGroup
-from trainer_client.nccl_sender import NcclWeightSender
-from trainer_client.weights import UpdateAbandoned, free_port
+from trainer_client.weights.nccl import NcclWeightSender
+from trainer_client.weights.sender import UpdateAbandoned
+from rollout_common.ports import free_port
 
 def trainer_init(rendezvous):
     return StatelessProcessGroup.create(

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_common.ports import free_port
 from rollout_service.edge.server import RUNS_HEALTH_NAME
-from rollout_service.engine.managed import free_port
 from tests.integration.conftest import service_settings, service_with_client, serving
 from tests.integration.tcp_proxy import KillableProxy
 from tests.integration.test_shared_capacity import consume

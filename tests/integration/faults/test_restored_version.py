@@ -19,7 +19,7 @@ from rollout_service.engine.control import VLLMControlClient
 from tests.integration.conftest import restore_base_weights, service_settings, service_with_client
 from tests.integration.test_weight_sync import perturbed, vllm_matches, vllm_weight_label
 from tests.support import wait_until
-from trainer_client.weight_push import WeightPusher
+from trainer_client.weights.push import WeightPusher
 
 pytestmark = pytest.mark.integration
 

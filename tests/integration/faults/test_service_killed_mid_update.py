@@ -22,16 +22,16 @@ from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_common.ports import free_port
 from rollout_service.edge.app import running_service
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
-from rollout_service.engine.managed import free_port
 from rollout_service.weights.update_messages import init_info
 from tests.integration.conftest import restore_base_weights, service_settings, serving
 from tests.integration.test_shared_capacity import groups_per_step, kill_if_running, start, trainer_command
 from tests.integration.test_weight_sync import perturbed, vllm_matches
 from tests.support import wait_until
-from trainer_client.weight_push import WeightPusher, tensor_meta
-from trainer_client.weights import GlooWeightSender
+from trainer_client.weights.gloo import GlooWeightSender
+from trainer_client.weights.push import WeightPusher, tensor_meta
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.engine.managed import free_port
+from rollout_common.ports import free_port
 from tests.integration.conftest import serving
 from tests.support import wait_until
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rollout_api.client import RolloutClient
-from rollout_service.engine.managed import free_port
+from rollout_common.ports import free_port
 from tests.integration.conftest import restore_base_weights, serving
 from tests.integration.faults.test_service_killed_mid_update import service_process
 from tests.integration.test_shared_capacity import groups_per_step, kill_if_running, records, start, trainer_command
