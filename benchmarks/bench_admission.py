@@ -44,8 +44,8 @@ from rich.table import Table
 
 from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import build_tiny_model, tiny_model_flags
+from rollout_service.app import running_service
 from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
-from rollout_service.edge.app import running_service
 
 COMPARISONS = {"admission": ("paced", "staleness"), "abort": ("abort", "keep")}
 """What each ``--compare`` runs side by side: admission modes, or abort_stale_inflight on / off."""

@@ -85,8 +85,8 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     import bench_vs_trl
     from vs_trl.project_side import trainer_command
 
+    from rollout_service.app import running_service
     from rollout_service.config import load_settings
-    from rollout_service.edge.app import running_service
 
     engine = {"managed": {"model": str(args.model_dir)}}
     settings = load_settings(port=0, metrics_port=None, engine=engine, reward_modules=["bench_rewards"])

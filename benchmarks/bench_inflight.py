@@ -39,8 +39,8 @@ from rich.table import Table
 
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.tiny_model import build_tiny_model
+from rollout_service.app import running_service
 from rollout_service.config import DEFAULT_MODEL_DIR, ManagedServerSettings, load_settings
-from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.server_load import parse_server_load
 from trainer_client.svg_plot import line_plot

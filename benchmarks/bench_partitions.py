@@ -43,8 +43,8 @@ def trainer_command(target: str, model: Path, out: Path, args: argparse.Namespac
 
 async def run_trainers(args: argparse.Namespace, model: Path, work: Path) -> dict:
     from rollout_api.client import RolloutClient
+    from rollout_service.app import running_service
     from rollout_service.config import ManagedServerSettings, load_settings
-    from rollout_service.edge.app import running_service
     from rollout_service.engine.managed import ManagedVLLMServer
 
     servers = [

@@ -34,9 +34,9 @@ from transformers import AutoTokenizer
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient
 from rollout_common.tiny_model import build_tiny_model
+from rollout_service.app import freeze_startup_objects
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.state_store import MemoryStore, SqliteStore, StateStore
-from rollout_service.edge.app import freeze_startup_objects
 from rollout_service.edge.group_wire import WireCodec
 from rollout_service.edge.server import start_grpc_server
 from rollout_service.generation.prompts import PromptRenderer

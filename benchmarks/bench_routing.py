@@ -44,8 +44,8 @@ from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.cpu_budget import VLLM_BIND_ENV
 from rollout_common.tiny_model import build_tiny_model
+from rollout_service.app import running_service
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ManagedServerSettings, load_settings
-from rollout_service.edge.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.server_load import ServerLoad, parse_server_load
 

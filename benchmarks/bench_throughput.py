@@ -47,8 +47,8 @@ from rich.table import Table
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_service.app import describe_model, load_tokenizer, running_service
 from rollout_service.config import DEFAULT_MODEL_DIR, ManagedServerSettings, load_settings
-from rollout_service.edge.app import describe_model, load_tokenizer, running_service
 from rollout_service.engine.vllm_client import completion_body, parse_completion
 from rollout_service.generation.prompts import PromptRenderer, builtin_dataset
 from rollout_service.types import SamplingParams

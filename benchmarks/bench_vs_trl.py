@@ -100,8 +100,8 @@ MODEL_SIZES = {
 async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dict[str, Any]]]:
     from rich.progress import Progress
 
+    from rollout_service.app import running_service
     from rollout_service.config import load_settings
-    from rollout_service.edge.app import running_service
 
     variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
     contenders = trl_contenders(args) + list(variants)

@@ -309,7 +309,7 @@ def prepare_model(args: argparse.Namespace, spec: dict[str, int]) -> Path:
         started = time.perf_counter()
         build_tiny_model(model_dir, tiny_spec)
         logger.info("model %s ready in %.1fs", model_dir, time.perf_counter() - started)
-    from rollout_service.edge.app import load_tokenizer
+    from rollout_service.app import load_tokenizer
 
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer_size = len(load_tokenizer(str(model_dir)))
@@ -412,8 +412,8 @@ class Outcome:
 
 async def benchmark(args: argparse.Namespace, url: str, model_dir: Path, served_name: str) -> Outcome:
     from rollout_api.client import RolloutClient, dataset_run_spec
+    from rollout_service.app import load_tokenizer, running_service
     from rollout_service.config import load_settings
-    from rollout_service.edge.app import load_tokenizer, running_service
     from trainer_client.weights import push as weight_push
 
     recorder = Recorder()
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("vLLM served %s after %.1fs", model_dir.name, time.perf_counter() - started)
             url, served_name = server.url, SERVED_NAME
         else:
-            from rollout_service.edge.app import describe_model
+            from rollout_service.app import describe_model
 
             url = args.vllm_url.rstrip("/")
             served_name = run(describe_model(url))[0]

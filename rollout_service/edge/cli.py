@@ -67,7 +67,7 @@ def settings_from_cli(config: Path | None, overrides: dict[str, Any]) -> Service
 
 
 async def serve_until_signalled(settings: ServiceSettings) -> None:
-    from rollout_service.edge.app import running_service
+    from rollout_service.app import running_service
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

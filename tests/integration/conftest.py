@@ -22,8 +22,8 @@ from transformers import Qwen2ForCausalLM
 from rollout_api.client import RolloutClient
 from rollout_common.ports import free_port
 from rollout_common.tiny_model import build_tiny_model
+from rollout_service.app import RunningService, running_service
 from rollout_service.config import ManagedServerSettings, load_settings
-from rollout_service.edge.app import RunningService, running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from trainer_client.weights.push import WeightPusher
 

@@ -9,7 +9,7 @@ import pytest
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec, health_status
-from rollout_service.edge.app import RunningService
+from rollout_service.app import RunningService
 from rollout_service.edge.server import SERVICE_NAME
 from tests.integration.test_discovery import fetch_text
 from tests.integration.test_stream import take_groups

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, health_status
-from rollout_service.edge.app import RunningService
+from rollout_service.app import RunningService
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -14,7 +14,7 @@ import pytest
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.tiny_model import tiny_model_flags
-from rollout_service.edge.app import RunningService
+from rollout_service.app import RunningService
 from tests.integration.conftest import restore_base_weights
 from tests.support import wait_until
 

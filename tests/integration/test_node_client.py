@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.edge.app import running_service
+from rollout_service.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings
 from tests.tls_certs import tls_security

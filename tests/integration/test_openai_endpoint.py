@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient
-from rollout_service.edge.app import running_service
+from rollout_service.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings
 

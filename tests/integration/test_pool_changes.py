@@ -21,7 +21,7 @@ from transformers import Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
-from rollout_service.edge.app import RunningService, running_service
+from rollout_service.app import RunningService, running_service
 from tests.integration.conftest import restore_base_weights, second_vllm_server, service_settings
 from tests.integration.test_shared_capacity import (
     _trained_steps,

@@ -15,7 +15,7 @@ import pytest
 
 from rollout_api.client import ClientSecurity, RolloutClient
 from rollout_common.tiny_model import tiny_model_flags
-from rollout_service.edge.app import running_service
+from rollout_service.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
 from tests.tls_certs import tls_security

@@ -7,7 +7,7 @@ import pytest
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient
-from rollout_service.edge.app import RunningService
+from rollout_service.app import RunningService
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.test_weight_sync import vllm_gauge
 from tests.support import wait_until

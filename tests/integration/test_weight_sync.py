@@ -24,7 +24,7 @@ from transformers import Qwen2ForCausalLM
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.ports import free_port
-from rollout_service.edge.app import RunningService
+from rollout_service.app import RunningService
 from tests.integration.conftest import second_vllm_server, service_settings, service_with_client
 from tests.support import wait_until
 from trainer_client.weights.gloo import GlooWeightSender

@@ -187,7 +187,7 @@ def test_the_service_takes_the_trainers_cores_off_vllms(monkeypatch: pytest.Monk
 
 MOVE_AND_RETURN = """
 import asyncio, contextlib, json, os, threading
-from rollout_service.edge.app import _keep_off_vllm_cores
+from rollout_service.app import _keep_off_vllm_cores
 
 class Managed:
     def service_cores(self):

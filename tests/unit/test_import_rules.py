@@ -26,7 +26,7 @@ def test_grpc_is_imported_by_the_edge_alone() -> None:
         ("rollout_service.delivery.broker", "grpc", "only the gRPC edge imports grpc"),
         ("rollout_service.generation.scheduler", "rollout_api.rollout_pb2_grpc", "only the gRPC edge imports grpc"),
         ("trainer_client.train", "rollout_service.config", "the trainer does not import the service"),
-        ("rollout_service.edge.app", "trainer_client.train", "the service does not import the trainer"),
+        ("rollout_service.app", "trainer_client.train", "the service does not import the trainer"),
         ("rollout_common.tiny_model", "rollout_service.config", "shared packages import neither side"),
         ("vllm_gloo_transfer.plugin", "trainer_client.weights", "shared packages import neither side"),
         (
@@ -61,7 +61,7 @@ def test_an_import_cycle_is_named_once_whatever_its_length() -> None:
 
 def test_allowed_imports_pass() -> None:
     graph = {
-        "rollout_service.edge.app": {"rollout_service.weights.partitions", "rollout_service.delivery.broker"},
+        "rollout_service.app": {"rollout_service.weights.partitions", "rollout_service.delivery.broker"},
         "rollout_service.delivery.broker": {"rollout_service.scoring.score", "rollout_service.engine.pool"},
         "rollout_service.weights.weight_sync": {"rollout_service.engine.control", "rollout_service.config"},
         "rollout_service.edge.server": {"grpc", "rollout_api.rollout_pb2_grpc"},

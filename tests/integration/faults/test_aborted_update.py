@@ -25,7 +25,7 @@ from transformers import Qwen2ForCausalLM
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec, health_status
 from rollout_common.ports import free_port
-from rollout_service.edge.app import RunningService
+from rollout_service.app import RunningService
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings, service_with_client
 from tests.support import wait_until

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rollout_api.client import RolloutClient
-from rollout_service.edge.app import running_service
+from rollout_service.app import running_service
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import restore_base_weights, service_settings
 from tests.integration.test_shared_capacity import (

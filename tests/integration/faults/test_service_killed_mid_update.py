@@ -23,7 +23,7 @@ from transformers import Qwen2ForCausalLM
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.ports import free_port
-from rollout_service.edge.app import running_service
+from rollout_service.app import running_service
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.weights.update_messages import init_info
 from tests.integration.conftest import restore_base_weights, service_settings, serving
