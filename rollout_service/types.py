@@ -120,10 +120,11 @@ class EpisodeResult:
     form when the tool parser read calls), then tool results and observations."""
 
 
-@dataclass
+@dataclass(eq=False)
 class ScoredGroup:
     """G episodes of one prompt with rewards and advantages: the unit the broker hands out.
-    Not frozen only for ``wire``, which is filled once; nothing changes a group's content."""
+    Compared and hashed by identity, so the edge can keep its wire encoding beside it
+    (``edge.group_wire``); nothing changes a group's content."""
 
     group_id: str
     run_id: str
@@ -136,9 +137,6 @@ class ScoredGroup:
     generation_seconds: float
     requested_size: int = 0
     """The run's group_size; more than ``len(episodes)`` for a partial group (0: as many as there are)."""
-    wire: bytes | None = field(default=None, repr=False, compare=False)
-    """The group as ``rollout.v1.Group`` bytes once encoded (``edge.group_wire``): by the state
-    store at put, else at the first delivery, and reused by every later one."""
 
     @property
     def policy_version(self) -> int:

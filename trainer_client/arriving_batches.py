@@ -13,10 +13,10 @@ instead and divides the accumulated gradients once, after the last backward and 
 Trainer clips and steps: the same gradients as dividing each micro-batch's loss, since
 gradients are linear in the loss.
 
-Measured (README, speed section): on the 2-core benchmark four micro-batches a step cost the
-trainer's thread 12-15% more CPU than one batch and made no run faster, since there vLLM's
-core is the one that is full; on an H100 at 128 + 512 tokens a step cost the same either way,
-at a third of the peak memory. So the CLI's default stays one micro-batch a step.
+Why the CLI's default stays one micro-batch a step: on the 2-core benchmark four micro-batches
+a step cost the trainer's thread more CPU than one batch and made no run faster, since there
+vLLM's core is the one that is full; on a GPU a step took the same time either way, with less
+peak memory (``benchmarks/SPEED_HISTORY.md``; README, speed section).
 """
 
 from __future__ import annotations

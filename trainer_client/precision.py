@@ -2,19 +2,19 @@
 
 Why: TRL's ``GRPOConfig`` trains in bf16 autocast by default, and on hardware with native
 bf16 matmuls (a GPU that supports it; a CPU with AMX or AVX512-BF16) that is where a step's
-time goes down. On the benchmark's model and 2-core CPU (README, speed) a trainer step took
-108-116 ms in bf16 autocast against 158-171 ms in float32, and the log-probs moved by 0.002
-on average (at most 0.007), far inside the loss's clip range. Without native bf16 the CPU
-emulates it and autocast is slower, so the default follows the hardware.
+time goes down. On the benchmark's model and 2-core CPU a trainer step was clearly shorter in
+bf16 autocast than in float32, and the log-probs moved by far less than the loss's clip
+range (``benchmarks/SPEED_HISTORY.md``). Without native bf16 the CPU emulates it and
+autocast is slower, so the default follows the hardware.
 
 What stays float32 under autocast: the weights, their gradients, AdamW's state, the
 log-softmax (``logprobs``) and every weight pushed to vLLM. Only the matmuls and attention
 run in bf16.
 
 On a CPU, bf16 autocast trains with transformers' eager attention: torch's fused CPU
-attention kernel took a third of a bf16 backward on short GRPO sequences (35 of 106 ms),
-more than all the matmuls; eager attention is two matmuls and a softmax, which autocast
-runs in bf16 and float32. In float32 the two were equally fast.
+attention kernel took more of a bf16 backward on short GRPO sequences than all the matmuls
+(``benchmarks/SPEED_HISTORY.md``); eager attention is two matmuls and a softmax, which
+autocast runs in bf16 and float32. In float32 the two were equally fast.
 """
 
 from __future__ import annotations

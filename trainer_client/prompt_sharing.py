@@ -7,7 +7,8 @@ Here the distinct prompts go through the model first (batch P instead of B), the
 cache is indexed out to the B samples (``index_select``: autograd sums each copy's gradient
 back into its prompt), and the completions run on top of it. The log-probs and gradients are
 those of the plain forward (within float32 rounding: tests/unit/test_prompt_sharing.py), and
-a trainer step of that model on one thread went from 290 to 175 ms forward + backward.
+a trainer step of that model on one thread spends much less time in forward + backward
+(``benchmarks/SPEED_HISTORY.md``).
 
 Where it does not apply, the trainer uses the plain forward:
 - every sample has its own prompt (nothing to share; two forwards would only cost more);
@@ -34,17 +35,15 @@ from trainer_client.logprobs import chunked_completion_logprobs
 
 ACCELERATOR_MIN_SKIPPED = 0.5
 """On a GPU the shared forward pays only where it skips at least this share of the plain
-forward's positions. Measured on an H200 (Qwen2.5-0.5B's shape, bf16, 4 prompts x 8, a whole
-trainer step; ``benchmarks/bench_trainer_step.py``, README "On a GPU"): 1024-token prompts
-before 256-token completions (70% skipped) took 239 ms shared against 368 ms plain; 128 + 512
-(17% skipped) 337 against 272 ms, and 34 + 32 (45% skipped) 175 against 97 ms. The break-even
-moves with the model: at 384 + 256 (52% skipped) sharing took 260 against 218 ms on that
-shape, but 377 against 466 ms on Qwen2.5-1.5B's; that 0.5B batch is the rule's one miss in
-the nine measured (the old default, always sharing, missed six, by up to 1.9x). There the
-step is not the math alone: the shared forward is two model calls (twice the kernel
-launches), copies each prompt's KV cache to its samples, and runs the completions' attention
-with an explicit mask over the cache instead of the causal kernel. On a CPU the math is the
-step, and every skipped position counts (34 + 32 on the benchmark model: 290 -> 175 ms)."""
+forward's positions. Measured on an H200 over whole trainer steps of Qwen2.5-0.5B's and
+1.5B's shapes (``benchmarks/bench_trainer_step.py``; the numbers in README "On a GPU"): sharing
+won where long prompts dominate the batch and lost where the completions do, and the
+break-even, which moves with the model, lies near half the positions, so this rule misses few
+of the measured batches where always sharing missed most. There the step is not the math
+alone: the shared forward is two model calls (twice the kernel launches), copies each
+prompt's KV cache to its samples, and runs the completions' attention with an explicit mask
+over the cache instead of the causal kernel. On a CPU the math is the step, and every
+skipped position counts (``benchmarks/SPEED_HISTORY.md``)."""
 
 
 def prompts_are_shared(inputs: dict[str, Any]) -> bool:

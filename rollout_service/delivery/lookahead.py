@@ -4,8 +4,8 @@ Staleness-aware admission lets a group start while the run's pending groups fit 
 ``max_staleness + 1`` trainer versions. That much lookahead is what a generation-bound run
 needs, but where training is the slower side it only fills the buffer: every group then
 waits there about ``max_staleness`` steps and is trained that many versions stale, which
-costs learning for no speed (on a training-bound model, staleness 1 reached the target in
-0.77x the time of staleness 2, at the same steps/s; ``benchmarks/SPEED_HISTORY.md``).
+costs learning for no speed (on a training-bound model, staleness 1 reached the target
+sooner than staleness 2 at the same step rate: ``benchmarks/SPEED_HISTORY.md``).
 
 ``Lookahead`` adapts the bound, in versions, between 0 and ``max_staleness``, from two
 times the broker sees at each trainer version:
@@ -15,8 +15,8 @@ times the broker sees at each trainer version:
   buffer, i.e. how much later the latest of them could have started and still been on time.
   Over two versions, because a version whose trainer waited lets generation run ahead, so
   the next one's groups are ready early: read alone, that slack would cut the lookahead
-  right back and the trainer would wait every other step (seen on a 6.7M model: it waited
-  0.1-0.4 s every second step).
+  right back and the trainer would wait every other step (as it did with the first form of
+  this controller: ``benchmarks/SPEED_HISTORY.md``).
 
 At the end of each version of ``step`` seconds the lookahead moves by
 ``GAIN * (TARGET_SLACK * step - slack + starved) / step`` versions: up when the trainer

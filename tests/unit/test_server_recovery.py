@@ -35,7 +35,6 @@ def recovery_of(service: RolloutService, pool: EnginePool) -> ServerRecovery:
         service,
         pool,
         service.versions,
-        lambda: service.runs.get(service.base_weights_run or ""),
     )
 
 
