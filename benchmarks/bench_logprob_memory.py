@@ -1,6 +1,6 @@
 """Peak memory of chunked vs naive completion log-probs (forward + backward).
 
-Why: ``trainer_client.logprobs.chunked_completion_logprobs`` exists so that the trainer never holds the
+Why: ``trainer_client.loss.logprobs.chunked_completion_logprobs`` exists so that the trainer never holds the
 [tokens, vocab] logits of a long completion batch. This measures what that buys: the peak memory of computing
 per-token log-probs and backpropagating into the hidden states and the lm_head weight, once with the naive
 full-logits reference and once chunked (target: chunked / naive <= 0.25 at the default sizes).
@@ -39,7 +39,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from trainer_client.logprobs import chunked_completion_logprobs, naive_completion_logprobs
+from trainer_client.loss.logprobs import chunked_completion_logprobs, naive_completion_logprobs
 
 VARIANTS = ("naive", "chunked")
 DEFAULTS = {

@@ -50,8 +50,8 @@ from trainer_client.batches import (
     forward_completion_logprobs,
     output_embedding_weight,
 )
-from trainer_client.loss_config import LossConfig
-from trainer_client.losses import compute_loss
+from trainer_client.loss.config import LossConfig
+from trainer_client.loss.losses import compute_loss
 from trainer_client.prompt_sharing import shared_prompt_logprobs, sharing_pays, skipped_fraction
 
 SHAPES = {

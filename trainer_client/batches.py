@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import IterableDataset
 
-from trainer_client.logprobs import chunked_completion_logprobs, token_logprobs
+from trainer_client.loss.logprobs import chunked_completion_logprobs, token_logprobs
 from trainer_client.prompt_sharing import shared_prompt_logprobs, sharing_pays
 
 if TYPE_CHECKING:  # the collator and the log-probs run with torch alone (benchmarks/bench_trainer_step.py on a GPU box)

@@ -8,7 +8,7 @@ from transformers import TrainingArguments
 
 from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from trainer_client import precision
-from trainer_client.loss_config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
+from trainer_client.loss.config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
 from trainer_client.options import SCALE_REWARDS
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from trainer_client.logprobs import chunked_completion_logprobs
+from trainer_client.loss.logprobs import chunked_completion_logprobs
 
 ACCELERATOR_MIN_SKIPPED = 0.5
 """On a GPU the shared forward pays only where it skips at least this share of the plain

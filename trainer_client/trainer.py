@@ -48,8 +48,8 @@ from trainer_client.batches import (
 )
 from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.grpo_config import AsyncGRPOConfig
-from trainer_client.loss_config import GLOBAL_TOKEN_NORMALISED
-from trainer_client.losses import compute_loss
+from trainer_client.loss.config import GLOBAL_TOKEN_NORMALISED
+from trainer_client.loss.losses import compute_loss
 from trainer_client.step_progress import StepProgress
 from trainer_client.stream import GroupFeed
 from trainer_client.weights.policy_weights import is_peft_model

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_client import logprobs
-from trainer_client.logprobs import chunked_completion_logprobs, naive_completion_logprobs
+from trainer_client.loss import logprobs
+from trainer_client.loss.logprobs import chunked_completion_logprobs, naive_completion_logprobs
 
 VOCAB, HIDDEN = 97, 12
 

@@ -1,11 +1,11 @@
-"""Parity of ``trainer_client.losses`` with TRL's GRPOTrainer, plus closed-form checks.
+"""Parity of ``trainer_client.loss.losses`` with TRL's GRPOTrainer, plus closed-form checks.
 
 The reference is TRL's own code, not a re-implementation: the source of ``GRPOTrainer._compute_loss``,
 ``get_off_policy_mask`` and ``get_gamma_weights``, and the two blocks of ``_generate_and_score_completions`` that
 compute the vLLM importance-sampling ratio and its ``sampling/*`` metrics, are taken from the installed
 ``trl/trainer/grpo_trainer.py`` with ``ast`` and executed against a stub trainer. That runs TRL's exact formulas
 (same statements, same line numbers in tracebacks) without importing TRL's trainer module, which pulls in vLLM and
-takes seconds. Nothing from ``trainer_client.losses`` is used on the reference side.
+takes seconds. Nothing from ``trainer_client.loss.losses`` is used on the reference side.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_client.loss_config import LOSS_TYPES, VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig, LossConfigWarning
-from trainer_client.losses import (
+from trainer_client.loss.config import LOSS_TYPES, VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig, LossConfigWarning
+from trainer_client.loss.losses import (
     compute_loss,
     k3_kl,
     off_policy_sequence_mask,
     vllm_importance_sampling_ratio,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::trainer_client.loss_config.LossConfigWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::trainer_client.loss.config.LossConfigWarning")
 
 ATOL = 1e-6
 RTOL = 1e-5

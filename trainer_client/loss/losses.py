@@ -3,7 +3,7 @@
 Why pure functions: the trainer consumes groups streamed by the rollout service, so it cannot use
 TRL's trainer loop, but it must optimise exactly the objective TRL users know (same loss types, same
 normalisations, same vLLM mismatch correction, same metric names). Everything here takes per-token
-log-probabilities that were already computed (see :mod:`trainer_client.logprobs`) and returns a scalar
+log-probabilities that were already computed (see :mod:`trainer_client.loss.logprobs`) and returns a scalar
 loss plus detached metrics; there is no model, no optimizer, no distributed call and no host sync.
 
 Formulas follow TRL 1.16 (``trl/trainer/grpo_trainer.py``): the importance-sampling ratio between the
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer_client.loss_config import (
+from trainer_client.loss.config import (
     CLIPPED_LOSS_TYPES,
     GLOBAL_TOKEN_NORMALISED,
     ImportanceSamplingLevel,
@@ -34,7 +34,7 @@ from trainer_client.loss_config import (
     LossType,
     VllmImportanceSamplingMode,
 )
-from trainer_client.loss_metrics import clip_metrics, masked_mean, sampling_metrics
+from trainer_client.loss.metrics import clip_metrics, masked_mean, sampling_metrics
 
 
 @dataclass(frozen=True)
