@@ -36,6 +36,7 @@ def test_the_service_admits_and_aborts_by_the_rule(sample: int, trainer: int, li
 @pytest.mark.parametrize(("sample", "trainer", "limit"), GRID)
 def test_the_trainer_takes_and_masks_by_the_rule(sample: int, trainer: int, limit: int) -> None:
     feed = GroupFeed("127.0.0.1:1", "run", "c", max_staleness=limit, credits=1)
+    feed._loop.close()  # never opened: the rule needs no stream
     feed.current_version = trainer
     expected = within_staleness(sample, trainer, limit)
     assert feed.is_fresh(sample) is expected

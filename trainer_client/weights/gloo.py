@@ -69,20 +69,14 @@ class GlooWeightSender(WeightSender):
     """Another world size joins through the same store: restarting the store instead would
     drop the workers already connecting to it."""
 
-    def __init__(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        timeout_s: float = 60.0,
-        shared_memory: bool = True,
-    ) -> None:
-        super().__init__(master_address, master_port, world_size, timeout_s, shared_memory)
-        self.timeout = timedelta(seconds=timeout_s)
-        self._store: TCPStore | None = None
-        self._group: ProcessGroupGloo | None = None
-        self._shared_file: SharedWeightsFile | None = None
-        self._through_shared_memory = False
+    _store: TCPStore | None = None
+    _group: ProcessGroupGloo | None = None
+    _shared_file: SharedWeightsFile | None = None
+    _through_shared_memory = False
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
 
     @property
     def connected(self) -> bool:

@@ -88,17 +88,8 @@ class NcclWeightSender(WeightSender):
     RESIZES_IN_PLACE = False
     """vLLM's NCCL rendezvous has no epochs: another world size is a new sender (and store)."""
 
-    def __init__(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        timeout_s: float = 60.0,
-        shared_memory: bool = True,
-    ) -> None:
-        """``shared_memory`` is unused: NCCL moves the tensors from GPU to GPU."""
-        super().__init__(master_address, master_port, world_size, timeout_s, shared_memory)
-        self._communicator: Any = None
+    _communicator: Any = None
+    """vLLM's communicator while joined (``shared_memory`` is unused: NCCL moves GPU to GPU)."""
 
     @property
     def connected(self) -> bool:
