@@ -1,5 +1,5 @@
 """Errors as values inside the service, plain Python: the core knows nothing of gRPC.
-``server.py`` maps each kind to its gRPC status code in one place (``status_code``)."""
+``edge/servicer.py`` maps each kind to its gRPC status code in one place (``status_code``)."""
 
 from __future__ import annotations
 

@@ -25,12 +25,13 @@ GENERATED = ("rollout_api.rollout_pb2", "rollout_api.rollout_pb2_grpc")
 
 GRPC_EDGE = (
     "rollout_service.edge.server",
+    "rollout_service.edge.servicer",
     "rollout_service.edge.security",
     "rollout_service.edge.reflection",
     "rollout_api.client",
     "rollout_api.top",
 )
-"""The only modules that speak gRPC: the service's server, its security (TLS, tokens) and
+"""The only modules that speak gRPC: the service's server and servicer, its security (TLS, tokens) and
 reflection, and the Python client of the API with the live view built on it (shared by
 both sides' CLIs). Everything else works with plain Python types and errors."""
 

@@ -42,7 +42,7 @@ from rollout_service.errors import (
     Unauthenticated,
     echo,
 )
-from rollout_service.generation.external import TextRequest, TurnReply, TurnRequest
+from rollout_service.generation.external_conversation import TextRequest, TurnReply, TurnRequest
 from rollout_service.runs import MAX_TEMPERATURE, Run
 from rollout_service.service import RolloutService
 

@@ -17,26 +17,29 @@ rewards is scored by the run's reward functions, like a group the service genera
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError, echo
-from rollout_service.generation.episode import Transcript, TurnTemplate, salted
-from rollout_service.generation.tools import ToolCall, parse_hermes
-from rollout_service.types import (
-    CHAT_ROLES,
-    Completion,
-    EpisodeResult,
-    FinishReason,
-    PromptItem,
-    SamplingParams,
-    ScoredGroup,
+from rollout_service.generation.episode import TurnTemplate, salted
+from rollout_service.generation.external_conversation import (
+    OpenEpisode,
+    TextRequest,
+    TurnReply,
+    TurnRequest,
+    chars,
+    check_messages,
+    not_busy,
+    reply,
+    result,
+    same_message,
 )
+from rollout_service.generation.tools import ToolCall, parse_hermes
+from rollout_service.types import Completion, EpisodeResult, PromptItem, SamplingParams, ScoredGroup
 
 if TYPE_CHECKING:
     from rollout_service.engine.protocol import Engine
@@ -54,68 +57,6 @@ CLIENT_REWARD = "client"
 
 
 @dataclass(frozen=True)
-class TurnRequest:
-    """One chat request of an episode, as the endpoint parsed it."""
-
-    episode_id: str
-    task_id: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TextRequest:
-    """One text completion request of an episode (``/v1/completions``): ``prompt`` is the
-    episode's text so far (the previous prompt and completion) plus what the client adds."""
-
-    episode_id: str
-    task_id: str
-    prompt: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TurnReply:
-    """The assistant's turn, in the terms of OpenAI's chat completion."""
-
-    content: str | None
-    tool_calls: list[dict[str, Any]]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: list[int]
-    logprobs: list[float]
-
-
-@dataclass
-class _OpenEpisode:
-    episode_id: str
-    task_id: str
-    prompt: PromptItem
-    template: TurnTemplate | None
-    """The chat template's turn suffixes; None for a text episode (``/v1/completions``)."""
-    version_first: int
-    known: list[dict[str, Any]]
-    """The conversation so far, as the client must repeat it (its requests and our replies)."""
-    text: str = ""
-    """A text episode's text so far, as the client must repeat it."""
-    transcript: Transcript = field(default_factory=Transcript)
-    last_turn_ids: list[int] = field(default_factory=list)
-    version_last: int = 0
-    turns: int = 0
-    finish: FinishReason = "stop"
-    busy: bool = False
-    started: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
 class _Closed:
     prompt: PromptItem
     episode: EpisodeResult
@@ -129,7 +70,7 @@ class ExternalSource:
     their group is complete."""
 
     def __init__(self) -> None:
-        self.open: dict[str, _OpenEpisode] = {}
+        self.open: dict[str, OpenEpisode] = {}
         self.closed: dict[str, list[_Closed]] = {}
         self.groups = 0
 
@@ -153,12 +94,12 @@ class ExternalEpisodes:
     async def turn(self, run: Run, request: TurnRequest) -> TurnReply:
         """One assistant turn of a chat episode (``/chat/completions``)."""
         source = _running_source(run)
-        self.renderer.check_chars(_chars(request.messages), "messages")
+        self.renderer.check_chars(chars(request.messages), "messages")
         episode = source.open.get(request.episode_id)
         if episode is None:
             episode = await self._open(run, source, request)
         else:
-            _not_busy(episode)
+            not_busy(episode)
             self._extend(run, episode, request)
         episode.busy = True
         try:
@@ -178,12 +119,12 @@ class ExternalEpisodes:
             if not ids:
                 raise InvalidArgument("prompt is empty; send the text to complete")
             prompt = PromptItem(source.groups, list(ids), request.prompt)
-            episode = _OpenEpisode(
+            episode = OpenEpisode(
                 request.episode_id, request.task_id, prompt, None, run.policy_version, [], text=request.prompt
             )
             source.open[request.episode_id] = episode
         else:
-            _not_busy(episode)
+            not_busy(episode)
             if episode.template is not None:
                 raise InvalidArgument(
                     f"episode {echo(episode.episode_id)} is a chat episode; continue it with chat/completions"
@@ -210,11 +151,11 @@ class ExternalEpisodes:
         episode.transcript.messages.append({"role": "assistant", "content": text})
         reward_text = self.renderer.decode(completion.token_ids, skip_special_tokens=True)
         episode.transcript.reward_messages.append({"role": "assistant", "content": reward_text})
-        return _reply(episode, completion, text, [])
+        return reply(episode, completion, text, [])
 
-    async def _open(self, run: Run, source: ExternalSource, request: TurnRequest) -> _OpenEpisode:
+    async def _open(self, run: Run, source: ExternalSource, request: TurnRequest) -> OpenEpisode:
         _check_new(run, source, request.episode_id, request.task_id)
-        _check_messages(request.messages, first=True)
+        check_messages(request.messages, first=True)
         tokenizer = self.renderer.tokenizer
         try:
             template = TurnTemplate(tokenizer, request.tools)
@@ -230,7 +171,7 @@ class ExternalEpisodes:
             raise InvalidArgument(f"the model's chat template cannot render these messages: {exc}") from None
         text = self.renderer.decode(list(ids))
         prompt = PromptItem(source.groups, list(ids), text, {}, tuple(dict(m) for m in request.messages))
-        episode = _OpenEpisode(
+        episode = OpenEpisode(
             request.episode_id,
             request.task_id,
             prompt,
@@ -241,7 +182,7 @@ class ExternalEpisodes:
         source.open[request.episode_id] = episode
         return episode
 
-    def _extend(self, run: Run, episode: _OpenEpisode, request: TurnRequest) -> None:
+    def _extend(self, run: Run, episode: OpenEpisode, request: TurnRequest) -> None:
         """Append the messages this request adds after the episode's last assistant turn."""
         if episode.template is None:
             raise InvalidArgument(f"episode {echo(episode.episode_id)} is a text episode; continue it with completions")
@@ -257,14 +198,14 @@ class ExternalEpisodes:
                 "repeat the conversation so far and append the new messages (tool results, a user turn)"
             )
         for index, (sent, held) in enumerate(zip(messages, known, strict=False)):
-            if not _same_message(sent, held):
+            if not same_message(sent, held):
                 raise InvalidArgument(
                     f"message {index} of episode {echo(episode.episode_id)} differs from the conversation the service "
                     f"holds ({held.get('role')}: {str(held.get('content'))[:60]!r}); send the conversation as it was, "
                     "the assistant's replies unchanged, and append new messages"
                 )
         added = [dict(m) for m in messages[len(known) :]]
-        _check_messages(added, first=False)
+        check_messages(added, first=False)
         if any(m.get("role") == "assistant" for m in added):
             raise InvalidArgument(
                 f"episode {echo(episode.episode_id)}: a request may add tool, user or system messages, not assistant "
@@ -280,7 +221,7 @@ class ExternalEpisodes:
     async def _sample(
         self,
         run: Run,
-        episode: _OpenEpisode,
+        episode: OpenEpisode,
         max_tokens: int | None,
         temperature: float | None,
         top_p: float | None,
@@ -314,7 +255,7 @@ class ExternalEpisodes:
         episode.finish = completion.finish_reason
         return completion
 
-    async def _generate(self, run: Run, episode: _OpenEpisode, request: TurnRequest) -> TurnReply:
+    async def _generate(self, run: Run, episode: OpenEpisode, request: TurnRequest) -> TurnReply:
         assert episode.template is not None
         completion = await self._sample(
             run, episode, request.max_tokens, request.temperature, request.top_p, request.stop
@@ -343,7 +284,7 @@ class ExternalEpisodes:
                 {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}} for c in calls
             ]
         episode.transcript.reward_messages.append(reward_message)
-        return _reply(episode, completion, content or None, tool_calls)
+        return reply(episode, completion, content or None, tool_calls)
 
     async def close(self, run: Run, episode_id: str, reward: float | None) -> int:
         """End an episode; returns how many episodes of its task wait for their group (0:
@@ -370,7 +311,7 @@ class ExternalEpisodes:
                 "distinct prompt its own task id"
             )
         del source.open[episode_id]
-        waiting.append(_Closed(episode.prompt, _result(episode, self.renderer), reward, episode.started))
+        waiting.append(_Closed(episode.prompt, result(episode, self.renderer), reward, episode.started))
         if len(waiting) < run.spec.group_size:
             return len(waiting)
         members = source.closed.pop(episode.task_id)
@@ -422,22 +363,6 @@ class ExternalEpisodes:
         logger.info("external group %s of run %s: %d episodes scored", group_id, run.run_id, len(episodes))
 
 
-def _reply(
-    episode: _OpenEpisode, completion: Completion, content: str | None, tool_calls: list[dict[str, Any]]
-) -> TurnReply:
-    finish = "tool_calls" if tool_calls else ("length" if completion.finish_reason == "length" else "stop")
-    turn_ids = completion.token_ids
-    return TurnReply(
-        content=content,
-        tool_calls=tool_calls,
-        finish_reason=finish,
-        prompt_tokens=len(episode.prompt.token_ids) + len(episode.transcript.ids) - len(turn_ids),
-        completion_tokens=len(turn_ids),
-        token_ids=list(turn_ids),
-        logprobs=list(completion.logprobs),
-    )
-
-
 def _running_source(run: Run) -> ExternalSource:
     source = _source(run)
     if run.state != "running":
@@ -457,13 +382,6 @@ def _check_new(run: Run, source: ExternalSource, episode_id: str, task_id: str) 
         )
 
 
-def _not_busy(episode: _OpenEpisode) -> None:
-    if episode.busy:
-        raise FailedPrecondition(
-            f"a request of episode {echo(episode.episode_id)} is still running; send its turns one after another"
-        )
-
-
 def _source(run: Run) -> ExternalSource:
     if not isinstance(run.source, ExternalSource):
         raise FailedPrecondition(
@@ -471,71 +389,3 @@ def _source(run: Run) -> ExternalSource:
             "prompt_source.external to drive its episodes through this endpoint"
         )
     return run.source
-
-
-def _result(episode: _OpenEpisode, renderer: PromptRenderer) -> EpisodeResult:
-    transcript = episode.transcript
-    return EpisodeResult(
-        completion_ids=list(transcript.ids),
-        logprobs=list(transcript.logprobs),
-        mask=list(transcript.mask),
-        finish_reason=episode.finish,
-        text=renderer.decode(transcript.ids),
-        policy_version_first=episode.version_first,
-        policy_version_last=episode.version_last,
-        num_turns=episode.turns,
-        messages=tuple(transcript.messages),
-        reward_text=renderer.decode(transcript.ids, skip_special_tokens=True),
-        reward_messages=tuple(transcript.reward_messages),
-    )
-
-
-def _check_messages(messages: list[dict[str, Any]], first: bool) -> None:
-    if first and not messages:
-        raise InvalidArgument("messages is empty; send at least one message")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise InvalidArgument(f"message {index} needs a role, one of {', '.join(CHAT_ROLES)}")
-        if first and message["role"] in ("assistant", "tool"):
-            raise InvalidArgument(
-                f"message {index} of a new episode is a {message['role']} message: an episode starts from system "
-                "and user messages, and the model's turns are generated here"
-            )
-
-
-def _same_message(sent: Any, held: dict[str, Any]) -> bool:
-    """The client's copy of a message the service holds. Assistant turns compare as clients
-    re-serialize them: content None or "" alike, text parts joined, tool calls by name and
-    parsed arguments (the ids and the JSON's spacing are the client's)."""
-    if not isinstance(sent, dict) or sent.get("role") != held.get("role"):
-        return False
-    if _text(sent.get("content")) != _text(held.get("content")):
-        return False
-    return held.get("role") != "assistant" or _calls(sent) == _calls(held)
-
-
-def _text(content: Any) -> Any:
-    """A message's text: a string, or OpenAI's list of text parts; None is ""."""
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) if isinstance(part, dict) else str(part) for part in content)
-    return content or ""
-
-
-def _calls(message: dict[str, Any]) -> list[Any]:
-    """An assistant message's tool calls as (name, arguments), the arguments parsed when JSON."""
-    calls: list[Any] = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            calls.append(call)
-            continue
-        arguments = function.get("arguments")
-        with contextlib.suppress(TypeError, ValueError):
-            arguments = json.loads(arguments)
-        calls.append((function.get("name"), arguments))
-    return calls
-
-
-def _chars(messages: list[Any]) -> int:
-    """The characters a request's messages give the chat template (what its size check reads)."""
-    return sum(len(str(_text(m.get("content")))) for m in messages if isinstance(m, dict))

@@ -18,7 +18,7 @@ from rollout_service.edge.openai_api import openai_app
 from rollout_service.edge.security import TokenTable
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound
 from rollout_service.eval_tally import EvalSpec
-from rollout_service.generation.external import TextRequest, TurnRequest
+from rollout_service.generation.external_conversation import TextRequest, TurnRequest
 from rollout_service.generation.prompts import PromptRenderer
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.runs import RunSpec

@@ -13,7 +13,8 @@ import pytest
 
 from rollout_api.client import RolloutClient
 from rollout_service.delivery.consumer import ConsumerSession
-from rollout_service.edge.server import start_grpc_server, status_code
+from rollout_service.edge.server import start_grpc_server
+from rollout_service.edge.servicer import status_code
 from rollout_service.errors import (
     AlreadyExists,
     FailedPrecondition,
