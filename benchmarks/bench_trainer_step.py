@@ -44,15 +44,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 
-from trainer_client.batches import (
+from trainer_client.loss.config import LossConfig
+from trainer_client.loss.losses import compute_loss
+from trainer_client.stream.batches import (
     GroupCollator,
     completion_logprobs,
     forward_completion_logprobs,
     output_embedding_weight,
 )
-from trainer_client.loss.config import LossConfig
-from trainer_client.loss.losses import compute_loss
-from trainer_client.prompt_sharing import shared_prompt_logprobs, sharing_pays, skipped_fraction
+from trainer_client.stream.prompt_sharing import shared_prompt_logprobs, sharing_pays, skipped_fraction
 
 SHAPES = {
     "small": {  # bench_vs_trl.py's small model (1.64M parameters)

@@ -1,6 +1,6 @@
 """Whether this host's CPU multiplies bf16 matrices in hardware, read from the kernel.
 
-Why a reader of ``/proc/cpuinfo`` and not torch's probes (``trainer_client.precision``): the
+Why a reader of ``/proc/cpuinfo`` and not torch's probes (``trainer_client.train.precision``): the
 rollout service decides its managed vLLM server's dtype from it, and the service does not
 import torch. The kernel lists the same instructions that torch's
 ``torch.cpu._is_avx512_bf16_supported`` and ``_is_amx_tile_supported`` look for.

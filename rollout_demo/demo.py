@@ -38,7 +38,7 @@ def main(
     from trainer_client.local_service import local_service
     from trainer_client.options import ModelOptions, RunOptions
     from trainer_client.step_timing import format_split
-    from trainer_client.train import train
+    from trainer_client.train.run import train
 
     output_dir.mkdir(parents=True, exist_ok=True)
     with console.status("building the tiny model"):

@@ -11,7 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "AsyncGRPOTrainer": "trainer_client.api",
-    "AsyncGRPOConfig": "trainer_client.trainer",
+    "AsyncGRPOConfig": "trainer_client.train.trainer",
     "RunOptions": "trainer_client.options",
     "ModelOptions": "trainer_client.options",
 }

@@ -23,7 +23,7 @@ from typing import Any
 
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.options import ModelOptions, RunOptions
-from trainer_client.prompts_file import PromptRows
+from trainer_client.stream.prompts_file import PromptRows
 
 RewardFunc = str | Callable[..., Any]
 
@@ -44,7 +44,7 @@ def reward_name(reward: RewardFunc) -> str:
 
 class AsyncGRPOTrainer:
     """TRL ``GRPOTrainer``'s constructor and ``train()``; generation runs on the service's vLLM
-    servers while this process trains (``trainer_client.train``)."""
+    servers while this process trains (``trainer_client.train.run``)."""
 
     def __init__(
         self,
@@ -74,7 +74,7 @@ class AsyncGRPOTrainer:
 
     def train(self) -> dict[str, Any]:
         """Train ``args.max_steps`` steps; the summary (also in ``args.output_dir``)."""
-        from trainer_client.train import train
+        from trainer_client.train.run import train
 
         self.summary = train(self.args, self.run, self.model_options)
         return self.summary

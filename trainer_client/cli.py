@@ -210,11 +210,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _train(parser: TrainerArgumentParser, run: RunOptions, config: AsyncGRPOConfig, model: ModelOptions) -> None:
     from rollout_api.client import ServiceNotServing
     from trainer_client.advertised_address import AddressError
-    from trainer_client.checkpoints import CheckpointError
     from trainer_client.local_service import LocalServiceError
     from trainer_client.step_timing import format_split
-    from trainer_client.stream import RunStalled
-    from trainer_client.train import ModelNotFound, train
+    from trainer_client.stream.feed import RunStalled
+    from trainer_client.train.checkpoints import CheckpointError
+    from trainer_client.train.run import ModelNotFound, train
 
     if run.eval_every and (not run.push or model.serves_adapter):
         parser.error(

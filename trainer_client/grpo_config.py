@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from transformers import TrainingArguments
 
 from rollout_common.staleness import DEFAULT_MAX_STALENESS
-from trainer_client import precision
 from trainer_client.loss.config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
 from trainer_client.options import SCALE_REWARDS
+from trainer_client.train import precision
 
 
 @dataclass(kw_only=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.prompt_feeder import fits_inline
-from trainer_client.prompts_file import PROMPT_COLUMN, PromptRows
+from trainer_client.stream.prompt_feeder import fits_inline
+from trainer_client.stream.prompts_file import PROMPT_COLUMN, PromptRows
 
 ADMISSION_MODES = {
     "staleness": pb.ADMISSION_MODE_STALENESS,

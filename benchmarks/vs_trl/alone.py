@@ -42,11 +42,11 @@ def train_alone_worker(args: argparse.Namespace) -> None:
 
     from rollout_api import rollout_pb2 as pb
     from rollout_service.generation.prompts import builtin_dataset
-    from trainer_client.batches import GroupCollator, completion_logprobs
     from trainer_client.grpo_config import AsyncGRPOConfig
     from trainer_client.loss.config import LossConfig
     from trainer_client.loss.losses import compute_loss
-    from trainer_client.precision import loading_kwargs, resolve_bf16
+    from trainer_client.stream.batches import GroupCollator, completion_logprobs
+    from trainer_client.train.precision import loading_kwargs, resolve_bf16
 
     if args.service and args.pin:  # as rollout-trainer does next to a local service
         from rollout_common.cpu_budget import pin_local_trainer

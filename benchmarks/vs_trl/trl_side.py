@@ -29,7 +29,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from rollout_service.generation.prompts import builtin_dataset
-    from trainer_client.precision import loading_kwargs
+    from trainer_client.train.precision import loading_kwargs
 
     prompts = [{"prompt": spec.messages} for spec in builtin_dataset(args.dataset)]
     dataset = Dataset.from_list(prompts * 200)

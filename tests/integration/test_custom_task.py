@@ -107,7 +107,7 @@ async def test_a_large_parquet_file_streams_into_its_run_through_submit_prompts(
 ) -> None:
     import datasets
 
-    from trainer_client.prompt_feeder import INLINE_MAX_PROMPTS
+    from trainer_client.stream.prompt_feeder import INLINE_MAX_PROMPTS
 
     rows = [{"prompt": f"Say {chr(97 + i % 26)}", "answer": chr(97 + i % 26)} for i in range(INLINE_MAX_PROMPTS + 1)]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "big.parquet"))

@@ -16,8 +16,8 @@ from rollout_common.tiny_model import tiny_model_flags
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import REUSE_URL, restore_base_weights, serving
 from tests.support import run_to_end, wait_until
-from trainer_client import precision
 from trainer_client.step_timing import ON_STEP_PATH
+from trainer_client.train import precision
 
 pytestmark = pytest.mark.integration
 MAX_STALENESS = 1

@@ -58,8 +58,8 @@ def test_the_trainer_extra_installs_and_runs_without_vllm_or_the_service(wheel: 
         "import importlib.util as u, sys\n"
         f"present = [m for m in {SERVICE_ONLY!r} if u.find_spec(m)]\n"
         "assert not present, f'installed with the trainer: {present}'\n"
-        "import trainer_client.train, trainer_client.cli, rollout_api.rollout_pb2_grpc, datasets\n"
-        "print(trainer_client.train.__file__)\n"
+        "import trainer_client.train.run, trainer_client.cli, rollout_api.rollout_pb2_grpc, datasets\n"
+        "print(trainer_client.train.run.__file__)\n"
     )
     location = run([str(python), "-c", probe], 120, cwd=tmp_path)
     assert location.startswith(str(fresh))  # the installed copy, not the checkout

@@ -44,7 +44,7 @@ from vs_trl.outcomes import (
 from vs_trl.processes import leading_env_settings
 from vs_trl.training_window import TrainingWindow
 
-from trainer_client.step_callback import STEP_LINE
+from trainer_client.train.step_callback import STEP_LINE
 
 
 def run(contender: str, seed: int, rewards: list[float], step_s: float = 0.5, tokens: int = 100) -> RunResult:
@@ -175,7 +175,7 @@ def test_work_per_step_and_the_steps_per_second_it_allows() -> None:
 
 
 def test_the_trainers_step_line_is_the_one_the_cpu_readings_wait_for() -> None:
-    line = "INFO trainer_client.step_callback: " + STEP_LINE % (7, 0.5, 6, 4, 0, 0.16, 0.03)
+    line = "INFO trainer_client.train.step_callback: " + STEP_LINE % (7, 0.5, 6, 4, 0, 0.16, 0.03)
     match = TrainingWindow.STEP_LINE.search(line)
     assert match is not None and match.group(1) == "7"
     assert TrainingWindow.STEP_LINE.search("evaluation step 7 done") is None
@@ -263,7 +263,7 @@ async def test_the_window_reads_at_the_first_and_last_step_only() -> None:
 
     window = TrainingWindow(steps=3, readers={"counter": read})
     for step in (1, 2, 3):
-        window.on_line("INFO trainer_client.step_callback: " + STEP_LINE % (step, 0.5, step, 4, 0, 0.16, 0.03))
+        window.on_line("INFO trainer_client.train.step_callback: " + STEP_LINE % (step, 0.5, step, 4, 0, 0.16, 0.03))
     assert await window.readings("counter") == (1, 2)
     assert window.per_step() is not None and window.busy_fraction_by_cpu() is not None
     unfinished = TrainingWindow(steps=3, readers={"counter": read})

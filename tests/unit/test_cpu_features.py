@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rollout_common.cpu_features import cpu_flags, has_native_bf16
-from trainer_client import precision
+from trainer_client.train import precision
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainer_client import fsdp
+from trainer_client.train import fsdp
 from trainer_client.weights.policy_weights import policy_weights
 
 WORLD = 2

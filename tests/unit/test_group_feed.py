@@ -10,7 +10,7 @@ import pytest
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import GRPC_CORE_WRITE_FAILED, unavailable
-from trainer_client.stream import ID_MEMORY, GroupFeed, RecentIds
+from trainer_client.stream.feed import ID_MEMORY, GroupFeed, RecentIds
 
 
 class RecordingStream:

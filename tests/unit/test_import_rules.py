@@ -10,7 +10,8 @@ from tools.import_graph import GRPC_EDGE, project_graph, violations
 
 def test_the_tree_keeps_every_layering_rule() -> None:
     graph = project_graph()
-    assert "rollout_service.generation.scheduler" in graph and "trainer_client.trainer" in graph  # the files were read
+    # the files were read
+    assert "rollout_service.generation.scheduler" in graph and "trainer_client.train.trainer" in graph
     assert violations(graph) == []
 
 
@@ -25,8 +26,8 @@ def test_grpc_is_imported_by_the_edge_alone() -> None:
     [
         ("rollout_service.delivery.broker", "grpc", "only the gRPC edge imports grpc"),
         ("rollout_service.generation.scheduler", "rollout_api.rollout_pb2_grpc", "only the gRPC edge imports grpc"),
-        ("trainer_client.train", "rollout_service.config", "the trainer does not import the service"),
-        ("rollout_service.app", "trainer_client.train", "the service does not import the trainer"),
+        ("trainer_client.train.run", "rollout_service.config", "the trainer does not import the service"),
+        ("rollout_service.app", "trainer_client.train.run", "the service does not import the trainer"),
         ("rollout_common.tiny_model", "rollout_service.config", "shared packages import neither side"),
         ("vllm_gloo_transfer.plugin", "trainer_client.weights", "shared packages import neither side"),
         (
@@ -67,6 +68,6 @@ def test_allowed_imports_pass() -> None:
         "rollout_service.edge.server": {"grpc", "rollout_api.rollout_pb2_grpc"},
         "rollout_service.engine.managed": {"rollout_service.config", "rollout_common.cpu_budget"},
         "trainer_client.weights": {"vllm_gloo_transfer.packing"},
-        "rollout_demo.demo": {"rollout_service.config", "trainer_client.train", "trainer_client.local_service"},
+        "rollout_demo.demo": {"rollout_service.config", "trainer_client.train.run", "trainer_client.local_service"},
     }
     assert violations(graph) == []

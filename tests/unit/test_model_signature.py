@@ -11,7 +11,7 @@ import pytest
 from rollout_api import rollout_pb2 as pb
 from rollout_common.model_signature import model_signature, signature_of
 from trainer_client.options import ModelOptions
-from trainer_client.train import ModelNotFound, policy_checkpoint
+from trainer_client.train.run import ModelNotFound, policy_checkpoint
 
 QWEN = {
     "model_type": "qwen2",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer_client.grpo_config import AsyncGRPOConfig
-from trainer_client.precision import attention_implementation, has_native_bf16, loading_kwargs, resolve_bf16
+from trainer_client.train.precision import attention_implementation, has_native_bf16, loading_kwargs, resolve_bf16
 
 
 def cpu_with(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool) -> None:

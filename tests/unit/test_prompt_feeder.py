@@ -10,7 +10,7 @@ from rollout_api.client import RolloutClient
 from rollout_service.config import SecuritySettings
 from rollout_service.edge.server import start_grpc_server
 from tests.unit.scripted import ScriptedEngine, make_service
-from trainer_client import prompt_feeder
+from trainer_client.stream import prompt_feeder
 
 PROMPTS = [pb.Prompt(token_ids=pb.TokenIds(ids=[i + 1]), metadata={"i": str(i)}) for i in range(3)]
 

@@ -17,12 +17,12 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client.batches import GroupCollator, completion_logprobs
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.loss.config import LossConfig
 from trainer_client.loss.losses import compute_loss
-from trainer_client.prompt_sharing import prompts_are_shared, sharing_pays, skipped_fraction
-from trainer_client.trainer import StreamGRPOTrainer
+from trainer_client.stream.batches import GroupCollator, completion_logprobs
+from trainer_client.stream.prompt_sharing import prompts_are_shared, sharing_pays, skipped_fraction
+from trainer_client.train.trainer import StreamGRPOTrainer
 
 pytestmark = pytest.mark.timeout(120)
 VOCAB = 97

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_client.prompts_file import PromptRows, PromptsFileError
+from trainer_client.stream.prompts_file import PromptRows, PromptsFileError
 
 
 def write(path: Path, *lines: str) -> Path:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer_client.step_callback import PUSH_ATTEMPTS, SyncAndAck
 from trainer_client.step_timing import PhaseClock
+from trainer_client.train.step_callback import PUSH_ATTEMPTS, SyncAndAck
 from trainer_client.weights.push import WeightPusher
 
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from transformers import TrainerControl
 
-from trainer_client.step_progress import StepProgress, log_console
+from trainer_client.train.step_progress import StepProgress, log_console
 
 
 def test_the_bar_draws_on_the_log_handlers_console() -> None:

@@ -17,9 +17,9 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.tiny_model import build_tiny_model
-from trainer_client.batches import GroupCollator, completion_logprobs
 from trainer_client.loss.config import LossConfig
 from trainer_client.loss.losses import compute_loss
+from trainer_client.stream.batches import GroupCollator, completion_logprobs
 
 pytestmark = pytest.mark.timeout(120)
 PAD_ID = 0

@@ -12,7 +12,7 @@ from trainer_client.api import AsyncGRPOTrainer, reward_name
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.local_service import service_command
 from trainer_client.options import RunOptions
-from trainer_client.prompts_file import PromptRows
+from trainer_client.stream.prompts_file import PromptRows
 
 
 def top_level_reward(prompts, completions, **kwargs):  # type: ignore[no-untyped-def]

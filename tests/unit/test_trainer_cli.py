@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from rollout_api import rollout_pb2 as pb
-from trainer_client import precision
-from trainer_client import train as train_module
 from trainer_client.cli import TrainerArgumentParser, main
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.options import SCALE_REWARDS, ModelOptions, RunOptions
-from trainer_client.train import buffered_groups
+from trainer_client.train import precision
+from trainer_client.train import run as train_module
+from trainer_client.train.run import buffered_groups
 
 TRL_YAML = """
 model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct

@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM
 
 from rollout_api import rollout_pb2 as pb
 from rollout_common.tiny_model import build_tiny_model
-from trainer_client.batches import GroupCollator, forward_completion_logprobs
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.step_timing import PhaseClock
-from trainer_client.trainer import StreamGRPOTrainer
+from trainer_client.stream.batches import GroupCollator, forward_completion_logprobs
+from trainer_client.train.trainer import StreamGRPOTrainer
 
 
 class StillFeed:

@@ -23,7 +23,7 @@ from tests.integration.conftest import service_settings, service_with_client, se
 from tests.integration.tcp_proxy import KillableProxy
 from tests.integration.test_shared_capacity import consume
 from tests.support import wait_until
-from trainer_client.stream import GroupFeed
+from trainer_client.stream.feed import GroupFeed
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_api import rollout_pb2 as pb
 
 if TYPE_CHECKING:
-    from trainer_client.stream import GroupFeed
+    from trainer_client.stream.feed import GroupFeed
 
 logger = logging.getLogger(__name__)
 

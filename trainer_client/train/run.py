@@ -34,20 +34,20 @@ from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from rollout_common.model_signature import signature_of
-from trainer_client import fsdp, precision
 from trainer_client.advertised_address import advertised_address
-from trainer_client.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
-from trainer_client.evaluator import PinnedEvaluator
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.local_service import LocalServiceError, local_service
 from trainer_client.options import ADMISSION_MODES, SCALE_REWARDS, ModelOptions, RunOptions
-from trainer_client.prompt_feeder import feed_prompts
-from trainer_client.prompts_file import PromptRows
-from trainer_client.step_callback import SyncAndAck
 from trainer_client.step_timing import summarize_seconds, with_lookahead
-from trainer_client.stream import GroupFeed
+from trainer_client.stream.feed import GroupFeed
+from trainer_client.stream.prompt_feeder import feed_prompts
+from trainer_client.stream.prompts_file import PromptRows
 from trainer_client.svg_plot import line_plot
-from trainer_client.trainer import StreamGRPOTrainer
+from trainer_client.train import fsdp, precision
+from trainer_client.train.checkpoints import RunInCheckpoint, drop_records_after, find_checkpoint
+from trainer_client.train.evaluator import PinnedEvaluator
+from trainer_client.train.step_callback import SyncAndAck
+from trainer_client.train.trainer import StreamGRPOTrainer
 from trainer_client.weights.push import AdapterPusher, WeightPusher
 
 logger = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ import torch
 from torch.utils.data import IterableDataset
 
 from trainer_client.loss.logprobs import chunked_completion_logprobs, token_logprobs
-from trainer_client.prompt_sharing import shared_prompt_logprobs, sharing_pays
+from trainer_client.stream.prompt_sharing import shared_prompt_logprobs, sharing_pays
 
 if TYPE_CHECKING:  # the collator and the log-probs run with torch alone (benchmarks/bench_trainer_step.py on a GPU box)
     from rollout_api import rollout_pb2 as pb
-    from trainer_client.stream import GroupFeed
+    from trainer_client.stream.feed import GroupFeed
 
 
 class StreamDataset(IterableDataset):

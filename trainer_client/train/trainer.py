@@ -7,10 +7,10 @@ chunks; after every ``weight_sync_steps`` optimizer steps the main process pushe
 weights into vLLM through the service (``WeightPusher``) and the feed's current policy
 version advances, which is what staleness is judged against. Groups used by a step are
 acked as trained when the step ends. Batches (dataset, collator, log-probs) are in
-``batches.py``; what happens between steps (ack, push, the step's record) in
+``stream/batches.py``; what happens between steps (ack, push, the step's record) in
 ``step_callback.py``, whose ``SyncAndAck`` the builder of the trainer registers
-(``train.py``); a step of several micro-batches trains each as it arrives
-(``arriving_batches.py``).
+(``run.py``); a step of several micro-batches trains each as it arrives
+(``stream/arriving_batches.py``).
 
 Being a ``Trainer`` subclass, checkpointing, logging integrations (``report_to``),
 accelerate (DDP, FSDP, DeepSpeed) and PEFT come with it. Data-parallel ranks are each a
@@ -37,21 +37,21 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, ProgressCallback, Trainer
 
-from trainer_client import fsdp
-from trainer_client.arriving_batches import ArrivingBatches, DeferredTokenNormaliser
-from trainer_client.batches import (
+from trainer_client.grpo_config import AsyncGRPOConfig
+from trainer_client.loss.config import GLOBAL_TOKEN_NORMALISED
+from trainer_client.loss.losses import compute_loss
+from trainer_client.stream.arriving_batches import ArrivingBatches, DeferredTokenNormaliser
+from trainer_client.stream.batches import (
     GroupCollator,
     StreamDataset,
     completion_logprobs,
     forward_completion_logprobs,
     output_embedding_weight,
 )
-from trainer_client.evaluator import PinnedEvaluator
-from trainer_client.grpo_config import AsyncGRPOConfig
-from trainer_client.loss.config import GLOBAL_TOKEN_NORMALISED
-from trainer_client.loss.losses import compute_loss
-from trainer_client.step_progress import StepProgress
-from trainer_client.stream import GroupFeed
+from trainer_client.stream.feed import GroupFeed
+from trainer_client.train import fsdp
+from trainer_client.train.evaluator import PinnedEvaluator
+from trainer_client.train.step_progress import StepProgress
 from trainer_client.weights.policy_weights import is_peft_model
 from trainer_client.weights.push import AdapterPusher, WeightPusher
 

@@ -1,5 +1,5 @@
 """What happens between optimizer steps: ack the step's groups, push weights when due, log
-the step's record. ``train.py`` registers ``SyncAndAck`` on the ``StreamGRPOTrainer`` it builds,
+the step's record. ``run.py`` registers ``SyncAndAck`` on the ``StreamGRPOTrainer`` it builds,
 whose ``StepBook`` holds what the callback acks and logs at each step's end.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 
-from trainer_client import fsdp
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.step_timing import COMPUTE_CPU, step_seconds
-from trainer_client.trainer import StepBook, StreamGRPOTrainer
+from trainer_client.train import fsdp
+from trainer_client.train.trainer import StepBook, StreamGRPOTrainer
 from trainer_client.weights.policy_weights import policy_weights
 from trainer_client.weights.push import WeightPusher
 
