@@ -1,5 +1,4 @@
-"""Stale drops and training throughput: paced against staleness admission, or (``--compare
-abort``) stale in-flight groups aborted or kept.
+"""Stale drops and training throughput: paced against staleness admission.
 
 Why: staleness admission generates as far ahead as ``max_staleness`` lets a group still
 train in time; paced admission only as far as keeps the trainer busy. The question is what
@@ -11,17 +10,14 @@ Per phase it reports groups generated (scored), trained and dropped as stale, th
 fraction, trained groups per second of wall time, generated tokens per second, and the
 fraction of generated tokens that were trained.
 
-``--compare abort``: staleness admission (generation runs ahead of a slower trainer), with the
-service's ``abort_stale_inflight`` on and off. A group the trainer moved past while it was
-generating is then aborted in vLLM instead of finished and dropped; the table adds the
-groups aborted and vLLM's own count of generated tokens (aborted requests included) per
-trained group: the generation that went to waste.
+It also reports the groups aborted in flight (the trainer moved past them while they
+generated) and vLLM's own count of generated tokens, aborted requests included, per trained
+group: the generation that went to waste.
 
 Usage::
 
     python benchmarks/bench_admission.py --vllm-url http://127.0.0.1:8011 --model-dir /tmp/tiny
     python benchmarks/bench_admission.py --steps 20 --rounds 2 --max-staleness 1 --output outputs/admission.json
-    python benchmarks/bench_admission.py --compare abort --max-staleness 0 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ from rollout_common.tiny_model import build_tiny_model, tiny_model_flags
 from rollout_service.app import running_service
 from rollout_service.config import DEFAULT_MODEL_DIR, load_settings
 
-COMPARISONS = {"admission": ("paced", "staleness"), "abort": ("abort", "keep")}
-"""What each ``--compare`` runs side by side: admission modes, or abort_stale_inflight on / off."""
+MODES = ("paced", "staleness")
 
 
 @dataclass
@@ -83,8 +78,6 @@ def vllm_generated_tokens(url: str) -> int:
 async def run_phase(service, args: argparse.Namespace, mode: str, round_: int, out: Path) -> Phase:
     """One trainer process on a fresh run, in ``mode``."""
     target, url = service.grpc_target, service.service.info.engine_urls[0]
-    admission = mode if args.compare == "admission" else "staleness"
-    service.service.settings.abort_stale_inflight = mode != "keep"  # read as each run is created
     tokens_before = vllm_generated_tokens(url)
     command = [sys.executable, "-m", "trainer_client.cli", "--target", target, "--model", str(args.model_dir)]
     command += ["--dataset", "repeat_a"]  # the task it has always run (the trainer's default dataset once)
@@ -95,7 +88,7 @@ async def run_phase(service, args: argparse.Namespace, mode: str, round_: int, o
         max_completion_length=args.max_tokens,
         max_staleness=args.max_staleness,
     )
-    command += ["--max_buffered_groups", str(args.max_buffered_groups), "--admission", admission]
+    command += ["--max_buffered_groups", str(args.max_buffered_groups), "--admission", mode]
     command += ["--output_dir", str(out), "--log_level", "warning"]
     started = time.monotonic()
     trainer = await asyncio.create_subprocess_exec(
@@ -127,7 +120,7 @@ async def benchmark(args: argparse.Namespace) -> list[Phase]:
     phases: list[Phase] = []
     with tempfile.TemporaryDirectory(prefix="bench-admission-") as tmp:
         async with running_service(settings) as service:
-            modes = COMPARISONS[args.compare]
+            modes = MODES
             for round_ in range(args.rounds):
                 for mode in modes if round_ % 2 == 0 else reversed(modes):
                     phase = await run_phase(service, args, mode, round_, Path(tmp) / f"{mode}-{round_}")
@@ -136,24 +129,19 @@ async def benchmark(args: argparse.Namespace) -> list[Phase]:
     return phases
 
 
-def report(phases: list[Phase], console: Console, compare: str) -> dict[str, dict[str, float]]:
-    modes = COMPARISONS[compare]
-    title = {
-        "admission": "paced admission vs staleness admission",
-        "abort": "staleness admission, stale in-flight groups aborted vs kept",
-    }[compare]
-    table = Table(title=title)
+def report(phases: list[Phase], console: Console) -> dict[str, dict[str, float]]:
+    modes = MODES
+    table = Table(title="paced admission vs staleness admission")
     columns = ["mode", "round", "s", "generated", "trained", "dropped stale", "drop %", "trained/s", "tok/s"]
-    columns += ["aborted", "vLLM tok", "vLLM tok / trained"] if compare == "abort" else []
+    columns += ["aborted", "vLLM tok", "vLLM tok / trained"]
     for column in columns:
         table.add_column(column, justify="right")
     for p in phases:
         row = [
             p.mode, str(p.round), f"{p.seconds:.1f}", str(p.scored), str(p.trained), str(p.dropped_stale),
             f"{100 * p.drop_fraction:.1f}", f"{p.trained_per_s:.2f}", f"{p.tokens / p.seconds:.0f}",
+            str(p.aborted), str(p.vllm_tokens), f"{p.vllm_tokens / max(1, p.trained):.0f}",
         ]  # fmt: skip
-        if compare == "abort":
-            row += [str(p.aborted), str(p.vllm_tokens), f"{p.vllm_tokens / max(1, p.trained):.0f}"]
         table.add_row(*row)
     console.print(table)
     summary = {}
@@ -175,15 +163,13 @@ def report(phases: list[Phase], console: Console, compare: str) -> dict[str, dic
     first, second = modes
     ratio = summary[first]["trained_per_s"] / summary[second]["trained_per_s"]
     console.print(f"trained/s, {first} / {second}: {ratio:.3f}")
-    if compare == "abort":
-        waste = summary[first]["vllm_tokens_per_trained_group"] / summary[second]["vllm_tokens_per_trained_group"]
-        console.print(f"vLLM tokens per trained group, {first} / {second}: {waste:.3f}")
+    waste = summary[first]["vllm_tokens_per_trained_group"] / summary[second]["vllm_tokens_per_trained_group"]
+    console.print(f"vLLM tokens per trained group, {first} / {second}: {waste:.3f}")
     return summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="admission")
     parser.add_argument("--vllm-url", help="a running vLLM server (weight transfer on); default: a managed one")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="the checkpoint vLLM serves")
     parser.add_argument("--steps", type=int, default=15)
@@ -204,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.model_dir / "config.json").exists():
         build_tiny_model(args.model_dir)
     phases = asyncio.run(benchmark(args))
-    summary = report(phases, Console(width=160), args.compare)
+    summary = report(phases, Console(width=160))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         payload = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": [asdict(p) for p in phases]}

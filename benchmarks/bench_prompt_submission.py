@@ -97,7 +97,7 @@ async def one_sitting(store: StateStore, tokenizer, prompts: int, freeze: bool) 
         renderer=PromptRenderer(tokenizer, max_model_len=1024),
         rewards=RewardRegistry(),
         metrics=ServiceMetrics(),
-        settings=SchedulerSettings(max_inflight=4, max_queued_prompts=prompts + 1),
+        settings=SchedulerSettings(max_inflight=4),
         info=ServiceInfo(model="tiny", engine_urls=[], max_inflight=4),
         store=store,
     )

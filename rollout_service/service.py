@@ -146,9 +146,9 @@ class RolloutService:
         self.metrics = metrics
         self.settings = settings
         self.info = info
-        self.reward_executor = ThreadPoolExecutor(settings.reward_threads, thread_name_prefix="reward")
-        """Sync reward functions' own threads (``SchedulerSettings.reward_threads``)."""
-        self.scorer = GroupScorer(rewards, settings.reward_timeout_s, self.reward_executor)
+        self.user_code_executor = ThreadPoolExecutor(settings.user_code_threads, thread_name_prefix="user-code")
+        """Sync rewards' and environments' own threads (``SchedulerSettings.user_code_threads``)."""
+        self.scorer = GroupScorer(rewards, settings.reward_timeout_s, self.user_code_executor)
         self.scheduler = Scheduler(
             engine,
             self.scorer,
@@ -159,8 +159,6 @@ class RolloutService:
             max_group_bytes=settings.max_group_bytes,
             route=self._engine_for,
         )
-        self.environment_executor = ThreadPoolExecutor(settings.environment_threads, thread_name_prefix="environment")
-        """Sync environment methods' own threads (``SchedulerSettings.environment_threads``)."""
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.watchdog = RunWatchdog(settings.stall_timeout_s, metrics, clock)
         self.pool_usable = True
@@ -349,7 +347,6 @@ class RolloutService:
             versions=versions,
             await_version=version + 1 if spec.await_first_update and trains else 0,
             free_clock=self.scheduler.slots.free_seconds,
-            doomed_after=spec.max_staleness if self.settings.abort_stale_inflight and trains else None,
             lookahead=Lookahead(spec.max_staleness) if paced else None,
         )
         lease_timeout_s = spec.lease_timeout_s or self.settings.lease_timeout_s
@@ -380,12 +377,12 @@ class RolloutService:
             tools=toolset,
             environment=environment,
             environment_timeout_s=self.settings.environment_timeout_s,
-            environment_executor=self.environment_executor,
+            environment_executor=self.user_code_executor,
         )
 
     async def _prompt_source(self, spec: RunSpec, tools: list[dict[str, Any]] | None = None) -> PromptSource:
         if spec.source_kind == "submitted":
-            return SubmittedPromptSource(self.settings.max_queued_prompts, self.settings.max_queued_prompt_bytes)
+            return SubmittedPromptSource(self.settings.max_queued_prompt_bytes)
         if spec.source_kind == "external":
             return ExternalSource()
         prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
@@ -645,8 +642,7 @@ class RolloutService:
         self.tools.close()
         # Not waiting for user code's threads: a hung call must not hold up the shutdown
         # (``shutdown_timeout_s`` ends the process).
-        self.reward_executor.shutdown(wait=False, cancel_futures=True)
-        self.environment_executor.shutdown(wait=False, cancel_futures=True)
+        self.user_code_executor.shutdown(wait=False, cancel_futures=True)
 
     def _engine_for(self, run: Run) -> Engine:
         """Runs that serve their own LoRA adapter name it in every request; with pool

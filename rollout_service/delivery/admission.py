@@ -58,15 +58,11 @@ class RunAdmission:
         versions: PolicyVersion | None = None,
         await_version: int = 0,
         free_clock: Callable[[], float] = time.monotonic,
-        doomed_after: int | None = None,
         lookahead: Lookahead | None = None,
     ) -> None:
         self.run_id = run_id
         self.lookahead = lookahead
         """Paced admission: the lookahead that replaces max_staleness in the bound; None: staleness as given."""
-        self.doomed_after = doomed_after
-        """The trainer's max_staleness, when groups that could only go stale must not start
-        (``abort_stale_inflight``); None: no such check."""
         self.metrics = metrics
         self.max_staleness = max_staleness
         self.versions = versions if versions is not None else PolicyVersion()
@@ -107,9 +103,11 @@ class RunAdmission:
 
     def outdated(self, version: int) -> bool:
         """Samples started at ``version`` are more than max_staleness behind the trainer's
-        version, so it can only drop them (always False without ``doomed_after``). The
+        version, so it can only drop them (always False without max_staleness: nothing trains). The
         scheduler aborts in-flight groups on the same rule."""
-        return self.doomed_after is not None and not within_staleness(version, self.trainer_version, self.doomed_after)
+        return self.max_staleness is not None and not within_staleness(
+            version, self.trainer_version, self.max_staleness
+        )
 
     def _within_budget(self, pending: int) -> bool:
         per_version = self.groups_per_version

@@ -1,5 +1,5 @@
 """One consumer's stream of a run, with no gRPC in it: credits and acks in, groups and
-requests for weights out. ``server.py`` converts the wire messages to and from these types.
+requests for weights out. ``edge/servicer.py`` converts the wire messages to and from these types.
 
 Invariant: a group is taken from the broker only while credits are positive, and a taken
 group is either sent or (if the stream ends first) released back by ``broker.release``.
@@ -19,6 +19,10 @@ from rollout_service.types import RunStall, ScoredGroup
 
 if TYPE_CHECKING:
     from rollout_service.service import RolloutService
+
+MAX_CREDITS = 4096
+"""Groups one stream may hold unacked: a bound on what a stream can take from other
+consumers of its run, far above what a trainer step asks for."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,8 @@ class ConsumerSession:
         self._check_credits(self.credits)
 
     def _check_credits(self, credits: int) -> None:
-        limit = self.service.settings.max_credits
-        if credits > limit:
-            raise InvalidArgument(
-                f"a stream may hold at most {limit} credits (scheduler.max_credits); this one would hold {credits}"
-            )
+        if credits > MAX_CREDITS:
+            raise InvalidArgument(f"a stream may hold at most {MAX_CREDITS} credits; this one would hold {credits}")
 
     async def read(self, requests: AsyncIterator[ConsumerRequest]) -> None:
         """Apply the client's requests until it stops sending; an invalid one ends the stream

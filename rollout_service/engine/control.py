@@ -15,6 +15,10 @@ import aiohttp
 
 from rollout_service.types import PauseModeName
 
+CONNECT_TIMEOUT_S = 5.0
+"""TCP connect timeout of each call to a vLLM server: a server on the network answers a
+connect in milliseconds, or not at all."""
+
 
 class WeightControl(Protocol):
     """What weight sync drives on one server: pause/resume and vLLM's weight-transfer
@@ -61,9 +65,8 @@ class WeightSyncError(Exception):
 class VLLMControlClient:
     """One server's control plane. Requires the server to run with VLLM_SERVER_DEV_MODE=1."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
-        self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -82,7 +85,7 @@ class VLLMControlClient:
     ) -> dict[str, Any]:
         if self._session is None:
             raise WeightSyncError(self.base_url, path, "control client used before start()")
-        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self._connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=CONNECT_TIMEOUT_S)
         try:
             async with self._session.request(
                 method, self.base_url + path, json=body, params=params or None, timeout=timeout

@@ -47,9 +47,17 @@ def server_url(address: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+RESOLVE_INTERVAL_S = 10.0
+"""How often the name is resolved again: pods come and go in tens of seconds."""
+
+
 class EngineDiscovery:
     def __init__(
-        self, discover: str, interval_s: float, resolver: Resolver = resolve_addresses, wait_s: float = 0.0
+        self,
+        discover: str,
+        interval_s: float = RESOLVE_INTERVAL_S,
+        resolver: Resolver = resolve_addresses,
+        wait_s: float = 0.0,
     ) -> None:
         self.host, self.port = split_name(discover)
         self.interval_s = interval_s

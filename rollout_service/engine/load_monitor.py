@@ -16,12 +16,14 @@ from rollout_service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
+READ_INTERVAL_S = 2.0
+"""How often the servers' /metrics are read: as often as the pool probes their health."""
+
 
 class LoadMonitor:
-    def __init__(self, clients: list[VLLMServerClient], metrics: ServiceMetrics, interval_s: float) -> None:
+    def __init__(self, clients: list[VLLMServerClient], metrics: ServiceMetrics) -> None:
         self.clients = list(clients)
         self.metrics = metrics
-        self.interval_s = interval_s
         self._last: dict[str, ServerLoad] = {}
 
     def add(self, client: VLLMServerClient) -> None:
@@ -39,7 +41,7 @@ class LoadMonitor:
                 await self.poll()
             except Exception:  # a reading must never end the loop
                 logger.exception("reading the vLLM servers' /metrics failed")
-            await asyncio.sleep(self.interval_s)  # a polling period, not synchronisation
+            await asyncio.sleep(READ_INTERVAL_S)  # a polling period, not synchronisation
 
     async def poll(self) -> None:
         """One reading of every server, then the exported series."""

@@ -125,11 +125,13 @@ class ManagedVLLMServer:
         settings: ManagedServerSettings,
         served_model_name: str | None = None,
         weight_transfer_backend: str | None = DEFAULT_WEIGHT_TRANSFER_BACKEND,
+        log_level: str = "INFO",
     ) -> None:
         """``weight_transfer_backend``: the service's ``weight_sync.backend``; None serves
-        without weight updates."""
+        without weight updates. ``log_level``: the service's."""
         self.settings = settings
         self.weight_transfer_backend = weight_transfer_backend
+        self.log_level = log_level
         self.port = settings.port or free_port()
         self.served_model_name = served_model_name or str(settings.model)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -174,10 +176,8 @@ class ManagedVLLMServer:
         return "bfloat16" if self.settings.device == "cpu" and cpu_features.has_native_bf16() else "float32"
 
     def _block_size_args(self) -> list[str]:
-        block_size = self.settings.block_size
-        if block_size is None and self.settings.device == "cpu":
-            block_size = CPU_BLOCK_SIZE
-        return [] if block_size is None else ["--block-size", str(block_size)]
+        """A CPU server's block size; ``--block-size`` in ``extra_args`` comes later and wins."""
+        return ["--block-size", str(CPU_BLOCK_SIZE)] if self.settings.device == "cpu" else []
 
     @staticmethod
     def _token_endpoint_args() -> list[str]:
@@ -204,7 +204,7 @@ class ManagedVLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["VLLM_LOGGING_LEVEL"] = self.settings.log_level  # not inherited: importing trl sets ERROR
+        env["VLLM_LOGGING_LEVEL"] = self.log_level  # not inherited: importing trl sets ERROR
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # pause/resume and weight-update endpoints
         if self.settings.max_loras:
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter

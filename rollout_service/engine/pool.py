@@ -42,6 +42,9 @@ from rollout_service.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+STICKY_SLACK = 2
+"""The load imbalance sticky routing keeps for a prefix cache (``benchmarks/bench_routing.py``)."""
+
 
 class EnginePool:
     def __init__(
@@ -50,7 +53,7 @@ class EnginePool:
         probe_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
         *,
-        sticky_slack: int = 2,
+        sticky_slack: int = STICKY_SLACK,
         monitor: LoadMonitor | None = None,
     ) -> None:
         if not clients:

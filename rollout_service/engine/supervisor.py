@@ -25,6 +25,9 @@ from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
+MAX_RESTARTS = 3
+"""Then the server stays down: a crash loop is a bug to read in vLLM's log, not to hide."""
+
 
 class Supervisable(Protocol):
     """What the supervisor needs of a managed server (``ManagedVLLMServer``)."""
@@ -44,10 +47,11 @@ class ServerSupervisor:
     def __init__(
         self,
         server: Supervisable,
-        max_restarts: int,
         on_down: Callable[[str], None],
         on_restarted: Callable[[str], Awaitable[None]],
         on_restart_counted: Callable[[], None] = lambda: None,
+        *,
+        max_restarts: int = MAX_RESTARTS,
     ) -> None:
         self.server = server
         self.max_restarts = max_restarts
@@ -76,7 +80,7 @@ class ServerSupervisor:
             self.on_down(self.server.url)
             if self.restarts >= self.max_restarts:
                 logger.error(
-                    "vLLM on %s exited and was restarted %d times already (engine.managed.max_restarts); "
+                    "vLLM on %s exited and was restarted %d times already (MAX_RESTARTS); "
                     "leaving it down. Its log ends:\n%s",
                     self.server.url, self.restarts, self.server.log_tail(),
                 )  # fmt: skip

@@ -32,6 +32,7 @@ import aiohttp
 import orjson
 
 from rollout_service.config import EngineSettings
+from rollout_service.engine.control import CONNECT_TIMEOUT_S
 from rollout_service.engine.server_load import ServerLoad, parse_server_load
 from rollout_service.errors import EngineError, RequestRejected
 from rollout_service.metrics import ServiceMetrics
@@ -45,6 +46,9 @@ _JSON = {"Content-Type": "application/json"}
 
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
+BACKOFF_BASE_S = 0.2
+"""First retry delay of a request; it doubles each retry, up to ``BACKOFF_MAX_S``."""
+BACKOFF_MAX_S = 5.0
 
 
 class _Retryable(Exception):
@@ -165,7 +169,7 @@ class VLLMServerClient:
         self.inflight = 0
         """Sequences this service has running on the server."""
         self.consecutive_failures = 0
-        self.token_endpoint = settings.token_endpoint
+        self.token_endpoint = True
         """Whether to use ``GENERATE_PATH``; False once the server answered it 403 or 404."""
         # aiohttp's default cap of 100 connections would silently throttle large runs.
         self._connector_limit = max(max_connections, 1) + 8
@@ -181,9 +185,7 @@ class VLLMServerClient:
         """Removed from the pool: a request it abandons is sent to another server (``EnginePool``)."""
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.settings.connect_timeout_s, sock_read=self.settings.read_timeout_s
-        )
+        timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=self.settings.read_timeout_s)
         connector = aiohttp.TCPConnector(limit=self._connector_limit, limit_per_host=self._connector_limit)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
@@ -315,7 +317,7 @@ class VLLMServerClient:
             except _Retryable as exc:
                 if attempt + 1 == attempts:
                     raise EngineError(self.base_url, f"{exc} (after {attempts} attempts)") from exc
-                delay = min(self.settings.backoff_base_s * 2**attempt, self.settings.backoff_max_s)
+                delay = min(BACKOFF_BASE_S * 2**attempt, BACKOFF_MAX_S)
                 self.metrics.request_retries.labels(self.base_url).inc()
                 logger.debug("retrying %s%s in %.2fs: %s", self.base_url, path, delay, exc)
                 await asyncio.sleep(delay)

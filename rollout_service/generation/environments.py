@@ -4,7 +4,7 @@ An environment answers each model turn with an observation (appended to the conv
 as a user message), a reward and whether the episode is done. One environment instance
 lives for one episode, made by the run's factory, so environments may keep state without
 locks. ``reset`` and ``step`` may be sync or async; sync ones run in the environments' own
-threads (``scheduler.environment_threads``), one call of an instance at a time. Either kind
+threads (``scheduler.user_code_threads``), one call of an instance at a time. Either kind
 is bounded by ``scheduler.environment_timeout_s``; one that raises or times out drops its
 group (reason ``environment``), and the run goes on.
 

@@ -286,9 +286,8 @@ not hold up the service's other RPCs."""
 class SubmittedPromptSource:
     """Prompts pushed through SubmitPrompts, in order; a run waits while none are queued.
 
-    Bounded by count and by bytes (``scheduler.max_queued_prompts`` and
-    ``max_queued_prompt_bytes``): a submit that would pass either is refused whole, so a
-    client knows exactly which prompts were queued.
+    Bounded by bytes (``scheduler.max_queued_prompt_bytes``): a submit that would pass it is
+    refused whole, so a client knows exactly which prompts were queued.
 
     Queued prompts are held pickled, one bytes object each (``_pack``), and made into a
     ``PromptItem`` when taken: as objects, each is several containers that every full pass
@@ -296,8 +295,8 @@ class SubmittedPromptSource:
     held up every RPC for longer than the submit's own steps did.
     """
 
-    def __init__(self, capacity: int = 100_000, max_bytes: int = 256 << 20) -> None:
-        self._queue: asyncio.Queue[tuple[int, bytes, int]] = asyncio.Queue(maxsize=capacity)
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self._queue: asyncio.Queue[tuple[int, bytes, int]] = asyncio.Queue()
         self._count = itertools.count()
         self.max_bytes = max_bytes
         self.queued_bytes = 0
@@ -314,12 +313,6 @@ class SubmittedPromptSource:
         held packed from then on."""
         packed = await asyncio.to_thread(_pack_all, rendered)
         async with self._submitting:  # meanwhile the run only takes prompts: the room only grows
-            free = self._queue.maxsize - self._queue.qsize()
-            if len(packed) > free:
-                raise ResourceExhausted(
-                    f"{len(packed)} prompts submitted but only {free} fit in the run's queue "
-                    "(scheduler.max_queued_prompts); submit fewer at a time or wait for the run to consume some"
-                )
             total = sum(size for _, size in packed)
             if self.queued_bytes + total > self.max_bytes:
                 raise ResourceExhausted(

@@ -17,7 +17,7 @@ Invariants:
 - no generation that can only go stale: when the run's trainer version moves more than
   ``max_staleness`` past the version a group started at, its requests are cancelled (vLLM
   aborts a request whose connection closes), its slots freed, and it is dropped with reason
-  ``stale_inflight`` (``abort_stale_inflight``).
+  ``stale_inflight``.
 
 Every task is owned: the scheduler keeps it until it ends, and a feeder that dies marks
 its run failed with the error instead of vanishing.
@@ -233,7 +233,7 @@ class Scheduler:
     def _abort_stale(self, run: Run) -> None:
         """On a version change: cancel the in-flight groups the trainer would drop as stale
         (``RunAdmission.outdated``: started more than ``max_staleness`` versions before the
-        trainer's version, when the service's ``abort_stale_inflight`` is on)."""
+        trainer's version)."""
         for inflight in self._inflight.get(run.run_id, {}).values():
             if not inflight.stale and run.admission.outdated(inflight.start_version):
                 inflight.stale = True

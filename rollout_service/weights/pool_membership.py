@@ -89,7 +89,6 @@ class PoolMembership:
         pool: EnginePool,
         recovery: ServerRecovery,
         new_client: Callable[[str], VLLMServerClient],
-        connect_timeout_s: float,
         model: str,
         engine_urls: list[str],
         metrics: ServiceMetrics,
@@ -99,7 +98,6 @@ class PoolMembership:
         self.pool = pool
         self.recovery = recovery
         self.new_client = new_client
-        self.connect_timeout_s = connect_timeout_s
         self.model = model
         """The pool's model, which a joining server must serve."""
         self.engine_urls = engine_urls
@@ -138,7 +136,7 @@ class PoolMembership:
             if self.pool.client(url) is not None:
                 raise AlreadyExists(f"{url} is already in the pool")
             await self._check_model(url)
-            client, control = self.new_client(url), VLLMControlClient(url, self.connect_timeout_s)
+            client, control = self.new_client(url), VLLMControlClient(url)
             await client.start()
             await control.start()
             self.pool.add(client, hold_reason="joining the pool: loading adapters and joining the weight transfer")
@@ -183,7 +181,7 @@ class PoolMembership:
     async def _check_model(self, url: str) -> None:
         model = self.model
         try:
-            served = [entry["id"] for entry in await served_models(url, max(self.connect_timeout_s, 10.0))]
+            served = [entry["id"] for entry in await served_models(url, 10.0)]
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             raise FailedPrecondition(f"{url} does not answer /v1/models ({exc}); is the vLLM server up?") from None
         if model not in served:

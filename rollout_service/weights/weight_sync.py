@@ -91,6 +91,9 @@ class _Update:
         return "resent" if self.resend else "committed"
 
 
+RESUME_RETRY_S = 1.0
+"""A failed /resume is retried after this, doubling, 3 times; then every 8x this in the
+background until it works: a server left paused would never generate again."""
 LISTEN_RETRY_S = 0.05
 
 
@@ -576,7 +579,7 @@ class WeightSyncCoordinator:
         try:
             for attempt in range(3):
                 if attempt:
-                    await asyncio.sleep(settings.resume_retry_s)  # a backoff before asking again
+                    await asyncio.sleep(RESUME_RETRY_S)  # a backoff before asking again
                 if await self._release_transfer(server, timeout):
                     return
             logger.error(
@@ -623,7 +626,7 @@ class WeightSyncCoordinator:
 
     async def _resume_server(self, server: WeightControl, attempts: int = 3) -> bool:
         """Resume one server, retrying with a doubling delay; False if every attempt failed."""
-        delay = self.settings.resume_retry_s
+        delay = RESUME_RETRY_S
         for attempt in range(attempts):
             try:
                 await server.resume(self.settings.control_timeout_s)
@@ -643,7 +646,7 @@ class WeightSyncCoordinator:
         async def retry() -> None:
             resumed = False
             while not resumed and server in self.servers:  # a removed server is no longer ours to resume
-                await asyncio.sleep(8 * self.settings.resume_retry_s)  # a retry period, not synchronisation
+                await asyncio.sleep(8 * RESUME_RETRY_S)  # a retry period, not synchronisation
                 resumed = await self._resume_server(server, attempts=1)
             self.stuck_paused.discard(server.base_url)
             logger.info("%s resumed after earlier failures", server.base_url)

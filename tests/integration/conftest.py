@@ -75,7 +75,7 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def service_settings(urls: list[str], tokenizer: Path, **overrides: Any):
-    engine = {"urls": urls, "tokenizer": str(tokenizer), "model": "tiny", "max_retries": 1, "backoff_base_s": 0.05}
+    engine = {"urls": urls, "tokenizer": str(tokenizer), "model": "tiny", "max_retries": 1}
     engine.update(overrides.pop("engine", {}))
     overrides.setdefault("adapters", {"dir": tempfile.mkdtemp(prefix="adapters-")})
     overrides.setdefault("shutdown_grace_s", 2)  # a test that ends holding leases does not wait 10 s

@@ -186,7 +186,7 @@ async def test_a_service_finds_its_servers_through_dns(vllm_server, tiny_model: 
     """``engine.discover``: the servers are what a name resolves to (here localhost, as a
     headless Service's name resolves to its pods)."""
     port = vllm_server.url.rsplit(":", 1)[1]
-    settings = service_settings([], tiny_model, engine={"discover": f"localhost:{port}", "discover_interval_s": 1})
+    settings = service_settings([], tiny_model, engine={"discover": f"localhost:{port}"})
     async with running_service(settings) as running, RolloutClient(running.grpc_target, timeout_s=30) as client:
         assert running.engine_urls == [f"http://127.0.0.1:{port}"]
         run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=8))

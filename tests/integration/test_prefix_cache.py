@@ -65,9 +65,7 @@ async def test_a_groups_requests_prefill_their_shared_prompt_once(vllm_server: M
 async def test_the_service_exports_each_servers_prefix_cache(vllm_server: ManagedVLLMServer, tiny_model) -> None:
     """The load monitor reads the real server's /metrics: its prefix-cache counters are
     exported per server."""
-    settings = service_settings(
-        [vllm_server.url], tiny_model, engine={"metrics_interval_s": 0.2}, scheduler={"max_inflight": 8}
-    )
+    settings = service_settings([vllm_server.url], tiny_model, scheduler={"max_inflight": 8})
     async with service_with_client(settings) as (service, client):
         registry, server = service.service.metrics.registry, {"server": vllm_server.url}
         run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=4, max_tokens=8))

@@ -379,15 +379,15 @@ def test_admission_answers_from_versions_and_pending_counts_alone() -> None:
 
 
 def test_no_group_starts_that_could_only_go_stale() -> None:
-    """With doomed_after (abort_stale_inflight), a group is not started while the servers'
-    version is more than max_staleness behind the trainer's: with or without a staleness bound."""
-    admission = RunAdmission("r", ServiceMetrics(), max_staleness=None, doomed_after=0)
+    """A group is not started while the servers' version is more than max_staleness behind
+    the trainer's; a run that trains nothing (no max_staleness) is never held."""
+    admission = RunAdmission("r", ServiceMetrics(), max_staleness=0)
     assert admission.allows(0)
     admission.set_trainer_version(1)  # a push begins: a group started now on version 0 is already too old
     assert admission.doomed and not admission.allows(0)
     admission.set_policy_version(1)  # it commits
     assert not admission.doomed and admission.allows(0)
-    lenient = RunAdmission("r", ServiceMetrics(), max_staleness=None, doomed_after=1)
+    lenient = RunAdmission("r", ServiceMetrics(), max_staleness=1)
     lenient.set_trainer_version(1)
     assert lenient.allows(0)  # one version behind is within max_staleness 1
     unchecked = RunAdmission("r", ServiceMetrics(), max_staleness=None)

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from rollout_common.ports import free_port
 from rollout_service.config import EngineSettings
+from rollout_service.engine import vllm_client
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import episode_affinity
 from rollout_service.engine.vllm_client import VLLMServerClient
@@ -23,6 +24,12 @@ OK_BODY = {
         {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "length", "text": "ab"}
     ]
 }
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripted server fails on cue: retries need not wait the production backoff."""
+    monkeypatch.setattr(vllm_client, "BACKOFF_BASE_S", 0.01)
 
 
 @pytest.fixture
@@ -58,7 +65,7 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
 
 
 async def make_client(url: str, retries: int = 2, **engine: float) -> VLLMServerClient:
-    settings = EngineSettings(urls=[url], max_retries=retries, backoff_base_s=0.01, **engine)
+    settings = EngineSettings(urls=[url], max_retries=retries, **engine)
     client = VLLMServerClient(url, "m", settings, ServiceMetrics(), max_connections=4)
     await client.start()
     return client

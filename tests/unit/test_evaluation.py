@@ -43,9 +43,7 @@ def wire(service, metrics=None, timeout_s: float = 60.0) -> tuple[WeightSyncCoor
     """A weight sync over one scripted server, wired to the service as the app wires it."""
     clock = Clock()
     server = ScriptedControl(clock)
-    settings = WeightSyncSettings(
-        transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001, eval_hold_timeout_s=timeout_s
-    )
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, eval_hold_timeout_s=timeout_s)
     sync = WeightSyncCoordinator(
         [server],
         settings,

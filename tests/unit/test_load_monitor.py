@@ -55,7 +55,7 @@ async def test_the_monitor_exports_each_servers_scripted_metrics() -> None:
     async with serving(app) as url:
         client = VLLMServerClient(url, "m", EngineSettings(urls=[url]), metrics, max_connections=8)
         await client.start()
-        monitor = LoadMonitor([client], metrics, 0.01)
+        monitor = LoadMonitor([client], metrics)
 
         def exported(name: str) -> float | None:
             return metrics.registry.get_sample_value(name, {"server": url})
@@ -93,7 +93,7 @@ async def test_a_server_that_does_not_answer_keeps_its_last_reading() -> None:
     client = VLLMServerClient("http://127.0.0.1:9", "m", EngineSettings(urls=["x"]), metrics, 8)
     await client.start()
     try:
-        monitor = LoadMonitor([client], metrics, 0.01)
+        monitor = LoadMonitor([client], metrics)
         monitor._observe(client, ServerLoad(kv_cache_usage=0.4))
         await monitor.poll()
         assert metrics.registry.get_sample_value("rollout_engine_kv_cache_usage", {"server": client.base_url}) == 0.4

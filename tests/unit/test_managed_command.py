@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV
-from rollout_service.config import ManagedServerSettings
+from rollout_service.config import ManagedServerSettings, ServiceSettings
 from rollout_service.engine.managed import ManagedVLLMServer
 
 
@@ -21,8 +21,17 @@ def flag(command: list[str], name: str) -> str | None:
 def test_a_cpu_server_gets_32_token_blocks_and_a_gpu_server_vllms_own() -> None:
     assert flag(ManagedVLLMServer(ManagedServerSettings(port=1)).command(), "--block-size") == "32"
     assert flag(ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).command(), "--block-size") is None
-    chosen = ManagedServerSettings(port=1, device="gpu", block_size=16)
-    assert flag(ManagedVLLMServer(chosen).command(), "--block-size") == "16"
+
+
+def test_extra_args_come_last_so_a_flag_there_wins() -> None:
+    """vLLM's argument parser keeps the last value of a repeated flag."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    command = ManagedVLLMServer(ManagedServerSettings(port=1, extra_args=["--block-size", "64"])).command()
+    assert command[-2:] == ["--block-size", "64"]
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(command[command.index("--model") :])
+    assert parsed.block_size == 64
 
 
 def test_the_weight_transfer_engine_is_the_one_the_service_syncs_with() -> None:
@@ -38,14 +47,15 @@ def test_the_servers_log_level_is_the_settings_not_the_one_importing_trl_left(mo
     a server that inherited it logged no throughput and no weight pushes."""
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
     assert ManagedVLLMServer(ManagedServerSettings(port=1)).environment()["VLLM_LOGGING_LEVEL"] == "INFO"
-    chosen = ManagedServerSettings(port=1, log_level="DEBUG")
-    assert ManagedVLLMServer(chosen).environment()["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    settings = ServiceSettings(log_level="debug")
+    assert settings.log_level == "DEBUG"  # any case, as vLLM wants it
+    server = ManagedVLLMServer(settings.engine.managed, log_level=settings.log_level)
+    assert server.environment()["VLLM_LOGGING_LEVEL"] == "DEBUG"
 
 
 def test_a_log_level_vllm_does_not_know_is_refused_with_the_ones_it_does() -> None:
     with pytest.raises(ValidationError, match="'INFO'"):
-        ManagedServerSettings(log_level="LOUD")
-    assert ManagedServerSettings(log_level="debug").log_level == "DEBUG"  # as the service's own log_level
+        ServiceSettings(log_level="LOUD")
 
 
 def multiprocessing(settings: ManagedServerSettings) -> str | None:

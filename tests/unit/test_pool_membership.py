@@ -67,7 +67,7 @@ class FakeVLLM:
 
 
 def engine_settings(url: str) -> EngineSettings:
-    return EngineSettings(urls=[url], token_endpoint=False, max_retries=0)
+    return EngineSettings(urls=[url], max_retries=0)
 
 
 class Pool:
@@ -94,7 +94,6 @@ class Pool:
             self.pool,
             self.recovery,
             new_client,
-            2.0,
             model=info.model,
             engine_urls=info.engine_urls,
             metrics=self.service.metrics,

@@ -89,9 +89,9 @@ async def test_prompts_submitted_to_a_run_deleted_while_they_render_are_refused(
 
 
 async def test_the_prompt_queue_is_bounded_by_bytes() -> None:
-    """100k queued prompts of 64 KiB metadata each would hold 6 GiB: the queue counts bytes too,
-    refuses a whole submit that passes them, and takes prompts again as the run consumes them."""
-    source = SubmittedPromptSource(capacity=100, max_bytes=1 << 20)
+    """The queue counts bytes (prompts of 64 KiB metadata each here), refuses a whole submit
+    that passes them, and takes prompts again as the run consumes them."""
+    source = SubmittedPromptSource(max_bytes=1 << 20)
     prompt = RenderedPrompt(token_ids=[1, 2, 3], text="abc", metadata={"answer": "x" * (60 << 10)})
     stored: list[int] = []
 
@@ -112,7 +112,7 @@ async def test_the_prompt_queue_is_bounded_by_bytes() -> None:
 
 async def test_a_large_submit_is_queued_and_stored_in_chunks_with_the_loop_free_between() -> None:
     """Other RPCs run between the chunks; each chunk is stored in the step that queues it."""
-    source = SubmittedPromptSource(capacity=4 * SUBMIT_CHUNK)
+    source = SubmittedPromptSource()
     prompt = RenderedPrompt(token_ids=[1, 2, 3], text="abc")
     chunks: list[tuple[int, int, int]] = []  # (first index, size, ticks of another task so far)
     ticks = 0
@@ -138,10 +138,11 @@ async def test_a_large_submit_is_queued_and_stored_in_chunks_with_the_loop_free_
 
 
 async def test_submitted_runs_take_the_queue_limits_from_settings() -> None:
-    service = make_service(ScriptedEngine(), max_queued_prompts=3, max_queued_prompt_bytes=2 << 20)
+    service = make_service(ScriptedEngine(), max_queued_prompt_bytes=1 << 20)
     run = await service.create_run(replace(spec(), source_kind="submitted", prompts=()))
     assert isinstance(run.source, SubmittedPromptSource)
-    assert run.source.max_bytes == 2 << 20
-    with pytest.raises(ResourceExhausted, match="only 3 fit in the run's queue"):
-        await service.submit_prompts(run.run_id, [PromptSpec(token_ids=[1])] * 4)
+    assert run.source.max_bytes == 1 << 20
+    large = PromptSpec(token_ids=[1], metadata={"answer": "x" * (60 << 10)})
+    with pytest.raises(ResourceExhausted, match=r"scheduler\.max_queued_prompt_bytes"):
+        await service.submit_prompts(run.run_id, [large] * 18)  # 1080 KiB: refused whole
     await service.delete_run(run.run_id)

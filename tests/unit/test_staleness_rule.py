@@ -12,8 +12,8 @@ import pytest
 from rollout_common.staleness import within_staleness
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.metrics import ServiceMetrics
-from trainer_client.stream import GroupFeed
-from trainer_client.trainer import StreamGRPOTrainer
+from trainer_client.stream.feed import GroupFeed
+from trainer_client.train.trainer import StreamGRPOTrainer
 
 GRID = [(s, t, limit) for s, t, limit in itertools.product(range(4), range(4), range(3)) if s <= t]
 """(sample version, trainer version, max_staleness), samples never newer than the trainer."""
@@ -28,7 +28,7 @@ def test_the_rule_is_a_bound_on_the_versions_between_sample_and_trainer() -> Non
 
 @pytest.mark.parametrize(("sample", "trainer", "limit"), GRID)
 def test_the_service_admits_and_aborts_by_the_rule(sample: int, trainer: int, limit: int) -> None:
-    admission = RunAdmission("r", ServiceMetrics(), max_staleness=limit, doomed_after=limit)
+    admission = RunAdmission("r", ServiceMetrics(), max_staleness=limit)
     admission.set_trainer_version(trainer)
     assert admission.outdated(sample) is not within_staleness(sample, trainer, limit)
 

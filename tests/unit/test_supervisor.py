@@ -53,7 +53,7 @@ async def test_a_dead_server_is_restarted_until_the_bound_then_left_down() -> No
         events.append("restarted")
         restarted.put_nowait(url)
 
-    supervisor = ServerSupervisor(server, 1, lambda url: events.append("down"), on_restarted)
+    supervisor = ServerSupervisor(server, lambda url: events.append("down"), on_restarted, max_restarts=1)
     supervisor.start()
     try:
         server.kill()

@@ -107,7 +107,7 @@ class ScriptedControl:
 
 
 def coordinator(server: ScriptedControl, clock: Clock, metrics: ServiceMetrics) -> WeightSyncCoordinator:
-    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001)
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60)
     return WeightSyncCoordinator([server], settings, PolicyVersion(), metrics=metrics, clock=clock)
 
 
@@ -308,7 +308,7 @@ async def test_servers_left_paused_by_a_dead_service_are_resumed_at_start() -> N
     clock = Clock()
     left, running = ScriptedControl(clock), ScriptedControl(clock)
     left.paused, left.base_url = True, "http://left"
-    settings = WeightSyncSettings(resume_retry_s=0.001)
+    settings = WeightSyncSettings()
     sync = WeightSyncCoordinator([left, running], settings, PolicyVersion())
     try:
         assert await sync.resume_left_paused() == ["http://left"]
@@ -413,7 +413,7 @@ async def test_the_watchdog_counts_from_the_last_progress_not_from_begin() -> No
     begin, which a watchdog counting from begin would have aborted."""
     clock = Clock()
     server = SlowTransfer(clock)
-    settings = WeightSyncSettings(transfer_timeout_s=1.0, control_timeout_s=0.5, resume_retry_s=0.001)
+    settings = WeightSyncSettings(transfer_timeout_s=1.0, control_timeout_s=0.5)
     sync = WeightSyncCoordinator([server], settings, PolicyVersion(), clock=clock)
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep")
@@ -478,7 +478,7 @@ async def test_an_update_aborted_mid_join_holds_the_busy_server_until_vllm_lets_
     clock = Clock()
     server = EngineBusyControl(clock)
     stuck: list[tuple[str, str | None]] = []
-    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, join_timeout_s=5, resume_retry_s=0.001)
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, join_timeout_s=5)
     sync = WeightSyncCoordinator(
         [server], settings, PolicyVersion(), clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
     )
@@ -525,7 +525,7 @@ async def test_an_answered_failure_leaves_no_server_busy() -> None:
     clock = Clock()
     server = ScriptedControl(clock, fail="init_weight_transfer")
     stuck: list[tuple[str, str | None]] = []
-    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, resume_retry_s=0.001)
+    settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60)
     sync = WeightSyncCoordinator(
         [server], settings, PolicyVersion(), clock=clock, on_stuck=lambda url, why: stuck.append((url, why))
     )
