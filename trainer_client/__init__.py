@@ -1,7 +1,6 @@
 """Thin trainer client of the rollout service; importable without vLLM.
 
-``from trainer_client import AsyncGRPOConfig, AsyncGRPOTrainer`` (``trainer_client.api``). The
-exports load on first use, so the package's light modules stay importable without torch.
+Exports load on first use, so the light modules stay importable without torch.
 """
 
 from __future__ import annotations

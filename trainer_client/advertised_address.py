@@ -1,10 +1,7 @@
 """The address a trainer advertises for the weight transfer's rendezvous.
 
-vLLM's workers connect to it, and the service accepts a push only when it is the caller's
-own address as the service sees it (or allow-listed, ``security.trainer_addresses``).
-``auto`` picks the local address this host uses to reach the service: the kernel's route
-choice for a connected UDP socket (no packet is sent). Without NAT that is the peer address
-the service sees, and on one host or one container network it is an address vLLM reaches.
+The service accepts a push only from the caller's own address as it sees it (or an allow-listed
+one), so ``auto`` picks the local address this host uses to reach the service.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@
     )
     trainer.train()
 
-Without a service address (``RunOptions.target``) it starts one on this machine for the run
-(``local_service``). A reward is a name the service knows, ``module:function``, or a function
-defined at the top level of an importable module (the service imports it by that name).
+Without a service address (``RunOptions.target``) it starts one on this machine for the run.
+A reward is a name the service knows, ``module:function``, or a top-level function of an
+importable module (the service imports it by that name).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ RewardFunc = str | Callable[..., Any]
 
 
 def reward_name(reward: RewardFunc) -> str:
-    """The name the service registers ``reward`` under: a name as given, a function as
-    ``module:function``, which the service imports."""
+    """A name as given, a function as the ``module:function`` the service imports."""
     if isinstance(reward, str):
         return reward
     module, name = getattr(reward, "__module__", None), getattr(reward, "__qualname__", "")
@@ -43,8 +42,7 @@ def reward_name(reward: RewardFunc) -> str:
 
 
 class AsyncGRPOTrainer:
-    """TRL ``GRPOTrainer``'s constructor and ``train()``; generation runs on the service's vLLM
-    servers while this process trains (``trainer_client.train.run``)."""
+    """TRL ``GRPOTrainer``'s constructor and ``train()``; the service's vLLM servers generate."""
 
     def __init__(
         self,

@@ -1,16 +1,8 @@
 """``rollout-trainer``: train a policy on a rollout service's stream.
 
-Every option is a field of ``AsyncGRPOConfig`` (transformers' ``TrainingArguments`` plus TRL
-``GRPOConfig``'s settings), ``RunOptions`` or ``ModelOptions`` (``trainer_client.options``),
-parsed as ``trl grpo`` parses its own: ``--learning_rate`` or ``--learning-rate``, ``--config
-x.yaml`` with the same keys (flags win over it), and every ``TrainingArguments`` flag
-(``--report_to``, ``--lr_scheduler_type``, ``--use_cpu``, ...). A TRL setting that means
-nothing here (the service generates: ``use_vllm``, ``vllm_mode``, ...) is accepted with one
-warning line. Bad options print one line that says what to change (exit 2).
-
-Data parallel: ``torchrun --nproc-per-node N -m trainer_client.cli ...`` or ``accelerate
-launch -m trainer_client.cli ...`` (same options on every rank; rank 0 creates the run and
-pushes).
+Options are the fields of ``AsyncGRPOConfig``, ``RunOptions`` and ``ModelOptions``, parsed as
+``trl grpo`` parses its own (flags or ``--config`` YAML). A TRL setting that means nothing here
+is accepted with a warning. Data parallel: the same command on every rank under ``torchrun``.
 """
 
 from __future__ import annotations

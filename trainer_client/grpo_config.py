@@ -14,27 +14,23 @@ from trainer_client.train import precision
 
 @dataclass(kw_only=True)
 class AsyncGRPOConfig(TrainingArguments):
-    """Training arguments plus the stream, weight-sync, sampling and loss settings: the one
-    declaration of the trainer's options (``rollout-trainer`` is generated from it). Names and
-    defaults are TRL ``GRPOConfig``'s wherever the setting means the same here."""
+    """Training arguments plus the stream, weight-sync, sampling and loss settings, with TRL
+    ``GRPOConfig``'s names and defaults wherever the setting means the same here."""
 
     num_generations: int = 8
     """Completions per prompt (G); the per-device batch must hold whole groups."""
     learning_rate: float = 1e-6
     logging_steps: float = 10
     bf16: bool | None = None  # type: ignore[assignment]
-    """bf16 autocast over float32 weights, as TRL's; None: where the hardware multiplies bf16
-    natively (``precision``)."""
+    """bf16 autocast over float32 weights; None: where the hardware has native bf16 (``precision``)."""
     max_staleness: int = DEFAULT_MAX_STALENESS
-    """Groups whose oldest token is more than this many policy versions old are dropped
-    (``rollout_common.staleness``, whose default the service shares)."""
+    """Groups whose oldest token is more than this many policy versions old are dropped."""
     weight_sync_steps: int = 1
     """Push weights into vLLM after every this many optimizer steps."""
     background_push: bool = True
-    """Push a snapshot of the weights while the next step trains, instead of waiting for the
-    push. That step's groups are then judged one version older (its weights are a version
-    ahead of vLLM's until the push commits), so this needs ``max_staleness >= 1``; with 0,
-    data-parallel ranks, or adapter pushes the push stays on the step's path."""
+    """Push a snapshot of the weights while the next step trains. That step trains a version
+    ahead of vLLM, so this needs ``max_staleness >= 1``; with 0, data-parallel ranks, or
+    adapter pushes the push stays on the step's path."""
     temperature: float = 1.0
     """Sampling temperature of the run: log-probs are computed on logits / temperature, as vLLM's."""
     top_p: float = 1.0
@@ -46,16 +42,11 @@ class AsyncGRPOConfig(TrainingArguments):
     logprob_chunk_size: int = 1024
     """Positions per chunk of the log-prob computation (bounds the [chunk, vocab] logits)."""
     share_prompt_forward: bool = True
-    """Run each distinct prompt of a batch through the model once and the completions on its
-    cache (``prompt_sharing``): same log-probs and gradients, a step of the benchmark model
-    290 -> 175 ms on a CPU. On a GPU a batch shares only where that skips at least half of
-    the plain forward's positions (``prompt_sharing.sharing_pays``): below, it was slower.
-    Off, or under gradient checkpointing or data parallelism, every sample runs its own
-    prompt."""
+    """Run each distinct prompt of a batch through the model once, where that pays
+    (``prompt_sharing``); not under gradient checkpointing or data parallelism."""
     stream_credits: int = 0
-    """Groups the service may send ahead of acks; 0 means one step's worth (groups are fetched
-    when the step starts and acked when it ends; the next step's arrive during the push). More
-    credits mean older groups in flight, which staleness-aware admission then has to allow for."""
+    """Groups the service may send ahead of acks; 0: one step's worth. More credits mean older
+    groups in flight."""
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
     epsilon: float = 0.2
@@ -64,19 +55,14 @@ class AsyncGRPOConfig(TrainingArguments):
     beta: float = 0.0
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = "token_truncate"
-    """Not TRL's ``sequence_mask``: here the ratio pi_trainer / pi_vllm also carries a version
-    of policy change, and over a whole sequence it passes the cap for exactly the samples
-    the last step made likelier, which masking then drops. Tiny model, max_staleness 1,
-    3 seeds each (benchmarks/bench_vs_trl.py): 29 steps to the target with token_truncate,
-    33 with sequence_mask, 31 with sequence_truncate or no correction; TRL's synchronous
-    trainer took 28."""
+    """Not TRL's ``sequence_mask``: here the ratio also carries a version of policy change, so
+    over a whole sequence it masks exactly the samples the last step made likelier."""
     vllm_importance_sampling_cap: float | None = 3.0
     off_policy_mask_threshold: float | None = None
     max_completion_length: int = 512
     remove_unused_columns: bool = False
     ignore_data_skip: bool = True
-    """The stream has no position to fast-forward to: a resumed trainer trains on what the
-    service sends next (``checkpoints``)."""
+    """The stream has no position to fast-forward to: a resumed trainer trains on what comes next."""
 
     def __post_init__(self) -> None:
         self.output_dir_given = self.output_dir is not None

@@ -1,9 +1,5 @@
-"""A rollout service on this machine, for a trainer given no service address.
-
-``rollout-service serve`` in its own process, with its managed vLLM server on the model to
-train and the rewards the trainer names as ``module:function``; started for the run and
-stopped after it, as ``make demo`` does. The trainer only starts it: the service and vLLM
-must be installed here (``rollout-service[cpu]`` or ``[gpu]``).
+"""A rollout service on this machine for the run, for a trainer given no service address:
+``rollout-service serve`` in its own process, which must be installed here with vLLM.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from rollout_common.ports import free_port
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
-"""vLLM's start-up: a minute for a tiny model on two cores, more to load a real one."""
+"""vLLM's start-up, with room to load a real model."""
 
 
 class LocalServiceError(RuntimeError):
@@ -33,8 +29,7 @@ class LocalServiceError(RuntimeError):
 
 
 def service_command(port: int, model: str | None, reward_funcs: Sequence[str], config: Path | None) -> list[str]:
-    """``rollout-service serve`` on ``port`` for this trainer: its model, and every
-    ``module:function`` reward imported by the service."""
+    """``rollout-service serve`` on ``port`` with this trainer's model and ``module:function`` rewards."""
     command = [sys.executable, "-m", "rollout_service.edge.cli", "serve", "--port", str(port), "--metrics-port", "0"]
     if model is not None:
         command += ["--model", model]
@@ -76,8 +71,7 @@ def local_service(
 
 
 def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    """Poll the service's gRPC health check (it has no other signal) until SERVING; fail at
-    once, pointing at its log, if the process exits first."""
+    """Poll the service's gRPC health check until SERVING; fail at once if the process exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -1,10 +1,5 @@
-"""What a trainer asks of the service, and which model it trains.
-
-With ``AsyncGRPOConfig`` (the training arguments) these two dataclasses declare every
-``rollout-trainer`` option; the command line and ``--config`` YAML are generated from them
-(``cli``), the way ``trl grpo`` is from its script arguments, ``GRPOConfig`` and
-``ModelConfig``. Names are TRL's wherever TRL has the setting (``reward_funcs``,
-``model_name_or_path``, ``use_peft``, ``lora_r``, ...).
+"""What a trainer asks of the service, and which model it trains: with ``AsyncGRPOConfig``, the
+declaration of every ``rollout-trainer`` option, named as TRL's wherever TRL has the setting.
 """
 
 from __future__ import annotations
@@ -17,10 +12,7 @@ from rollout_api import rollout_pb2 as pb
 from trainer_client.stream.prompt_feeder import fits_inline
 from trainer_client.stream.prompts_file import PROMPT_COLUMN, PromptRows
 
-ADMISSION_MODES = {
-    "staleness": pb.ADMISSION_MODE_STALENESS,
-    "paced": pb.ADMISSION_MODE_PACED,
-}
+ADMISSION_MODES = {"staleness": pb.ADMISSION_MODE_STALENESS, "paced": pb.ADMISSION_MODE_PACED}
 """``RunOptions.admission`` -> the proto's AdmissionMode."""
 SCALE_REWARDS = {
     "group": pb.ADVANTAGE_SCALING_GROUP,
@@ -35,11 +27,7 @@ class RunOptions:
     """The service, the run, and what the run generates from when this trainer creates it."""
 
     target: str | None = field(
-        default=None,
-        metadata={
-            "help": "The rollout service, host:port; default: start one on this machine for the run, its managed "
-            "vLLM serving the model (and importing the module:function rewards)."
-        },
+        default=None, metadata={"help": "The rollout service, host:port; default: start one here for the run."}
     )
     run_id: str | None = field(default=None, metadata={"help": "Consume this existing run instead of creating one."})
     dataset: str = field(default="letters", metadata={"help": "Built-in dataset of the run, when no --prompts."})
@@ -78,11 +66,7 @@ class RunOptions:
     )
     eval_dataset: str = field(default="letters", metadata={"help": "Built-in dataset --eval_every evaluates."})
     eval_every: int = field(
-        default=0,
-        metadata={
-            "help": "Evaluate every this many weight pushes (0: never): --eval_dataset once, at the version just "
-            "pushed; results in metrics.jsonl, evals.jsonl and the summary."
-        },
+        default=0, metadata={"help": "Evaluate --eval_dataset at the version just pushed every N pushes (0: never)."}
     )
     trainer_address: str = field(
         default="auto",
@@ -108,8 +92,7 @@ class RunOptions:
         default=600.0, metadata={"help": "Seconds to wait at start for the service to say SERVING (0: do not wait)."}
     )
     torch_threads: int = field(
-        default=0,
-        metadata={"help": "Torch threads; 0: the cores a managed vLLM on this host leaves free, else all."},
+        default=0, metadata={"help": "Torch threads; 0: the cores a managed vLLM on this host leaves free, else all."}
     )
     save_model: bool = field(
         default=False, metadata={"help": "At the end, save the trained policy and tokenizer to OUTPUT_DIR/model."}

@@ -1,31 +1,10 @@
-"""Where each second of a training run goes, per optimizer step.
+"""Where each second of a training run goes, per optimizer step: whether the run is
+generation-bound (the trainer waits for groups) or training-bound.
 
-Why: an async RL run is either generation-bound (the trainer waits for groups) or
-training-bound (groups wait for the trainer), and the cure differs: more rollout capacity,
-or a faster step. The trainer adds up the wall time of each phase of a step here; each
-``metrics.jsonl`` record carries the step's split and the summary the run's totals, so
-the answer is one glance away.
-
-Phases (seconds; a step's phases add up to its wall time, ``other`` is the rest: Trainer
-bookkeeping, logging, callbacks):
-
-- ``wait_groups``: blocked on the stream, no fresh group at hand;
-- ``collate``: turning samples into padded tensors;
-- ``forward``: log-probs and loss; ``backward``; ``optimizer`` (the step itself; gradient
-  clipping runs before it and counts in ``other``);
-- ``push_snapshot``: copying the weights for a background push; ``push_wait``: waiting for
-  the previous push to finish before starting the next one (both on the step's path);
-- ``push_begin``, ``push_transfer``, ``push_commit``: the weight push's RPCs and broadcast.
-  A synchronous push runs on the step's path; a background push overlaps the next step,
-  and its phases are reported in the step during which it finished (so they may exceed
-  that step's share of them);
-- ``ack``: acking the step's groups.
-
-Beside the phases, each record carries ``compute_cpu_seconds``: the CPU time of the training
-thread during forward, backward and optimizer. On a CPU trainer, the wall time of those phases
-minus it is time the kernel ran something else on the trainer's core (vLLM's API server, the
-service, the push), which no phase shows: next to a managed vLLM on 2 cores that was about 15%
-of the trainer's compute time. (On a GPU trainer it also includes waiting on the device.)
+A step's phases plus ``other`` (Trainer bookkeeping, logging, callbacks, gradient clipping) add
+up to its wall time. A background push's ``push_*`` phases overlap the next step and count in
+the step during which it finished. ``compute_cpu_seconds``, the training thread's CPU time in
+forward, backward and optimizer, shows by its shortfall how much of the core others took.
 """
 
 from __future__ import annotations
@@ -42,13 +21,11 @@ PUSH_PHASES = ("push_begin", "push_transfer", "push_commit")
 PHASES = ON_STEP_PATH + PUSH_PHASES
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 COMPUTE_CPU = "compute_cpu"
-"""The clock's key for the training thread's CPU seconds in ``COMPUTE_PHASES`` (not a phase:
-it overlaps them)."""
+"""The clock's key for the training thread's CPU seconds in ``COMPUTE_PHASES`` (not a phase)."""
 
 
 class PhaseClock:
-    """Accumulates seconds per phase until ``take`` hands them over (thread-safe: a
-    background weight push reports its phases from the feed's thread)."""
+    """Accumulates seconds per phase until ``take`` (thread-safe: a background push reports from the feed's)."""
 
     def __init__(self) -> None:
         self._seconds: dict[str, float] = {}
@@ -94,17 +71,12 @@ def step_seconds(phases: dict[str, float], wall_s: float, synchronous_push: bool
 
 
 GENERATION_BOUND_WAIT = 0.10
-"""A trainer that waits for groups more than this share of its wall time is generation-bound:
-a faster step would only wait longer. (Comparing the wait with the compute called a trainer
-that waited 38% of every step training-bound.)"""
+"""A trainer that waits for groups more than this share of its wall time is generation-bound."""
 
 
 def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, Any]:
-    """Totals and fractions of wall time per phase over the steps, and which side bounds the run.
-
-    The first ``skip_first`` steps are left out of the split: they hold one-off costs
-    (the first groups' generation after the first push) that say nothing of the steady state.
-    """
+    """Totals and fractions of wall time per phase over the steps, and which side bounds the run;
+    the first ``skip_first`` steps' one-off costs are left out."""
     timed = [r for r in records[skip_first:] if "seconds" in r] or [r for r in records if "seconds" in r]
     if not timed:
         return {}
@@ -126,12 +98,8 @@ def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dic
 
 
 def with_lookahead(split: dict[str, Any], lookahead_versions: float | None, max_staleness: int) -> dict[str, Any]:
-    """The split with the run's lookahead under paced admission (``RunStats.lookahead_versions``).
-
-    Where paced admission came down below max_staleness, generation could have kept this
-    trainer busy by starting groups further ahead: the trainer's waits are what fresher groups
-    cost, not generation falling behind, so the run is training-bound whatever it waited.
-    """
+    """The split with the run's lookahead under paced admission. Below max_staleness the waits
+    bought fresher groups, so the run is training-bound whatever it waited."""
     if not split or lookahead_versions is None:
         return split
     paced = {**split, "lookahead_versions": round(lookahead_versions, 3), "max_staleness": max_staleness}

@@ -1,8 +1,5 @@
-"""The policy loss's settings, with TRL 1.16 ``GRPOConfig``'s names, defaults and advice.
-
-Apart from the formulas (``losses.py``) so that the trainer's config, its CLI and the loss
-read one definition of every knob and of the value sets they accept.
-"""
+"""The policy loss's settings, with TRL 1.16 ``GRPOConfig``'s names, defaults and advice: one
+definition for the trainer's config, its CLI and the loss."""
 
 from __future__ import annotations
 
@@ -32,76 +29,51 @@ class LossConfig:
     """Every knob of the policy loss. Names and defaults are those of TRL 1.16's ``GRPOConfig``."""
 
     loss_type: LossType = "dapo"
-    """Per-token loss and its normalisation. ``grpo``: clipped surrogate, mean over each sequence's tokens, then
-    mean over sequences (length-biased). ``bnpo``: clipped surrogate, sum over tokens / tokens in the local batch.
-    ``dr_grpo``: clipped surrogate, sum / (B * ``max_completion_length``). ``dapo``: clipped surrogate, sum / tokens
-    in the global batch (``num_items_in_batch``). ``cispo``: REINFORCE on log-probs weighted by the detached IS
-    ratio clipped at ``epsilon_high``, dapo normalisation. ``sapo``: sigmoid-gated soft clipping, grpo
-    normalisation. ``luspo``: clipped surrogate summed per sequence (length-unbiased GSPO), mean over sequences.
-    ``vespo``: REINFORCE weighted by a Gamma function of the sequence IS ratio, dapo normalisation."""
-
+    """Per-token loss (``losses.policy_token_loss``) and its normalisation (``losses.aggregate_loss``)."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """``"token"``: one ratio pi/pi_old per token. ``"sequence"`` (GSPO): one ratio per sequence, the exp of the
     mean per-token log-ratio over its mask-1 tokens."""
-
     epsilon: float = 0.2
     """Lower clipping epsilon (TRL's ``epsilon_low``): the ratio is clipped from below at ``1 - epsilon``."""
-
     epsilon_high: float | None = None
     """Upper clipping epsilon: clip from above at ``1 + epsilon_high``; ``None`` means ``epsilon``. DAPO uses 0.28.
     For ``cispo`` it is the absolute cap of the IS weight (ScaleRL's epsilon_max, recommended 5.0)."""
-
     delta: float | None = None
-    """Two-sided clipping (INTELLECT-2): when set, the unclipped ratio is also clamped from above at ``delta``,
-    bounding the loss of negative-advantage tokens. Should exceed ``1 + epsilon_high``. Clipped loss types only."""
-
+    """Two-sided clipping (INTELLECT-2): the unclipped ratio is also capped at ``delta`` (> ``1 + epsilon_high``),
+    bounding the loss of negative-advantage tokens. Clipped loss types only."""
     beta: float = 0.0
     """KL coefficient towards the reference policy; 0 disables the KL term (no reference log-probs needed)."""
-
     use_bias_correction_kl: bool = True
-    """Multiply the per-token k3 KL by the (differentiable) IS ratio pi/pi_old, which makes its gradient the
-    unbiased reverse-KL gradient (DeepSeek-V3.2). Changes the gradient even on-policy. Only matters if beta != 0."""
-
+    """Multiply the per-token k3 KL by the IS ratio pi/pi_old, making its gradient the unbiased reverse-KL
+    gradient (DeepSeek-V3.2). Only matters if beta != 0."""
     sapo_temperature_pos: float = 1.0
     """SAPO gate temperature for tokens with positive advantage."""
-
     sapo_temperature_neg: float = 1.05
     """SAPO gate temperature for tokens with non-positive advantage."""
-
     vespo_k_pos: float = 2.0
     """VESPO power exponent k for non-negative advantages (down-weights sequences with IS ratio < 1)."""
-
     vespo_lambda_pos: float = 3.0
     """VESPO decay lambda for non-negative advantages (down-weights sequences with IS ratio > 1)."""
-
     vespo_k_neg: float = 3.0
     """VESPO power exponent k for negative advantages."""
-
     vespo_lambda_neg: float = 2.0
     """VESPO decay lambda for negative advantages."""
-
     vllm_importance_sampling_correction: bool = True
     """Correct the mismatch between the sampler (vLLM) and the trainer by weighting each token's loss with
     ``exp(old_logps - behaviour_logps)``, truncated or masked (see the mode). Needs ``behaviour_logps``."""
-
     vllm_importance_sampling_mode: VllmImportanceSamplingMode = "sequence_mask"
     """``token_truncate``: per-token ratio clamped to [clip_min, clip_max]. ``token_mask``: per-token ratio set to 0
     outside [clip_min, clip_max]. ``sequence_*``: the same on one ratio per sequence, exp of the *sum* of its
     per-token log differences, broadcast over its tokens."""
-
     vllm_importance_sampling_clip_max: float | None = 3.0
     """Upper bound C_max of the vLLM IS ratio (TRL's former ``vllm_importance_sampling_cap``); ``None``: unbounded."""
-
     vllm_importance_sampling_clip_min: float | None = None
     """Lower bound C_min of the vLLM IS ratio; ``None``: unbounded below."""
-
     off_policy_mask_threshold: float | None = None
     """OPSM (DeepSeek-V3.2 eq. 9): drop sequences with negative advantage whose mean per-token KL between the
     behaviour policy and the current policy exceeds this (e.g. 0.5). ``None`` disables it."""
-
     max_completion_length: int | None = 512
-    """The constant of ``dr_grpo``'s denominator ``B * max_completion_length``. Set it to the sampling ``max_tokens``
-    so the loss scale does not depend on the completions' actual lengths. Unused by other loss types."""
+    """The constant of ``dr_grpo``'s denominator ``B * max_completion_length``: the sampling ``max_tokens``."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

@@ -1,22 +1,11 @@
-"""GRPO-family policy losses as pure torch functions, mirroring TRL's ``GRPOTrainer._compute_loss``.
+"""GRPO-family policy losses as pure torch functions, mirroring TRL 1.16's ``GRPOTrainer._compute_loss``.
 
-Why pure functions: the trainer consumes groups streamed by the rollout service, so it cannot use
-TRL's trainer loop, but it must optimise exactly the objective TRL users know (same loss types, same
-normalisations, same vLLM mismatch correction, same metric names). Everything here takes per-token
-log-probabilities that were already computed (see :mod:`trainer_client.loss.logprobs`) and returns a scalar
-loss plus detached metrics; there is no model, no optimizer, no distributed call and no host sync.
+The trainer cannot use TRL's loop but must optimise exactly TRL's objective; these take per-token log-probs
+and return a scalar loss plus detached metrics, with no model, optimizer, distributed call or host sync.
 
-Formulas follow TRL 1.16 (``trl/trainer/grpo_trainer.py``): the importance-sampling ratio between the
-current and the old trainer policy, at ``"token"`` or ``"sequence"`` (GSPO) level; the per-token loss
-of each ``loss_type``; the off-policy sequence mask (OPSM, DeepSeek-V3.2); the vLLM-vs-trainer
-"truncated importance sampling" correction (computed by TRL in ``_generate_and_score_completions``);
-the k3 KL to a reference policy, optionally importance-weighted (``use_bias_correction_kl``); and the
-loss-type-specific normalisation including TRL's gradient-accumulation scaling.
-
-Shapes: ``B`` completions, ``T`` completion positions (right-padded). ``mask`` is 1 for tokens the
-model generated and 0 for padding *and* for tokens the model did not produce (tool output spliced into
-a multi-turn completion), i.e. TRL's ``completion_mask * tool_mask``. Values at mask-0 positions never
-reach the loss or the gradients, even if they are NaN or infinite.
+Shapes: ``B`` completions, ``T`` completion positions (right-padded). ``mask`` is 0 for padding *and* for
+tokens the model did not produce (tool output), TRL's ``completion_mask * tool_mask``; values at mask-0
+positions never reach the loss or the gradients, even if NaN or infinite.
 """
 
 from __future__ import annotations
@@ -39,36 +28,18 @@ from trainer_client.loss.metrics import clip_metrics, masked_mean, sampling_metr
 
 @dataclass(frozen=True)
 class LossOutput:
-    """Result of :func:`compute_loss`.
-
-    ``loss`` is what to backpropagate (already divided for gradient accumulation, as TRL does).
-    ``policy_loss`` is the detached loss before that division (TRL's ``policy_loss``).
-    ``metrics`` are detached 0-d tensors over the *local* batch, keyed by TRL's metric names where TRL has one;
-    they are left on device so reading them does not force a host sync.
-    """
+    """Result of :func:`compute_loss`: ``loss`` to backpropagate (divided for gradient accumulation),
+    ``policy_loss`` detached before that division, ``metrics`` detached 0-d tensors with TRL's names."""
 
     loss: torch.Tensor
     policy_loss: torch.Tensor
     metrics: dict[str, torch.Tensor]
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Building blocks
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` [B, T] with mask-0 positions replaced by 0.
-
-    TRL multiplies by the mask, which lets NaN/inf at padding leak into the loss (0 * inf = NaN) and makes the
-    sign of zero depend on padding values. Selecting instead makes padding exactly irrelevant, with zero gradient.
-    """
+    """``values`` [B, T] with mask-0 positions replaced by 0: selecting, unlike TRL's multiplying, keeps NaN/inf
+    at padding out of the loss."""
     return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
-def sequence_token_counts(mask: torch.Tensor) -> torch.Tensor:
-    """Number of mask-1 tokens per sequence, at least 1 so empty rows do not divide by zero: [B, T] -> [B]."""
-    return mask.sum(-1).clamp(min=1.0)
 
 
 def log_importance_weights(
@@ -79,7 +50,7 @@ def log_importance_weights(
     if level == "token":
         return log_ratio
     if level == "sequence":
-        return ((log_ratio * mask).sum(-1) / sequence_token_counts(mask)).unsqueeze(-1)
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     raise ValueError(f"Unknown importance sampling level {level!r}.")
 
 
@@ -93,10 +64,8 @@ def vllm_importance_sampling_ratio(
 ) -> torch.Tensor:
     """Truncated/masked importance ratio pi_old_trainer / pi_vllm correcting the sampler-trainer mismatch.
 
-    Shapes: ``old_logps``, ``behaviour_logps``, ``mask`` [B, T]; returns [B, T] for ``token_*`` modes and [B, 1]
-    for ``sequence_*`` modes (exp of the summed log difference). Behaviour log-probs vLLM could not provide are NaN
-    and get ratio 1 (no correction) rather than poisoning the loss. The ratio carries no gradient, as in TRL where
-    it is computed under ``no_grad`` when the batch is generated. Mask-0 positions get ratio 1.
+    Inputs [B, T]; returns [B, T] for ``token_*`` modes, [B, 1] for ``sequence_*`` modes. NaN behaviour log-probs
+    and mask-0 positions get ratio 1. No gradient, as in TRL.
     """
     diff = zero_masked(old_logps.detach() - behaviour_logps.detach(), mask)
     diff = torch.nan_to_num(diff, nan=0.0)
@@ -113,19 +82,10 @@ def vllm_importance_sampling_ratio(
 
 
 def off_policy_sequence_mask(
-    advantages: torch.Tensor,
-    logps: torch.Tensor,
-    behaviour_logps: torch.Tensor,
-    mask: torch.Tensor,
-    threshold: float,
+    advantages: torch.Tensor, logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor, threshold: float
 ) -> torch.Tensor:
-    """OPSM keep-mask [B, 1] (1 keep, 0 drop), TRL's ``get_off_policy_mask``.
-
-    A sequence is dropped iff its advantage is negative AND the mean over its mask-1 tokens of
-    ``behaviour_logps - logps`` (a sample estimate of KL(pi_behaviour || pi_theta)) exceeds ``threshold``: learning
-    to avoid a sample that the current policy would no longer produce is mostly noise. NaN behaviour log-probs
-    count as zero KL. ``advantages`` is [B, 1] (or [B, T]); the others [B, T]. Carries no gradient.
-    """
+    """OPSM keep-mask [B, 1] (1 keep, 0 drop), TRL's ``get_off_policy_mask``: a sequence is dropped iff its
+    advantage is negative and its mean per-token ``behaviour_logps - logps`` (NaN: 0) exceeds ``threshold``."""
     kl = torch.nan_to_num(zero_masked(behaviour_logps.detach() - logps.detach(), mask), nan=0.0)
     avg_seq_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
     keep = (advantages >= 0) | (avg_seq_kl <= threshold)
@@ -133,26 +93,18 @@ def off_policy_sequence_mask(
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(r) - r - 1 with r = ref - logps. [B, T] -> [B, T].
-
-    Non-negative and unbiased for samples from pi_theta, with lower variance than -r (Schulman's k3).
-    """
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(r) - r - 1 with r = ref - logps. [B, T] -> [B, T]."""
     log_ref_ratio = ref_logps - logps
     return torch.exp(log_ref_ratio) - log_ref_ratio - 1
 
 
 def clipped_surrogate_loss(
-    coef_1: torch.Tensor,
-    advantages: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None = None,
+    coef_1: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, delta: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's pessimistic clipped objective, negated: -min(r A, clip(r, 1-eps_low, 1+eps_high) A).
 
-    ``coef_1`` is the ratio r ([B, T] or [B, 1]), ``advantages`` [B, 1] or [B, T]. With ``delta`` the unclipped
-    branch is also capped at ``delta`` (INTELLECT-2), so a huge ratio on a negative-advantage token cannot blow up
-    the loss. Returns the per-token loss and the (possibly delta-capped) ratio, which TRL's clip metrics use.
+    ``coef_1`` is the ratio r, capped at ``delta`` if given (INTELLECT-2). Returns the per-token loss and the
+    (possibly capped) ratio, which TRL's clip metrics use.
     """
     coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
     if delta is not None:
@@ -222,19 +174,16 @@ def aggregate_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce the per-token loss [B, T] (or [B, 1]) to a scalar with ``loss_type``'s normalisation.
 
-    Returns ``(loss, policy_loss)``: ``loss`` is scaled for gradient accumulation so that summing the micro-batch
-    gradients of one optimizer step gives TRL's gradient; ``policy_loss`` is the detached value before that scaling.
+    Returns ``(loss, policy_loss)``: ``loss`` scaled for gradient accumulation as TRL's, ``policy_loss`` detached
+    before that scaling.
 
     - grpo, sapo: mean over each sequence's mask-1 tokens, then over sequences; / gradient_accumulation_steps.
     - bnpo: sum / mask-1 tokens of this micro-batch; / gradient_accumulation_steps.
     - dr_grpo: sum / (B * max_completion_length); / gradient_accumulation_steps.
     - luspo: per-sequence sums, mean over sequences; / gradient_accumulation_steps.
     - dapo, cispo, vespo: sum / (num_items_in_batch / num_processes * gradient_accumulation_steps /
-      steps_per_generation). ``num_items_in_batch`` is TRL's: mask-1 tokens of the whole *generation* batch summed
-      over all processes; the factor turns it into the per-process token count of one optimizer step, so that after
-      DDP's gradient averaging every token of the step weighs the same. ``None`` falls back to this micro-batch's
-      token count (single process, no accumulation). For evaluation pass gradient_accumulation_steps =
-      steps_per_generation = 1, as TRL does in eval mode.
+      steps_per_generation), ``num_items_in_batch`` being TRL's mask-1 tokens of the generation batch over all
+      processes (``None``: this micro-batch's).
     """
     masked = per_token_loss * mask
     if loss_type in ("grpo", "sapo"):
@@ -257,11 +206,6 @@ def aggregate_loss(
     else:
         raise ValueError(f"Unknown loss type {loss_type!r}.")
     return loss / gradient_accumulation_steps, loss.detach()
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The loss
-# --------------------------------------------------------------------------------------------------------------------
 
 
 def vllm_correction(
@@ -348,11 +292,9 @@ def compute_loss(
 
     Args:
         logps: [B, T] log pi_theta of the completion tokens under the model being trained (requires grad).
-        old_logps: [B, T] log-probs under the trainer's weights *before* this optimizer step's updates (the policy
-            that the clipping trust region is centred on). ``None`` means on-policy (one gradient step per batch):
-            ``logps.detach()`` is used, as TRL does.
-        behaviour_logps: [B, T] log-probs reported by vLLM for the sampled tokens (the behaviour policy; NaN where
-            unavailable). Required when ``config.vllm_importance_sampling_correction``; also preferred by OPSM.
+        old_logps: [B, T] log-probs the clipping is centred on; ``None``: on-policy, ``logps.detach()``.
+        behaviour_logps: [B, T] vLLM's log-probs of the sampled tokens (NaN where unavailable); needed by
+            ``config.vllm_importance_sampling_correction``, preferred by OPSM.
         advantages: [B] (or [B, T]) advantages of each completion.
         completion_mask: [B, T] 1 for tokens the model generated, 0 for padding and tool output.
         config: the loss options.

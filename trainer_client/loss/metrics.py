@@ -1,8 +1,5 @@
-"""Detached metrics of one loss computation over the local batch, with TRL's names.
-
-They never reach the gradients: ``losses.compute_loss`` returns them beside the loss, left
-on device so that reading them does not force a host sync.
-"""
+"""Detached metrics of one loss computation over the local batch, with TRL's names; left on
+device so that computing them does not force a host sync."""
 
 from __future__ import annotations
 
@@ -12,10 +9,7 @@ import torch
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over mask-1 tokens of [B, T] values; [B, 1] (sequence-level) values are averaged over sequences.
-
-    TRL's ``global_masked_mean`` on one process.
-    """
+    """TRL's ``global_masked_mean`` on one process: mean over mask-1 tokens; [B, 1] values over sequences."""
     if values.shape[-1] == 1:
         return values.float().mean()
     return (values * mask).sum().float() / mask.sum().float().clamp(min=1.0)

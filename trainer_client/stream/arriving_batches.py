@@ -1,22 +1,10 @@
 """Train an optimizer step's micro-batches as their groups arrive, not once all have.
 
-``transformers.Trainer`` fetches every micro-batch of an optimizer step before it trains the
-first (``get_batch_samples``), so that it can count the step's loss tokens up front. On a
-stream that means the trainer idles until the step's last group is generated, even when the
-first ones were waiting in its buffer. ``ArrivingBatches`` hands the micro-batches out one at
-a time instead, so with ``gradient_accumulation_steps`` > 1 the forward and backward of the
-first overlap the generation of the last.
-
-The losses that divide by the loss tokens of the whole step (dapo, cispo, vespo) cannot know
-that count before its last micro-batch. ``DeferredTokenNormaliser`` has them sum over tokens
-instead and divides the accumulated gradients once, after the last backward and before
-Trainer clips and steps: the same gradients as dividing each micro-batch's loss, since
-gradients are linear in the loss.
-
-Why the CLI's default stays one micro-batch a step: on the 2-core benchmark four micro-batches
-a step cost the trainer's thread more CPU than one batch and made no run faster, since there
-vLLM's core is the one that is full; on a GPU a step took the same time either way, with less
-peak memory (``benchmarks/SPEED_HISTORY.md``; README, speed section).
+``transformers.Trainer`` fetches a step's micro-batches up front to count its loss tokens,
+which on a stream idles the trainer until the last group is generated. The losses normalised
+by the whole step's tokens (dapo, cispo, vespo) instead sum over tokens, and
+``DeferredTokenNormaliser`` divides the accumulated gradients once before the optimizer step:
+the same gradients, since they are linear in the loss.
 """
 
 from __future__ import annotations
@@ -30,10 +18,7 @@ import torch
 
 @dataclass
 class ArrivingBatches:
-    """``count`` micro-batches taken from ``source`` only as the loop asks for each.
-
-    Trainer's loop needs ``len`` (the step's accumulation count) and iteration, nothing else.
-    """
+    """``count`` micro-batches taken from ``source`` only as Trainer's loop asks for each."""
 
     source: Iterator[dict[str, Any]]
     count: int

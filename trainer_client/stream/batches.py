@@ -1,9 +1,5 @@
 """A training batch from the stream: the dataset over the feed, the collator that pads its
-groups, and the log-probs of its completions under a model.
-
-The layout (prompts left-padded, completions right-padded, behaviour log-probs and masks
-aligned with the completions) is shared with ``prompt_sharing.py``.
-"""
+groups, and the log-probs of its completions under a model."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from torch.utils.data import IterableDataset
 from trainer_client.loss.logprobs import chunked_completion_logprobs, token_logprobs
 from trainer_client.stream.prompt_sharing import shared_prompt_logprobs, sharing_pays
 
-if TYPE_CHECKING:  # the collator and the log-probs run with torch alone (benchmarks/bench_trainer_step.py on a GPU box)
+if TYPE_CHECKING:  # the collator and the log-probs run with torch alone
     from rollout_api import rollout_pb2 as pb
     from trainer_client.stream.feed import GroupFeed
 
@@ -35,19 +31,16 @@ class StreamDataset(IterableDataset):
 
 
 def prompt_token_ids(group: pb.Group, sample: pb.Sample) -> tuple[int, ...]:
-    """The sample's prompt: the group's, once per group (a server before
-    ``Group.prompt_token_ids`` sent it in every sample)."""
+    """The group's prompt, or the sample's from a server that sends it per sample."""
     return tuple(group.prompt_token_ids or sample.prompt_token_ids)
 
 
 class GroupCollator:
     """Left-pads prompts so every completion starts at the same column; right-pads completions.
 
-    Each distinct prompt appears once in ``prompt_ids`` (a group's G samples share one row,
-    through ``prompt_index``), which lets the forward run it once (``prompt_sharing``). The
-    plain per-sample layout (``input_ids``, ``attention_mask``) is built from the same rows.
-    Position ids come from the attention mask, so left padding does not shift positions and
-    the trainer's log-probs equal vLLM's for the same tokens.
+    Each distinct prompt is one row of ``prompt_ids`` (``prompt_index`` maps samples to rows),
+    beside the plain per-sample layout. Position ids come from the attention mask, so left
+    padding does not shift positions.
     """
 
     def __init__(self, pad_token_id: int) -> None:
@@ -106,11 +99,8 @@ def completion_logprobs(
 ) -> torch.Tensor:
     """log pi(token) of every completion position of a collated batch, [B, T].
 
-    Through ``model``'s own forward, which may be wrapped (DDP): calling it, rather than its
-    decoder, is what makes DDP all-reduce the gradients. ``logits_to_keep=1`` keeps the model
-    from building the full [B, L, V] logits; the last hidden state (after the final norm) is
-    projected onto ``lm_head_weight`` in chunks. With ``share_prompts``, where it pays for this
-    batch on this device, each prompt goes through the model once (``prompt_sharing``).
+    Through ``model``'s own forward, possibly wrapped, so DDP all-reduces the gradients; the final
+    hidden state, not the full logits, is projected onto ``lm_head_weight`` in chunks.
     """
     if share_prompts and sharing_pays(inputs, inputs["prompt_ids"].device.type):
         return shared_prompt_logprobs(model, inputs, lm_head_weight, chunk_size, temperature)
@@ -128,8 +118,8 @@ def completion_logprobs(
 def forward_completion_logprobs(
     model: torch.nn.Module, inputs: dict[str, Any], temperature: float = 1.0
 ) -> torch.Tensor:
-    """``completion_logprobs`` with the logits made inside the model's forward, [B, T]: for a
-    sharded model (``fsdp``), whose lm_head weight is whole only there. Costs [B, T, V] logits."""
+    """``completion_logprobs`` with the logits made inside the forward: for a sharded model, whose
+    lm_head weight is whole only there."""
     start, length = _completion_span(inputs)
     keep = torch.arange(start, start + length, device=inputs["input_ids"].device)
     return token_logprobs(_forward(model, inputs, logits_to_keep=keep).logits, inputs["completion_ids"], temperature)

@@ -1,16 +1,9 @@
 """Fresh groups for a synchronous training loop, from the service's async stream.
 
-transformers' Trainer is synchronous; the gRPC stream is asyncio. ``GroupFeed`` runs the
-stream on its own event loop in a background thread and hands groups over through a
-queue that the stream's credits bound. Staleness is judged here, at the moment a group is taken for training:
-a group whose oldest token is more than ``max_staleness`` policy versions behind the
-trainer's current version is dropped, counted, and acked as DROPPED_STALE so the service
-knows; every other group is acked as TRAINED once the step that used it has finished.
-Every group the feed receives is therefore either trained or counted as dropped.
-
-The version judged against is the one the trainer's weights will have once the pushes in
-flight commit (``training_version``): while a background push runs, the trainer already
-trains the next step with weights one version ahead of what vLLM serves.
+``GroupFeed`` runs the gRPC stream on its own event loop in a background thread and hands
+groups to the training thread through a queue. Staleness is judged when a group is taken,
+against ``training_version``: stale groups are acked as DROPPED_STALE, the rest as TRAINED
+once their step ends.
 """
 
 from __future__ import annotations
@@ -40,9 +33,7 @@ _WAKE = object()
 RECONNECT_S = 120.0
 """How long a trainer waits for a service that went away (a restart) before it fails."""
 ID_MEMORY = 100_000
-"""Group ids a feed remembers, like the service's ack memory per run: a duplicate delivery
-comes from a lease that expired or a stream that broke, minutes apart, never 100k groups
-later. Bounded so a week-long run does not grow the trainer by every id it ever saw."""
+"""Group ids a feed remembers: duplicates arrive minutes apart, never this many groups later."""
 
 
 class RecentIds:
@@ -74,8 +65,7 @@ class FeedCounters:
     duplicates: int = 0
     """Deliveries of a group id this consumer already held or trained, skipped."""
     trained_group_ids: deque[str] = field(default_factory=lambda: deque(maxlen=ID_MEMORY))
-    """The last ``ID_MEMORY`` trained, in ack order; what a data-parallel check compares
-    across ranks (disjoint, none twice)."""
+    """The last ``ID_MEMORY`` trained, in ack order, for data-parallel checks."""
 
 
 class RunStalled(RuntimeError):
@@ -102,17 +92,14 @@ class GroupFeed:
         self.credits = credits
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
-        """How long a lost service is retried for (a restart on a durable state store) before
-        training fails; 0: at once."""
+        """How long a lost service is retried for before training fails; 0: not at all."""
         self.connected = True
         """False while the service is unreachable and the feed reconnects: pushes wait."""
         self.current_version = 0
         """The policy version of the last push that committed."""
         self.pushes_owed = 0
-        """How many versions the trainer's weights are ahead of ``current_version`` (0 or 1): a
-        background push in flight, or one that failed or was skipped while the service was
-        away. The next push that commits carries them, so the version a step trains at never
-        goes back."""
+        """How many versions the trainer's weights are ahead of ``current_version`` (0 or 1),
+        until a push commits them."""
         self.min_version = 0
         self.clock = PhaseClock()
         """Seconds per phase of the current step; the feed adds ``wait_groups``, the trainer the rest."""
@@ -123,20 +110,15 @@ class GroupFeed:
             pb.ACK_STATUS_TRAINED: RecentIds(),
             pb.ACK_STATUS_DROPPED_STALE: RecentIds(),
         }
-        """Ids acked, by status: a duplicate of one is acked again (its first ack may have
-        been lost with a service that restarted)."""
+        """Ids acked, by status: a duplicate of one is acked again (the first ack may be lost)."""
         self.on_weights_wanted: Callable[[str], None] | None = None
         """Set by a trainer that pushes: called on the training thread, between groups, when
-        the service asks for the run's weights (a restarted vLLM server waits for them)."""
+        the service asks for the run's weights."""
         self._weights_wanted = ""
         self._stall_error: RunStalled | None = None
-        """Set when the service reports that the run stopped generating."""
         self._groups: queue.Queue[pb.Group | BaseException | object] = queue.Queue()
         """What the stream delivered and the training thread has not taken. Unbounded on purpose:
-        the credits bound it (at most ``credits`` groups delivered and not acked), except after
-        a reconnect, when the new stream's credits come on top of the groups the old one left
-        here. A bounded queue then blocked the reader's put in an executor thread, which Python
-        joins at exit: a trainer that finished with the queue full never exited (CI, stop 37)."""
+        the credits bound it, and a blocked put after a reconnect would keep the process from exiting."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"feed-{consumer_id}", daemon=True)
         self._client: RolloutClient | None = None
@@ -170,9 +152,7 @@ class GroupFeed:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run_alongside(self, coro: Coroutine[Any, Any, None], what: str) -> Future[None]:
-        """Run ``coro`` on the feed's loop for as long as it trains (cancel its future to stop
-        it). If it fails, the training thread's next wait for a group raises with the cause,
-        instead of waiting for groups that will never come."""
+        """Run ``coro`` on the feed's loop while training; if it fails, the next wait for a group raises."""
 
         async def guarded() -> None:
             try:
@@ -217,8 +197,7 @@ class GroupFeed:
                 except Exception as exc:
                     if not unavailable(exc) or not self.reconnect_s:
                         raise
-                    # The call is over; this ends its request side, which would otherwise
-                    # wait on the outbox until exit ("Task was destroyed but it is pending").
+                    # The call is over; end its request side, which would otherwise wait until exit.
                     await stream.aclose(timeout_s=1)
                     stream = await self._reconnect(exc)
         except BaseException as exc:  # the trainer thread must see why the stream ended
@@ -226,10 +205,8 @@ class GroupFeed:
             raise
 
     async def _reconnect(self, lost: Exception) -> GroupStream:
-        """The service went away (a restart): retry with backoff for ``reconnect_s``, then
-        subscribe again. A service restarted on its state store has the run and its unacked
-        groups; those this trainer already trained come back once and are acked again, not
-        trained. A service whose version is behind this trainer's asks for a push."""
+        """The service went away: retry with backoff for ``reconnect_s``, then subscribe again; a
+        service back at an older version than this trainer's gets a push."""
         self.connected = False
         loop = asyncio.get_running_loop()
         deadline, delay = loop.time() + self.reconnect_s, 0.25
@@ -269,9 +246,8 @@ class GroupFeed:
             await self._client.__aexit__(None, None, None)
 
     def _stalled(self, stall: pb.RunStall) -> None:
-        """On the feed's loop. A generation stall ends training: the next wait for a group
-        raises with the service's reason instead of waiting for groups that do not come. A
-        consumer stall (another consumer holds groups without acking) is only logged."""
+        """On the feed's loop: a generation stall makes the next wait for a group raise; a consumer
+        stall is only logged."""
         kind = pb.StallKind.Name(stall.kind)
         if stall.kind != pb.STALL_KIND_GENERATION:
             logger.warning("the service reports run %s stalled (%s): %s", self.run_id, kind, stall.reason)
@@ -318,10 +294,7 @@ class GroupFeed:
             return item
 
     def _skip_duplicate(self, group_id: str) -> None:
-        """Not trained again. Acked again if its first copy was acked (that ack may have been
-        lost with a service that restarted; the service ignores a repeat); else the first
-        copy's ack, still to come, covers it. The credit it used is granted back so that the
-        stream does not shrink."""
+        """Not trained again: acked again if its first copy was acked, else its credit is granted back."""
         self.counters.duplicates += 1
         logger.warning("group %s was delivered again; skipped (it is trained once)", group_id)
         stream = self._stream
@@ -334,7 +307,7 @@ class GroupFeed:
 
     def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
         """Within max_staleness of ``at_version`` (default: ``training_version``) and not older
-        than the trainer's first push (samples of weights this trainer never had are not its policy's)."""
+        than the trainer's first push."""
         at = self.training_version if at_version is None else at_version
         return policy_version >= self.min_version and within_staleness(policy_version, at, self.max_staleness)
 
@@ -349,9 +322,7 @@ class GroupFeed:
         self._ack(group_ids, pb.ACK_STATUS_DROPPED_STALE)
 
     def flush_acks(self, timeout_s: float = 10.0) -> None:
-        """Wait until the acks sent so far are written to the stream. A step is recorded as
-        trained only after this: a trainer killed between its record and its acks would
-        otherwise report groups the service hands out again."""
+        """Wait until the acks sent so far are written to the stream, before the step is recorded."""
         stream = self._stream
         assert stream is not None
         flushed = self.submit(stream.flushed())

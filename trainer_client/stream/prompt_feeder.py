@@ -1,9 +1,7 @@
-"""Stream a large prompt set into a run through SubmitPrompts, a window at a time.
+"""Stream a prompt set too large for one CreateRun message into a run through SubmitPrompts.
 
-A set too large for one CreateRun message (``INLINE_MAX_*``) makes a run whose prompt source
-is ``submitted``; this feeder keeps about ``ahead`` prompts queued in it, judged by the run's
-``groups_started`` (each queued prompt starts one group), and goes round the set again at its
-end, as a prompt list in the spec is cycled: the trainer decides when training ends.
+About ``ahead`` prompts are kept queued (judged by the run's ``groups_started``), and the set is
+cycled like a prompt list in the spec: the trainer decides when training ends.
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ logger = logging.getLogger(__name__)
 
 INLINE_MAX_PROMPTS = 10_000
 INLINE_MAX_BYTES = 16 << 20
-"""Up to these, the prompts go into the run's spec (one CreateRun message, 64 MiB at most)."""
+"""Up to these, the prompts go into the run's spec (one CreateRun message)."""
 SUBMIT_BATCH = 256
 """Prompts per SubmitPrompts call (the service renders them as one batch)."""
 AHEAD = 1024
-"""Prompts kept queued in the run: enough for every slot and several steps of groups."""
+"""Prompts kept queued in the run: enough for every slot and several steps."""
 POLL_S = 0.5
 
 
@@ -39,11 +37,7 @@ def batches(prompts: Iterable[pb.Prompt], size: int) -> Iterator[list[pb.Prompt]
 
 
 async def feed_prompts(
-    client: RolloutClient,
-    run_id: str,
-    prompts: Iterable[pb.Prompt],
-    ahead: int = AHEAD,
-    batch_size: int = SUBMIT_BATCH,
+    client: RolloutClient, run_id: str, prompts: Iterable[pb.Prompt], ahead: int = AHEAD, batch_size: int = SUBMIT_BATCH
 ) -> None:
     """Submit ``prompts`` (re-iterable) to ``run_id`` for ever, ``ahead`` of the run's consumption."""
     submitted = 0

@@ -1,28 +1,14 @@
 """Completion log-probs with each distinct prompt run through the model once, not once per sample.
 
-Why: a GRPO batch is G completions of each of a few prompts. The plain forward runs every
-sample's prompt again: with G = 8, the 1.64M-parameter benchmark model and 34-token prompts
-before 32-token completions, half the positions of a step are eight copies of four prompts.
-Here the distinct prompts go through the model first (batch P instead of B), their key/value
-cache is indexed out to the B samples (``index_select``: autograd sums each copy's gradient
-back into its prompt), and the completions run on top of it. The log-probs and gradients are
-those of the plain forward (within float32 rounding: tests/unit/test_prompt_sharing.py), and
-a trainer step of that model on one thread spends much less time in forward + backward
-(``benchmarks/SPEED_HISTORY.md``).
+A GRPO batch is G completions of each of a few prompts: the distinct prompts go through the
+model first, their KV cache is indexed out to the samples (autograd sums each copy's gradient
+back into its prompt), and the completions run on top of it, giving the plain forward's
+log-probs and gradients. Not used without repeated prompts, where it does not pay on a GPU
+(``sharing_pays``), under gradient checkpointing (no cache) or DDP (two forwards before one
+backward confuse its reducer).
 
-Where it does not apply, the trainer uses the plain forward:
-- every sample has its own prompt (nothing to share; two forwards would only cost more);
-- on a GPU, a batch where sharing skips less than half of the plain forward's positions
-  (``sharing_pays``);
-- gradient checkpointing (transformers turns the cache off under it);
-- a model wrapped for data parallelism (two forward calls before one backward confuse DDP's
-  gradient reducer).
-
-The batch layout is ``GroupCollator``'s: distinct prompts left-padded to one width
-(``prompt_ids``, ``prompt_attention``), ``prompt_index`` mapping each sample to its prompt,
-and completions right-padded after them (``completion_ids``, ``completion_attention``).
-Because prompts are left-padded, every prompt's last token is in the last column, and its
-final hidden state is the one that scores the first completion token.
+The layout is ``GroupCollator``'s; prompts are left-padded, so each prompt's last hidden state
+is in the last column and scores the first completion token.
 """
 
 from __future__ import annotations
@@ -35,19 +21,12 @@ from trainer_client.loss.logprobs import chunked_completion_logprobs
 
 ACCELERATOR_MIN_SKIPPED = 0.5
 """On a GPU the shared forward pays only where it skips at least this share of the plain
-forward's positions. Measured on an H200 over whole trainer steps of Qwen2.5-0.5B's and
-1.5B's shapes (``benchmarks/bench_trainer_step.py``; the numbers in README "On a GPU"): sharing
-won where long prompts dominate the batch and lost where the completions do, and the
-break-even, which moves with the model, lies near half the positions, so this rule misses few
-of the measured batches where always sharing missed most. There the step is not the math
-alone: the shared forward is two model calls (twice the kernel launches), copies each
-prompt's KV cache to its samples, and runs the completions' attention with an explicit mask
-over the cache instead of the causal kernel. On a CPU the math is the step, and every
-skipped position counts (``benchmarks/SPEED_HISTORY.md``)."""
+forward's positions (its extra kernel launches and cache copies cost the rest); on a CPU any
+skipped position pays."""
 
 
 def prompts_are_shared(inputs: dict[str, Any]) -> bool:
-    """Whether the batch has fewer distinct prompts than samples (so sharing saves work)."""
+    """Whether the batch has fewer distinct prompts than samples."""
     return inputs["prompt_ids"].shape[0] < inputs["completion_ids"].shape[0]
 
 
@@ -60,8 +39,7 @@ def skipped_fraction(inputs: dict[str, Any]) -> float:
 
 
 def sharing_pays(inputs: dict[str, Any], device_type: str) -> bool:
-    """Whether the shared forward is the faster one for this batch on a ``device_type`` device:
-    on a CPU whenever a prompt repeats, elsewhere from ``ACCELERATOR_MIN_SKIPPED`` on."""
+    """Whether the shared forward is the faster one for this batch on a ``device_type`` device."""
     if not prompts_are_shared(inputs):
         return False
     return device_type == "cpu" or skipped_fraction(inputs) >= ACCELERATOR_MIN_SKIPPED
@@ -74,8 +52,7 @@ def shared_prompt_logprobs(
     chunk_size: int = 1024,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """log pi(token) of every completion position, [B, T], with each distinct prompt's forward
-    done once; the same values as ``batches.completion_logprobs`` on the same batch."""
+    """log pi(token) of every completion position, [B, T], each distinct prompt's forward done once."""
     prompt_attention = inputs["prompt_attention"]
     index = inputs["prompt_index"]
     prompt = model(
@@ -102,10 +79,7 @@ def shared_prompt_logprobs(
     )
     # hidden[:, t] must be the state that scores completion token t: the prompt's last state
     # for t = 0, then the completion's own states shifted by one.
-    hidden = torch.cat(
-        [prompt.hidden_states[-1][index, -1:], completion.hidden_states[-1][:, :-1]],
-        dim=1,
-    )
+    hidden = torch.cat([prompt.hidden_states[-1][index, -1:], completion.hidden_states[-1][:, :-1]], dim=1)
     return chunked_completion_logprobs(
         hidden, lm_head_weight, completion_ids, chunk_size=chunk_size, temperature=temperature
     )

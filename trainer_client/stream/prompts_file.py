@@ -1,19 +1,10 @@
 """The user's prompts, in TRL's dataset format, as a run's prompts.
 
-A source is a JSONL file (read here, line by line), a Parquet or CSV file, a folder of such
-files, or a dataset saved with ``datasets``' ``save_to_disk`` (read with ``datasets``,
-locally), or rows in memory (a ``datasets.Dataset``, a list of dicts). The prompt column
-(``prompt`` unless told) is a string (TRL's standard format, sent as plain text) or a list of
-``{"role", "content"}`` messages (TRL's conversational format, rendered with the model's chat
-template). Every other column rides along as prompt metadata and reaches the reward
-functions as a keyword argument of the same name, as TRL passes dataset columns:
-``{"prompt": "2+3=", "answer": "5"}`` gives each call ``answer=[...]``. Metadata travels as
-text: strings as they are, other values as JSON.
-
-``PromptRows`` reads the source once, whole, when it is made, so a bad row fails before
-anything starts, with its line or row number and what to change; it keeps only the count
-and the size, and reads the source again each time it is iterated. Small sets go into the
-run's spec; large ones stream through SubmitPrompts (``prompt_feeder``).
+A source is a JSONL, Parquet or CSV file, a folder of them, a saved ``datasets`` dataset, or
+rows in memory. The prompt column is a string or a list of chat messages; every other column
+travels as metadata (strings as they are, other values as JSON) and reaches the reward
+functions as a keyword argument, as TRL passes dataset columns. ``PromptRows`` checks the whole
+source when made, so a bad row fails before anything starts, and reads it again per iteration.
 """
 
 from __future__ import annotations
@@ -154,8 +145,7 @@ class PromptRows:
 
     @classmethod
     def from_rows(cls, rows: Iterable[Mapping[str, Any]], prompt_column: str = PROMPT_COLUMN) -> PromptRows:
-        """Rows in memory: a ``datasets.Dataset`` (iterating it gives dicts), a list of dicts.
-        A one-shot iterator is kept in a list, since the rows are read more than once."""
+        """Rows in memory (a ``datasets.Dataset``, dicts); a one-shot iterator is kept in a list."""
         if iter(rows) is rows:
             rows = list(rows)
         return cls(lambda: ((f"row {i}", row) for i, row in enumerate(rows, 1)), prompt_column, "the rows")

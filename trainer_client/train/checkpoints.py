@@ -1,14 +1,5 @@
-"""Trainer checkpoints that re-join their run.
-
-transformers' Trainer saves and restores the model, optimizer, scheduler, RNG and step
-(``save_steps``, ``resume_from_checkpoint``). What it cannot know is the rollout run the
-trainer consumed: ``RunInCheckpoint`` writes it beside each checkpoint, so a resumed trainer
-consumes the same run. Its first act is then a weight push (``SyncAndAck.on_train_begin``),
-which puts the restored weights into vLLM before any group is trained.
-
-The stream has no position to fast-forward to, so a resumed trainer skips no data
-(``ignore_data_skip``): it trains on whatever the service sends next. Groups the dead
-trainer held unacked come back to the run when its leases expire.
+"""Trainer checkpoints that re-join their run: transformers' Trainer saves the model, optimizer
+and step; ``RunInCheckpoint`` adds the run id, so a resumed trainer consumes the same run.
 """
 
 from __future__ import annotations
@@ -25,8 +16,7 @@ logger = logging.getLogger(__name__)
 
 RUN_FILE = "rollout_run.json"
 LATEST = ("latest", "true", "True")
-"""``resume_from_checkpoint`` values that mean the newest checkpoint in ``output_dir`` (TRL
-scripts pass ``true``)."""
+"""``resume_from_checkpoint`` values that mean the newest checkpoint in ``output_dir``."""
 
 
 class CheckpointError(ValueError):

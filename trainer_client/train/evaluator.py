@@ -1,16 +1,9 @@
 """Evaluation every N weight pushes, at the version just pushed.
 
-Why: the training reward mixes samples of several policy versions (that is what makes the
-run asynchronous), so it cannot say how good a given version is. After every N-th push
-this creates an evaluation run on the service (``RunSpec.eval``): each held-out prompt
-once, all generated at the pushed version, which the service holds while the evaluation
-generates (the trainer's next commit waits for it). The result lands in the step record
-of the step during which it finished (``eval_reward_mean``, ``eval_policy_version``), in
-``evals.jsonl`` and in the summary.
-
-Each evaluation run is created before the next push can begin (one RPC on the training
-thread, ``pushed``); its generation and result run on the feed's event loop, beside
-training. A failed evaluation is logged and recorded with its error, and training goes on.
+The training reward mixes several policy versions, so it cannot rate one. After every N-th
+push an evaluation run (``RunSpec.eval``) generates each held-out prompt once at that version;
+its result lands in the step record, ``evals.jsonl`` and the summary. A failed evaluation is
+recorded with its error and training goes on.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
-"""How often an evaluation's state is read back (GetRun): evaluation runs take seconds."""
+"""How often an evaluation's state is read back (GetRun)."""
 
 
 class PinnedEvaluator:
@@ -54,11 +47,8 @@ class PinnedEvaluator:
     def pushed(self, version: int) -> None:
         """A push committed ``version``: evaluate it if it is an N-th push.
 
-        On the training thread, before the next push can begin: the evaluation run is created
-        here (one RPC every N pushes), because the service refuses an evaluation of a version
-        its servers no longer hold, and a background push that committed first did exactly that
-        (a CI run of this project: the evaluation of version 9 refused, 10 already served). Its
-        generation and result are then awaited beside training."""
+        The run is created here, before the next push can begin, because the service refuses
+        to evaluate a version its servers no longer hold; the rest runs beside training."""
         self.pushes += 1
         if self.pushes % self.every != 0:
             return

@@ -1,22 +1,9 @@
-"""FSDP (fully sharded data parallel) for the trainer: each rank holds a shard of every
-weight, and a push gathers them.
+"""FSDP for the trainer (``fsdp`` and ``fsdp_config`` as in any ``transformers.Trainer``).
 
-Turned on as in any ``transformers.Trainer``: ``fsdp: true`` and ``fsdp_config: {version: 2,
-transformer_layer_cls_to_wrap: [...]}`` in the trainer's config file, one process per rank
-(``torchrun``). Three things differ from data parallelism (DDP), where every rank holds
-whole weights:
-
-- **The push gathers.** vLLM loads whole tensors, so every rank takes part in gathering the
-  full state dict (a collective) and rank 0, which alone receives it, pushes it. A push the
-  service asks for between steps (a server that joined or restarted) cannot gather, since
-  the other ranks are mid-step; it waits for the next regular push.
-- **Log-probs are made inside the forward.** Outside the forward the lm_head weight is a
-  shard, so the chunked projection onto it (``batches.completion_logprobs``) cannot run;
-  the model returns the completion positions' logits itself (``logits_to_keep``), which
-  costs [B, T, V] logits, as TRL's GRPOTrainer always does.
-- **On CPU, accelerate leaves FSDP off** (its FSDP plugin is enabled for accelerator devices
-  only), while torch's FSDP2 (``fully_shard``) runs on CPU with gloo. ``enable_on_cpu``
-  turns accelerate's FSDP2 path on there, so a CPU run shards exactly as a GPU run does.
+Unlike DDP: a push is a collective gather of the full weights, which rank 0 pushes (so a push
+the service asks for mid-step waits for the next regular one); log-probs are made inside the
+forward, where the lm_head weight is whole; and on CPU, where accelerate leaves FSDP off,
+``enable_on_cpu`` turns its FSDP2 path on.
 """
 
 from __future__ import annotations
@@ -36,10 +23,7 @@ if TYPE_CHECKING:
 
 def enable_on_cpu(accelerator: Accelerator, plugin_args: dict) -> bool:
     """Turn on accelerate's FSDP2 path for a multi-process CPU run it left at DDP; True if it did.
-
-    accelerate's state enables its FSDP plugin only for accelerator devices; on CPU it
-    would wrap the model in DDP instead and silently not shard. Raises ValueError for
-    FSDP1, which torch does not run on CPU."""
+    Raises ValueError for FSDP1, which torch does not run on CPU."""
     state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
         return False
@@ -58,11 +42,8 @@ def check_supported(model: torch.nn.Module) -> None:
 
 
 def gathered_weights(model: torch.nn.Module) -> NamedTensors:
-    """The full weights vLLM must serve, gathered from every rank's shard: a collective that
-    every rank must call; rank 0 gets the tensors (on CPU), the others an empty list.
-
-    Only parameters, in ``named_parameters`` order, as an unsharded model's push sends them:
-    the state dict also holds a tied lm_head under its own name, which vLLM would skip."""
+    """The full weights vLLM must serve, gathered from every rank's shard (a collective); rank 0
+    gets them on CPU, in ``named_parameters`` order (no tied lm_head), the others an empty list."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not full:
         return []

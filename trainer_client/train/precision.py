@@ -1,20 +1,8 @@
 """The trainer's compute precision: float32, or bf16 autocast over float32 weights.
 
-Why: TRL's ``GRPOConfig`` trains in bf16 autocast by default, and on hardware with native
-bf16 matmuls (a GPU that supports it; a CPU with AMX or AVX512-BF16) that is where a step's
-time goes down. On the benchmark's model and 2-core CPU a trainer step was clearly shorter in
-bf16 autocast than in float32, and the log-probs moved by far less than the loss's clip
-range (``benchmarks/SPEED_HISTORY.md``). Without native bf16 the CPU emulates it and
-autocast is slower, so the default follows the hardware.
-
-What stays float32 under autocast: the weights, their gradients, AdamW's state, the
-log-softmax (``logprobs``) and every weight pushed to vLLM. Only the matmuls and attention
-run in bf16.
-
-On a CPU, bf16 autocast trains with transformers' eager attention: torch's fused CPU
-attention kernel took more of a bf16 backward on short GRPO sequences than all the matmuls
-(``benchmarks/SPEED_HISTORY.md``); eager attention is two matmuls and a softmax, which
-autocast runs in bf16 and float32. In float32 the two were equally fast.
+The default follows the hardware: bf16 autocast is faster only with native bf16 matmuls. Under
+it the weights, gradients, optimizer state, log-softmax and pushes stay float32. On a CPU it
+trains with eager attention, which is faster there than torch's fused CPU kernel in bf16.
 """
 
 from __future__ import annotations
@@ -29,8 +17,7 @@ CPU_BF16_PROBES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
 
 
 def device_type(use_cpu: bool) -> str:
-    """Where the trainer computes, as accelerate chooses it: CUDA when there is one, unless
-    ``use_cpu`` (TrainingArguments' ``--use_cpu``) forces the CPU."""
+    """Where the trainer computes, as accelerate chooses it: CUDA when there is one, unless ``use_cpu``."""
     return "cuda" if not use_cpu and torch.cuda.is_available() else "cpu"
 
 
@@ -49,14 +36,12 @@ def resolve_bf16(requested: bool | None, device_type: str) -> bool:
 
 
 def attention_implementation(bf16: bool, device_type: str) -> str | None:
-    """The attention a policy trained this way loads with: eager for bf16 on a CPU (see the
-    module's docstring), else None, the model's own default."""
+    """Eager attention for bf16 on a CPU, else None (the model's default)."""
     return EAGER_ATTENTION if bf16 and device_type == "cpu" else None
 
 
 def loading_kwargs(bf16: bool, device_type: str) -> dict[str, Any]:
-    """``from_pretrained``'s keyword arguments for a policy trained this way: float32 weights,
-    with ``attention_implementation``'s attention where it names one."""
+    """``from_pretrained``'s keyword arguments: float32 weights and ``attention_implementation``'s attention."""
     attention = attention_implementation(bf16, device_type)
     return {"dtype": torch.float32, **({} if attention is None else {"attn_implementation": attention})}
 

@@ -1,14 +1,7 @@
 """One training run against a rollout service: create (or join) a run, train, report.
 
-Used by the ``rollout-trainer`` CLI and by the demo. Writes to the output directory:
-``metrics.jsonl`` (one record per optimizer step, over all ranks: step, policy_version,
-reward_mean, dropped_stale, ...), ``summary.json`` and ``reward_curve.svg``, and per rank
-``rank<N>.json`` (the groups it trained and a fingerprint of its weights, which must agree
-across data-parallel ranks).
-
-Data parallelism: launch the same command on every rank (``torchrun --nproc-per-node N -m
-trainer_client.cli ...``). Rank 0 creates the run and broadcasts its id; each rank is its
-own consumer of the run, so the service hands the ranks disjoint groups.
+Writes ``metrics.jsonl``, ``summary.json`` and ``reward_curve.svg`` to the output directory, and
+``rank<N>.json`` per rank. Under data parallelism rank 0 creates the run and broadcasts its id.
 """
 
 from __future__ import annotations
@@ -54,12 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) -> int:
-    """The run's service-side buffer: ``requested``, or for 0 ``max_staleness`` steps' worth
-    of groups (one step's at 0; ``groups_per_step`` counts every data-parallel rank's).
-    Staleness admission lets that many start ahead of the step being trained
-    (``rollout_service.delivery.admission``); a smaller buffer would silently cap it. A fixed
-    8 did: at 8 groups a step, ``max_staleness`` 2 generated one step ahead, not two, and in
-    the benchmark (4 groups a step) 3 was no different from 2."""
+    """The run's service-side buffer: ``requested``, or for 0 ``max_staleness`` steps' worth of
+    groups (at least one step's), since a smaller buffer would silently cap staleness admission."""
     return requested or max(1, max_staleness) * groups_per_step
 
 
@@ -85,8 +74,7 @@ async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions,
         _sample_as_trained(spec, config)
         spec.serve_adapter = serve_adapter
         spec.admission = ADMISSION_MODES[options.admission]
-        # This trainer pushes before it trains and refuses groups of older weights: generating
-        # before that push would only make groups to drop.
+        # Groups generated before this trainer's first push would only be dropped.
         spec.await_first_update = options.push
         return (await client.create_run(spec)).run_id
 
@@ -99,8 +87,7 @@ def _sample_as_trained(spec: pb.RunSpec, config: AsyncGRPOConfig) -> None:
 
 
 def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
-    """The evaluation runs' spec: the held-out dataset once, sampled and scored as training
-    samples are; each evaluation pins it to the version it evaluates (``evaluator``)."""
+    """The evaluation runs' spec: the held-out dataset once, sampled and scored as in training."""
     spec = dataset_run_spec(
         options.eval_dataset,
         options.rewards,
@@ -116,7 +103,6 @@ def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
 def _train_on_a_local_service(
     config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOptions
 ) -> dict[str, Any]:
-    """``train`` with a service started on this machine for the run (``local_service``)."""
     if config.world_size > 1:
         raise LocalServiceError("data-parallel ranks share one service: start it first and give its --target")
     log = Path(config.output_dir if config.output_dir_given else "outputs") / "local-service.log"
@@ -127,9 +113,7 @@ def _train_on_a_local_service(
 
 
 def default_output_dir(run_id: str | None, pushes: bool) -> str:
-    """Where a trainer writes without ``--output_dir``: ``outputs/<run id>``, or for a follower
-    (which shares the run of the trainer that pushes) a folder of its own beside it, so that
-    two trainers never share a ``metrics.jsonl``."""
+    """``outputs/<run id>``, or for a follower a folder of its own beside it."""
     assert run_id is not None
     name = run_id if pushes else f"{run_id}-follower-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     return str(Path("outputs") / name)
@@ -141,8 +125,7 @@ async def _served_model(target: str) -> pb.GetServerInfoResponse:
 
 
 def policy_checkpoint(options: ModelOptions, served: pb.GetServerInfoResponse) -> str:
-    """The model to train: ``options``' or, by default, the one the service serves. Another
-    model than the served one is refused: its samples' log-probs and its pushes would not fit."""
+    """The model to train: ``options``' or, by default, the served one; another model is refused."""
     if options.model_name_or_path is None:
         return served.model
     if served.model_signature:
@@ -161,11 +144,7 @@ def policy_checkpoint(options: ModelOptions, served: pb.GetServerInfoResponse) -
 
 def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOptions | None = None) -> dict[str, Any]:
     """Train ``config.max_steps`` steps on a run of the service at ``options.target``; returns the summary.
-
-    ``options.push`` False makes a follower: it trains on its share of the run's groups but
-    another trainer of the run pushes weights (its staleness follows the run's version).
-    ``options.torch_threads`` 0 takes the host's CPU budget (``rollout_common.cpu_budget``).
-    """
+    ``options.push`` False makes a follower: another trainer of the run pushes weights."""
     model_options = model_options or ModelOptions()
     if options.target is None:
         return _train_on_a_local_service(config, options, model_options)
@@ -239,10 +218,7 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
         "sharded": fsdp.is_sharded(trainer.model),
     }
     (output_dir / f"rank{config.process_index}.json").write_text(json.dumps(rank_report))
-    # The fingerprint above was the last collective: every rank meets the others and tears the
-    # process group down (accelerate's end of training). A rank that exited with its gloo group
-    # alive once aborted in C++ at shutdown ("terminate called without an active exception", the
-    # second rank of a two-node FSDP run), and torchrun on the other node waited for it.
+    # Tear the process group down together: a rank exiting with its gloo group alive can abort at shutdown.
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     if not main:
@@ -263,8 +239,7 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
 
 
 def start_prompt_feeder(feed: GroupFeed, run_id: str, options: RunOptions) -> Future[None] | None:
-    """Stream the prompts into the run when it takes them through SubmitPrompts (created so
-    here, or an existing run joined with ``--run_id`` or from a checkpoint)."""
+    """Stream the prompts into the run when it takes them through SubmitPrompts."""
     rows = options.prompt_rows
     if not isinstance(rows, PromptRows):
         return None
@@ -301,8 +276,7 @@ def use_torch_threads(threads: int) -> int:
 
 
 def load_policy(model_path: str, options: ModelOptions, bf16: bool, device_type: str) -> PreTrainedModel:
-    """The float32 policy (a PEFT model with ``use_peft``), from a Hub id or a folder, loaded as
-    it trains in this precision on this device (``precision.loading_kwargs``)."""
+    """The float32 policy (a PEFT model with ``use_peft``), loaded for this precision and device."""
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_path, revision=options.model_revision, **precision.loading_kwargs(bf16, device_type)
@@ -330,9 +304,7 @@ class ModelNotFound(ValueError):
 
 
 def save_policy(trainer: StreamGRPOTrainer, model_path: str, directory: Path) -> None:
-    """The trained policy as ``from_pretrained`` and vLLM load it, with the tokenizer it was
-    trained with (every rank must call this: a sharded model is gathered first). A LoRA model
-    saves its adapter, as PEFT does."""
+    """The trained policy (a LoRA model's adapter) and its tokenizer; every rank must call this."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     weights = fsdp.gathered_weights(trainer.model) if trainer.is_fsdp_enabled else None
     if not trainer.is_world_process_zero():
@@ -346,8 +318,8 @@ def save_policy(trainer: StreamGRPOTrainer, model_path: str, directory: Path) ->
 
 
 def weights_fingerprint(model: torch.nn.Module) -> float:
-    """Sum of |w| over all trainable weights: equal on every rank iff DDP kept them in step.
-    A sharded (FSDP) model's is over its whole weights (every rank must call it then)."""
+    """Sum of |w| over all trainable weights: equal on every rank iff DDP kept them in step (a
+    collective for a sharded model)."""
     with torch.no_grad():
         weights = (fsdp.whole_tensor(p) for p in model.parameters() if p.requires_grad)
         return float(sum(w.detach().abs().double().sum() for w in weights))
@@ -373,5 +345,4 @@ def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained
 
 
 def write_reward_curve(records: list[dict[str, Any]], path: Path) -> None:
-    """reward_mean per step, as an SVG line plot."""
     line_plot({"reward_mean": [(r["step"], r["reward_mean"]) for r in records]}, path, "reward_mean per step", "step")

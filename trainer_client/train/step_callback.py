@@ -1,7 +1,5 @@
 """What happens between optimizer steps: ack the step's groups, push weights when due, log
-the step's record. ``run.py`` registers ``SyncAndAck`` on the ``StreamGRPOTrainer`` it builds,
-whose ``StepBook`` holds what the callback acks and logs at each step's end.
-"""
+the step's record (``SyncAndAck``)."""
 
 from __future__ import annotations
 
@@ -25,18 +23,14 @@ from trainer_client.weights.push import WeightPusher
 logger = logging.getLogger(__name__)
 
 PUSH_ATTEMPTS = 3
-"""Failed pushes in a row a trainer lives through (a vLLM server that died mid-push fails
-one; a server that cannot take weights fails every one)."""
+"""Failed pushes in a row a trainer lives through (a server that died mid-push fails one)."""
 PUSH_RETRY_DELAY_S = 2.0
 STEP_LINE = "step %d: reward %.3f, policy v%d, %d groups, dropped stale %d, %.3fs (waiting for groups %.3fs)"
-"""The INFO line at the end of each step (step, reward mean, policy version, groups, dropped
-stale, step seconds, seconds waiting for groups). ``benchmarks/bench_vs_trl.py`` reads it to
-time its CPU readings to the run's first and last step."""
+"""The INFO line at the end of each step; benchmarks parse it."""
 
 
 def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """A step record's numbers for Trainer's log: ``reward`` as TRL names it, the rest under
-    their record names, seconds per phase as ``seconds/<phase>``."""
+    """A step record's numbers for Trainer's log (``reward`` as TRL names it, ``seconds/<phase>``)."""
     metrics: dict[str, float] = {}
     for name, value in record.items():
         if name == "seconds":
@@ -48,11 +42,7 @@ def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 class SyncAndAck(TrainerCallback):
     """At the end of each optimizer step: ack its groups, push weights when due, log a record.
-
-    A push in the background (``StreamGRPOTrainer.pushes_in_background``) sends a snapshot of
-    the weights while the next step trains; the next push first waits for it, so at most one
-    is in flight and vLLM's weights are never more than one push behind the trainer's.
-    """
+    At most one background push is in flight, so vLLM is never more than one push behind."""
 
     def __init__(self, trainer: StreamGRPOTrainer) -> None:
         self.trainer = trainer
@@ -60,18 +50,15 @@ class SyncAndAck(TrainerCallback):
         self._in_flight_step = 0
         """The optimizer step whose weights the push in flight carries."""
         self._served_step: int | None = None
-        """The optimizer step whose weights vLLM serves (the last committed push); None
-        before the first. A push asked for at that step resends them (``_push_on_request``)."""
+        """The optimizer step whose weights vLLM serves (the last committed push); None before the first."""
         self._step_started = time.perf_counter()
-        self._failed_pushes = 0
-        """Background pushes failed in a row (a vLLM server died mid-push); see ``_wait_for_push``."""
+        self._failed_pushes = 0  # background pushes failed in a row
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        # vLLM may serve other weights than this trainer's checkpoint (an earlier run, a
-        # restarted trainer): push first, so every trained sample comes from this policy's line.
+        # vLLM may serve other weights than this trainer's: push first.
         self._push(state)
         if self.trainer.pusher is not None and state.is_world_process_zero and not self.trainer.is_fsdp_enabled:
-            # (a sharded model's push is a collective of all ranks: it waits for the next step's)
+            # (a sharded model's push is a collective: it waits for the next step's)
             self.trainer.feed.on_weights_wanted = self._push_on_request
         self.trainer.feed.min_version = self.trainer.feed.current_version
         self.trainer.clock.take()  # the first step's clock starts now
@@ -89,11 +76,8 @@ class SyncAndAck(TrainerCallback):
         return control
 
     def _push(self, state) -> None:  # type: ignore[no-untyped-def]
-        """Rank 0 pushes; every rank then trains against the version the push produced.
-
-        A trainer without a pusher is a follower: another trainer of the run pushes, and this
-        one judges staleness against the run's version as the service reports it.
-        """
+        """Rank 0 pushes; every rank then trains against the version the push produced. A follower
+        (no pusher) takes the run's version from the service."""
         trainer = self.trainer
         if trainer.pusher is None:
             run = trainer.feed.call(trainer.feed.client.get_run(trainer.feed.run_id))
@@ -114,13 +98,13 @@ class SyncAndAck(TrainerCallback):
         self._pushed(version, state.global_step)
 
     def _pushed(self, version: int, step: int) -> None:
-        """A push of ``step``'s weights committed: an N-th one is evaluated (``evaluator``)."""
+        """A push of ``step``'s weights committed; the evaluator may evaluate it."""
         self._served_step = step
         if self.trainer.evaluator is not None:
             self.trainer.evaluator.pushed(version)
 
     def _push_timeout_s(self) -> float:
-        """How long the training thread waits for one push: the transfer bound plus the RPCs'."""
+        """The transfer bound plus the RPCs'."""
         assert self.trainer.pusher is not None
         return self.trainer.pusher.timeout_s + 120
 
@@ -140,16 +124,9 @@ class SyncAndAck(TrainerCallback):
         self._push_in_flight = trainer.feed.submit(trainer.pusher.push(snapshot))
 
     def _push_on_request(self, reason: str) -> None:
-        """The service asked for the weights (a restarted vLLM server waits for them, and
-        with one server no group comes until it has them): push now, between groups.
-
-        Rank 0 only, without the broadcast of ``_push``: the other ranks are elsewhere in
-        their step, and learn the version at the next regular push.
-
-        It comes between groups, never between an optimizer step and its step's end, so
-        the weights are those of ``state.global_step``. If vLLM already serves them (the
-        usual case: only a restarted server lacks them), the push is a resend and the
-        version stays; groups sampled before it are no staler than they were."""
+        """The service asked for the weights (a restarted vLLM server waits for them): push now,
+        between groups, on rank 0 only. If vLLM already serves this step's weights it is a
+        resend and the version stays."""
         self._wait_for_push()
         trainer = self.trainer
         assert trainer.pusher is not None
@@ -176,11 +153,8 @@ class SyncAndAck(TrainerCallback):
                 time.sleep(PUSH_RETRY_DELAY_S)  # backoff before retrying a push, not synchronisation
 
     def _wait_for_push(self) -> None:
-        """Wait for the push in flight, if any, and train against the version it produced.
-
-        A push that failed (the service aborted it: a vLLM server died or the trainer was
-        too slow) leaves vLLM on the version before it, and the next push joins a fresh
-        group; training goes on. ``PUSH_ATTEMPTS`` failures in a row raise here."""
+        """Wait for the push in flight, if any, and train against the version it produced. A
+        failed push leaves vLLM's version and training goes on, up to ``PUSH_ATTEMPTS`` in a row."""
         future, self._push_in_flight = self._push_in_flight, None
         if future is None:
             return
@@ -213,8 +187,7 @@ class SyncAndAck(TrainerCallback):
         background = trainer.pushes_in_background
         due = state.global_step % config.weight_sync_steps == 0
         if due and not background:
-            # Push before acking: an ack frees admission for the next groups, which must
-            # sample from the new weights (with max_staleness 0 the old ones are too old).
+            # Push before acking: an ack frees admission for groups that must sample the new weights.
             self._push(state)
         trainer.feed.ack_trained(list(book.group_ids), trained_at)
         trainer.feed.ack_dropped_stale(list(book.stale_group_ids))

@@ -1,11 +1,5 @@
-"""The trainer's progress bar: Rich, on the console the log lines go to.
-
-Why: transformers' bar (tqdm) and the trainer's per-step log lines (Rich's handler) both write
-to stderr, and on a terminal each log line landed in the middle of the bar's line
-(``2%|▏ | 1/60 [00:00<00:48]  INFO  pushed 26 tensors``). A Rich progress bar on the log
-handler's own console keeps the bar below and prints each record above it. It refreshes only
-when a step ends (no refresh thread on the trainer's core), and on a console that is not a
-terminal (a file, a container's log) Rich draws it once, at the end.
+"""The trainer's progress bar, on the log handler's Rich console so log lines print above it
+instead of into it; it refreshes only when a step ends (no refresh thread on the trainer's core).
 """
 
 from __future__ import annotations
@@ -19,8 +13,7 @@ from transformers import TrainerCallback
 
 
 def log_console() -> Console:
-    """The console of the root logger's Rich handler (the CLI's and the demo's), so the bar
-    and the records share one; stderr where logging has none."""
+    """The root logger's Rich console, so the bar and the records share one; else stderr."""
     for handler in logging.getLogger().handlers:
         if isinstance(handler, RichHandler):
             return handler.console
@@ -28,9 +21,7 @@ def log_console() -> Console:
 
 
 class StepProgress(TrainerCallback):
-    """Steps done out of ``max_steps`` on the main process, with elapsed and remaining time.
-    transformers' log dict per step is not printed: each step's record goes to its log line
-    and ``metrics.jsonl`` already, and stdout carries the CLI's summary JSON."""
+    """Steps done out of ``max_steps`` on the main process, with elapsed and remaining time."""
 
     def __init__(self, console: Console | None = None) -> None:
         self._console = console

@@ -1,28 +1,9 @@
 """``StreamGRPOTrainer``: a ``transformers.Trainer`` that learns from the rollout service's stream.
 
-Generation never happens here. The train dataset is the service's stream of scored groups
-(``GroupFeed``: stale groups are dropped and acked as such before they reach a batch); the
-loss is the clipped importance-sampled surrogate of ``losses.py`` on log-probs computed in
-chunks; after every ``weight_sync_steps`` optimizer steps the main process pushes its
-weights into vLLM through the service (``WeightPusher``) and the feed's current policy
-version advances, which is what staleness is judged against. Groups used by a step are
-acked as trained when the step ends. Batches (dataset, collator, log-probs) are in
-``stream/batches.py``; what happens between steps (ack, push, the step's record) in
-``step_callback.py``, whose ``SyncAndAck`` the builder of the trainer registers
-(``run.py``); a step of several micro-batches trains each as it arrives
-(``stream/arriving_batches.py``).
-
-Being a ``Trainer`` subclass, checkpointing, logging integrations (``report_to``),
-accelerate (DDP, FSDP, DeepSpeed) and PEFT come with it. Data-parallel ranks are each a
-consumer of the same run (the broker hands them disjoint groups and each acks its own);
-rank 0 alone pushes, and the new policy version is broadcast to the other ranks so all
-judge staleness alike. The forward pass goes through the wrapped (e.g. DDP) model, asking
-for the final hidden states instead of the full logits, so DDP's gradient all-reduce still
-happens while the log-probs are made in chunks.
-
-With ``beta > 0`` the loss adds the k3 KL to a reference policy: for a PEFT model that is
-the base model with the adapter disabled (no extra memory); otherwise a frozen copy of the
-model as it was when the trainer was built.
+The train dataset is the stream of scored groups (``GroupFeed``); the loss is ``losses.py``'s
+on chunked log-probs; pushes, acks and step records happen between steps (``SyncAndAck``).
+Each data-parallel rank is its own consumer of the run; rank 0 alone pushes. With ``beta > 0``
+the reference policy is a PEFT model's base (adapter disabled), else a frozen copy of the model.
 """
 
 from __future__ import annotations
@@ -71,8 +52,7 @@ class StepBook:
 
 class StreamGRPOTrainer(Trainer):
     loss_is_scaled_for_ga = True
-    """``compute_loss`` scales for gradient accumulation itself (``losses.aggregate_loss``), as
-    TRL's GRPOTrainer does, so Trainer must not divide by the accumulation steps again."""
+    """``compute_loss`` scales for gradient accumulation itself, as TRL's GRPOTrainer does."""
 
     def __init__(
         self,
@@ -94,7 +74,7 @@ class StreamGRPOTrainer(Trainer):
         self.feed = feed
         self.pusher = pusher
         self.evaluator = evaluator
-        """Evaluates every N-th pushed version (rank 0 of a pushing trainer; ``evaluator``)."""
+        """Evaluates every N-th pushed version (rank 0 of a pushing trainer)."""
         self.loss_config = args.loss_config()
         self.ref_model: torch.nn.Module | None = None
         if args.beta > 0 and not is_peft_model(model):
@@ -131,9 +111,7 @@ class StreamGRPOTrainer(Trainer):
             )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Trainer's log record plus the last step's rollout metrics (reward, policy version,
-        staleness, drops, loss metrics, seconds per phase), so ``report_to`` integrations
-        (tensorboard, wandb, ...) chart them beside the loss, as TRL's do."""
+        """Trainer's log record plus the last step's rollout metrics, for ``report_to`` integrations."""
         if self.step_metrics and "loss" in logs:
             logs = {**logs, **self.step_metrics}
             self.step_metrics = {}
@@ -145,15 +123,9 @@ class StreamGRPOTrainer(Trainer):
         return self.args.pushes_in_background(isinstance(self.pusher, WeightPusher))
 
     def get_train_dataloader(self) -> DataLoader:
-        """A plain loader over this rank's own stream.
-
-        Each rank is its own consumer of the run, so its stream already is its shard.
-        accelerate's prepared loader would either have rank 0 read and dispatch every batch
-        (bypassing the per-rank leases and acks) or have every rank read everything and keep
-        1/N, skipping groups that nobody then acks. It would also fetch a batch ahead, which
-        makes staleness judged at fetch time one version early. Trainer moves each batch to
-        the device itself.
-        """
+        """A plain loader over this rank's own stream, which already is its shard: accelerate's
+        prepared loader would skip or re-dispatch groups and fetch a batch ahead (judging
+        staleness a version early)."""
         return DataLoader(self.train_dataset, batch_size=self._train_batch_size, collate_fn=self._timed_collate)
 
     def _timed_collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,10 +133,9 @@ class StreamGRPOTrainer(Trainer):
             return self.data_collator(items)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):  # type: ignore[override]
-        """A step's micro-batches, each fetched when the loop reaches it (``arriving_batches``),
-        so that the first train while the last generate. Data-parallel ranks prefetch, as
-        Trainer does: the token count of their loss is summed over ranks up front. So do
-        DeepSpeed and FSDP, which keep the gradients where the deferred division cannot reach."""
+        """A step's micro-batches, each fetched when the loop reaches it (``arriving_batches``).
+        Data-parallel ranks, DeepSpeed and FSDP prefetch, as Trainer does: their token count is
+        summed over ranks up front, or their gradients are where the deferred division cannot reach."""
         self._deferred = None
         if num_batches <= 1 or self.args.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -183,8 +154,8 @@ class StreamGRPOTrainer(Trainer):
         return loss
 
     def _normalise_deferred(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
-        """With the step's token count deferred: nothing to report until its last micro-batch,
-        then the gradients and the step's loss divided by it."""
+        """With the token count deferred: zero until the step's last micro-batch, then the
+        gradients and the step's loss divided by it."""
         deferred = self._deferred
         if deferred is None:
             return loss
@@ -197,23 +168,19 @@ class StreamGRPOTrainer(Trainer):
         return torch.full_like(loss, sum(losses))
 
     def _get_num_items_in_batch(self, batch_samples: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
-        """TRL's ``num_items_in_batch``: the loss tokens of all of an optimizer step's
-        micro-batches, summed over ranks. dapo, cispo and vespo divide by it, so under gradient
-        accumulation every token of the step weighs the same, not each micro-batch's tokens."""
+        """TRL's ``num_items_in_batch``: the loss tokens of an optimizer step's micro-batches over ranks."""
         tokens = sum(self._loss_mask(inputs, self._fresh(inputs)).sum() for inputs in batch_samples)
         tokens = torch.as_tensor(tokens, dtype=torch.float32, device=device)
         return self.accelerator.gather(tokens).sum() if self.args.world_size > 1 else tokens
 
     @property
     def _accumulation_steps(self) -> int:
-        """Micro-batches of the current optimizer step (Trainer sets it per step; a shorter
-        last step has fewer), or the configured count outside the training loop."""
+        """Micro-batches of the current optimizer step, or the configured count outside the loop."""
         return getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
 
     def _fresh(self, inputs: dict[str, Any]) -> list[bool]:
-        """Which samples are within ``max_staleness``, judged against the version this step
-        trains at (a batch of several accumulation steps, or a push between fetch and step).
-        The others are masked out of the loss and their groups acked as dropped."""
+        """Which samples are within ``max_staleness`` of the version this step trains at; the
+        others are masked out of the loss and their groups acked as dropped."""
         return [self.feed.is_fresh(v) for v in inputs["staleness_versions"]]
 
     @staticmethod
@@ -271,9 +238,7 @@ class StreamGRPOTrainer(Trainer):
         return output.loss
 
     def _completion_logprobs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """float32 log-probs [B, T]. Under ``bf16`` the whole computation runs in autocast, the
-        lm_head projection outside the model's forward included (accelerate wraps only the
-        forward); the weights, the optimizer and the pushes stay float32."""
+        """float32 log-probs [B, T], all in autocast under ``bf16`` (accelerate wraps only the forward)."""
         with self.accelerator.autocast():
             if self.is_fsdp_enabled and model is not self.ref_model:  # the lm_head weight is a shard out here
                 return forward_completion_logprobs(model, inputs, self.args.temperature)
@@ -284,8 +249,7 @@ class StreamGRPOTrainer(Trainer):
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether the forward runs each distinct prompt once (see ``prompt_sharing`` for when
-        it cannot)."""
+        """Whether the forward runs each distinct prompt once (``prompt_sharing``)."""
         args = self.args
         return args.share_prompt_forward and args.world_size == 1 and not args.gradient_checkpointing
 
@@ -323,8 +287,7 @@ class StreamGRPOTrainer(Trainer):
             "reward_mean": reward_sum / rewards if rewards else float("nan"),
             "groups": groups,
             "group_ids": list(book.group_ids),  # this process's
-            # fetched fresh, stale by the time the step trained (a push in between): masked out
-            # of the loss and acked as dropped, so the step trained fewer groups than it fetched
+            # fetched fresh, stale by the time the step trained: masked out and acked as dropped
             "groups_masked_stale": masked,
             "max_staleness_trained": int(maxima[0]),
             # per sample: paced admission lowers it where training is the slower side

@@ -1,5 +1,4 @@
-"""The weight senders by vLLM weight-transfer backend, as ``BeginWeightUpdate`` reports the
-servers' (``weight_sync.backend``), imported only when chosen: the NCCL sender needs vLLM."""
+"""The weight sender of each vLLM weight-transfer backend, imported only when chosen: NCCL's needs vLLM."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ BACKENDS = {
 
 
 def sender_for(backend: str) -> type[WeightSender]:
-    """The sender class of ``backend`` ("" : gloo, what a service before the field reported)."""
+    """The sender class of ``backend`` as ``BeginWeightUpdate`` reports it ("": gloo)."""
     try:
         module, name = BACKENDS[backend or "gloo"].split(":")
     except KeyError:

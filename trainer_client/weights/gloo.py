@@ -1,29 +1,11 @@
 """The gloo weight sender (CPU servers): plain torch, importable without vLLM.
 
-The trainer is rank 0 of a gloo group whose other ranks are the vLLM workers running
-``vllm_gloo_transfer.plugin`` (joined through
-``/init_weight_transfer_engine`` with ``rank_offset`` 1). The worker opens its side with
-``vllm.distributed.utils.stateless_init_torch_distributed_process_group(host, port, rank,
-world_size, "gloo")``, so :meth:`GlooWeightSender.connect` must build exactly its mirror:
-
-- a ``TCPStore`` that rank 0 hosts (``is_master``; ``torch.distributed.rendezvous`` makes
-  rank 0 the master with ``multi_tenant=True``, the workers connect as clients);
-- a ``PrefixStore`` whose prefix is the rendezvous URI ``tcp://host:port``;
-- before the group, every rank counts itself in (``vllm_gloo_transfer.groups.arrive``) and
-  the workers wait for all; a trainer that gives the join up says so in the store, which
-  releases them at once (``abandon``);
-- a ``ProcessGroupGloo`` on it, plus ``_set_sequence_number_for_group()``: rank 0 writes
-  the group's sequence number that every other rank waits for at init; without it the
-  workers hang until their timeout.
-
-Then per update the trainer broadcasts the tensors from rank 0, in the order announced by
-``sender.update_info_for``, while the server's ``/update_weights`` call receives them: packed
-into buckets (:func:`broadcast_buckets`, consecutive tensors of one dtype, flattened and
-concatenated), one broadcast each, because each broadcast is a round trip that costs about
-a millisecond whatever its size. Both sides derive the buckets from the announced names,
-dtypes and shapes, so the update_info needs no extra field. When every worker is on this
-host, the tensors go through shared memory instead and the group carries only the trailer
-(``vllm_gloo_transfer.shared_memory``); the handshake is the same.
+The trainer is rank 0 of a gloo group with the vLLM workers running ``vllm_gloo_transfer.plugin``;
+:meth:`GlooWeightSender.connect` must mirror their side exactly: a rank-0-hosted ``TCPStore``
+under a ``PrefixStore`` keyed by the rendezvous URI, every rank counted in before the group, then
+a ``ProcessGroupGloo``. Tensors are broadcast in dtype buckets (each broadcast is a round trip)
+that both sides derive from the announced update_info, or through shared memory when every
+worker is on this host.
 """
 
 from __future__ import annotations
@@ -44,15 +26,12 @@ from vllm_gloo_transfer.shared_memory import SharedWeightsFile, offer_shared_mem
 
 
 def worker_address_key(rank: int) -> str:
-    """Where a rank announces its gloo address in the group's store: gloo's own key (the rank)
-    under ``ProcessGroupGloo``'s prefix for its first device ("0"). A torch internal, pinned by
-    ``tests/unit/test_weight_backends.py``."""
+    """Where a rank announces its gloo address in the group's store (a torch internal, pinned by a test)."""
     return f"0/{rank}"
 
 
 def rendezvous_uri(host: str, port: int) -> str:
-    """Same string as vLLM's ``get_tcp_uri``: it is the PrefixStore prefix, so the two
-    sides only see each other's keys if they agree on it byte for byte."""
+    """vLLM's ``get_tcp_uri``, byte for byte: it is the PrefixStore prefix both sides must share."""
     try:
         ipaddress.IPv6Address(host)
     except ValueError:
@@ -66,8 +45,7 @@ class GlooWeightSender(WeightSender):
     REJOIN_NEEDS_NEW_PORT = False
     """The store outlives a join: a re-join reuses the port under a new epoch prefix."""
     RESIZES_IN_PLACE = True
-    """Another world size joins through the same store: restarting the store instead would
-    drop the workers already connecting to it."""
+    """Another world size joins through the same store: a new store would drop workers connecting to it."""
 
     _store: TCPStore | None = None
     _group: ProcessGroupGloo | None = None
@@ -84,18 +62,11 @@ class GlooWeightSender(WeightSender):
 
     @property
     def transport(self) -> str:
-        """``"shared memory"`` or ``"gloo"``."""
         return "shared memory" if self._through_shared_memory else "gloo"
 
     def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
-        """Join the group as rank 0 (blocks until all workers join); ``world_size``: this
-        join's, when the servers changed since the last; ``abandoned``: set when the join is
-        given up, which ends the wait with :class:`UpdateAbandoned`.
-
-        The rendezvous store is hosted once and kept across joins; each join's keys live
-        under the prefix of its ``epoch`` (the service numbers the joins), so a re-join after
-        a failure never meets the keys of a previous one and the port is never re-bound.
-        """
+        """Join as rank 0 (``WeightSender.connect``). The store is kept across joins, each join's
+        keys under its ``epoch``'s prefix, so a re-join never meets a previous one's keys."""
         if self._group is not None:
             raise RuntimeError("already connected; leave() first")
         if world_size is not None:
@@ -141,14 +112,8 @@ class GlooWeightSender(WeightSender):
         return PrefixStore(f"{rendezvous_uri(self.master_address, self.master_port)}/epoch-{epoch}", self._store)
 
     def _await_workers(self, store: PrefixStore, abandoned: threading.Event) -> None:
-        """Wait until every worker has announced its address, before building the group.
-
-        Why: the group's own rendezvous waits out the whole timeout and cannot be cancelled
-        (neither shutdown nor abort frees it), so a join the service gave up (vLLM down, the
-        service gone) held the trainer for minutes. Waiting here, in short looks at the
-        store, ends as soon as ``abandoned`` is set; once the workers are in, the group
-        forms at once.
-        """
+        """Wait until every worker has announced its address, before building the group, whose
+        own rendezvous cannot be cancelled: this wait ends as soon as ``abandoned`` is set."""
         keys = [worker_address_key(rank) for rank in range(1, self.world_size)]
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not store.check(keys):

@@ -1,11 +1,8 @@
-"""The port a trainer hosts its weight-update rendezvous on: a fixed, configured one, so a
-firewall or a container can open it, and the next free one for each further trainer on
-the same host.
+"""The port a trainer hosts its weight-update rendezvous on: a configured one (for firewalls),
+or the next free one for each further trainer on the host.
 
-A port is claimed by a socket bound to it and held (not listening) until released. The
-rendezvous store binds beside it (both set ``SO_REUSEADDR``, which Linux allows while
-neither listens), and another trainer's claim, which does not set it, moves on to the next
-port: two trainers started together never pick the same one.
+A claim is a bound, non-listening socket; ``SO_REUSEADDR`` is set only after the bind, so the
+rendezvous store can bind beside it while another trainer's claim moves on to the next port.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ class GroupPortClaim:
         self.port: int = self._socket.getsockname()[1]
 
     def renew(self) -> int:
-        """Claim another port of the span (the current one is skipped, being held until
-        now), release the current one, and return the new port."""
+        """Claim another port of the span, release the current one, and return the new port."""
         fresh = _claim(self.host, self.first)
         self._socket.close()
         self._socket = fresh

@@ -1,33 +1,10 @@
-"""Trainer side of vLLM's own NCCL weight-transfer engine (GPU servers).
+"""Trainer side of vLLM's own NCCL weight-transfer engine (GPU servers), through vLLM's
+``nccl_common.trainer_init``, so this sender needs vLLM installed beside the trainer.
 
-On GPU the service's vLLM servers run with ``--weight-transfer-config '{"backend":
-"nccl"}'``: their workers join a NCCL group through a ``StatelessProcessGroup`` rendezvous
-whose TCPStore is hosted by rank 0, this trainer. The mirror of that is vLLM's own
-``nccl_common.trainer_init`` (a ``PyNcclCommunicator``), so this sender needs vLLM
-installed next to the trainer (``pip install 'rollout-service[gpu]'``), as TRL's vLLM
-weight sync does; the gloo sender (``gloo.py``) does not.
-
-Differences from the gloo sender that the pusher must know:
-
-- vLLM's rendezvous has no join epochs: each join hosts a fresh store, so every re-join
-  needs a fresh port (``REJOIN_NEEDS_NEW_PORT``).
-- Tensors are broadcast from the GPU, unpacked (vLLM's worker default), one after another
-  in the announced order, on the current CUDA stream, which is synchronised before return
-  so the caller may change the weights right after.
-
-Timeouts, as the gloo path has them: vLLM's ``trainer_init`` and NCCL's broadcast take
-none (a worker that never joins, or stops receiving, blocks the trainer for good), so both
-run in a thread of their own and give up after ``timeout_s`` (the service's
-``weight_sync.transfer_timeout_s``): the push fails, the service has aborted the update,
-and the next push joins a fresh group on a fresh port. The abandoned thread is left to
-NCCL; its communicator is never used again. A join also stops waiting as soon as the
-service aborts the update (``WeightPusher`` hears of it through its commit).
-
-Status: written against vLLM's ``nccl_engine.py`` / ``nccl_common.py``. The broadcast has not
-run end to end (no GPU on the development machine, and the lent GPU machine has no vLLM). The
-join's first half, vLLM's own ``StatelessProcessGroup`` rendezvous, is tested on CPU: a join
-given up while it waits there frees the trainer, the next join on a fresh port works, and the
-process exits cleanly with the abandoned thread still blocked in the store.
+vLLM's rendezvous has no join epochs, so every re-join needs a fresh port. Its join and NCCL's
+broadcast take no timeout, so both run in a thread of their own, abandoned to NCCL after
+``timeout_s`` or an abort; its communicator is never used again. The broadcast has not yet
+run end to end against vLLM.
 """
 
 from __future__ import annotations
@@ -86,7 +63,7 @@ class NcclWeightSender(WeightSender):
 
     REJOIN_NEEDS_NEW_PORT = True
     RESIZES_IN_PLACE = False
-    """vLLM's NCCL rendezvous has no epochs: another world size is a new sender (and store)."""
+    """vLLM's NCCL rendezvous has no epochs: another world size is a new sender."""
 
     _communicator: Any = None
     """vLLM's communicator while joined (``shared_memory`` is unused: NCCL moves GPU to GPU)."""
@@ -100,10 +77,8 @@ class NcclWeightSender(WeightSender):
         return "nccl"
 
     def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
-        """Join as rank 0 (blocks until every worker joins). ``epoch`` is unused: see the module
-        doc. ``world_size`` must be this sender's (not ``RESIZES_IN_PLACE``). ``abandoned``:
-        set when the join is given up, which ends the wait with :class:`UpdateAbandoned`
-        (the join's thread is left to NCCL, as after a timeout)."""
+        """Join as rank 0 (``WeightSender.connect``); ``epoch`` is unused and ``world_size`` must
+        be this sender's."""
         if self._communicator is not None:
             raise RuntimeError("already connected; leave() first")
         if world_size not in (None, self.world_size):
@@ -137,7 +112,7 @@ class NcclWeightSender(WeightSender):
             # kept referenced until the broadcast is enqueued.
             payload = tensor.detach().to("cuda").contiguous()
             self._communicator.broadcast(payload, src=0, stream=stream)
-        stream.synchronize()
+        stream.synchronize()  # the caller may change the weights on return
 
     def leave(self) -> None:
         communicator, self._communicator = self._communicator, None

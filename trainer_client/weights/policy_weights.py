@@ -1,18 +1,8 @@
 """The weights vLLM must serve for a trainer's model, named as vLLM's loader expects them.
 
-A plain ``PreTrainedModel`` pushes its parameters as they are. A PEFT (LoRA) model cannot:
-vLLM serves the base architecture, whose loader knows ``...q_proj.weight`` but not
-``...q_proj.base_layer.weight`` or ``lora_A``. So the adapter is folded in: each LoRA'd
-weight is pushed as ``W + delta`` (``delta = scale * B @ A`` from PEFT's own
-``get_delta_weight``) under the base name, and the adapter tensors are left out.
-
-Why out of place rather than PEFT's ``merge_adapter()`` / ``unmerge_adapter()`` (what
-TRL does): merging and unmerging in place round the base weights each time, so a long run
-would drift from the frozen base; computing ``W + delta`` into a new tensor leaves the
-trained model bit-identical. It costs one weight's worth of extra memory at a time.
-
-PEFT is detected by duck typing (``get_base_model`` and ``get_delta_weight``), so this
-module does not import peft.
+A PEFT (LoRA) model's weights are pushed as ``W + delta`` under the base names, computed out of
+place: PEFT's in-place merge/unmerge rounds the base weights each time, drifting a long run.
+PEFT is duck-typed, so peft is not imported.
 """
 
 from __future__ import annotations
@@ -68,11 +58,7 @@ def _lora_deltas(base: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def adapter_files(model: torch.nn.Module) -> dict[str, bytes]:
-    """A PEFT model's active adapter as the files vLLM loads (config + safetensors), in memory.
-
-    For runs that serve adapters rather than merged weights (``lora_serving="adapter"``):
-    megabytes instead of the whole model per push.
-    """
+    """A PEFT model's active adapter as the files vLLM loads (config + safetensors), in memory."""
     if not is_peft_model(model):
         raise ValueError("adapter pushes need a PEFT model; push full weights with policy_weights() instead")
     with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:

@@ -1,10 +1,8 @@
 """Pushes the trainer's weights into the service's vLLM servers (the main rank only).
 
-The service coordinates (pause, vLLM's handshake, version bump, prefix-cache reset,
-resume); the tensors go straight from this process to the vLLM workers over the transfer
-group, never through the service. On any failure the sender is closed, which frees
-workers blocked in a receive at once (their peer is gone), and the update is aborted, so
-generation resumes on the old weights and the next push re-joins with a fresh group.
+The service coordinates; the tensors go straight to the vLLM workers over the transfer group.
+On any failure the group is left, freeing workers blocked in a receive, and the update is
+aborted, so generation resumes on the old weights and the next push re-joins.
 """
 
 from __future__ import annotations
@@ -49,9 +47,8 @@ class WeightPusher:
         shared_memory: bool = True,
         group_port: int = 0,
     ) -> None:
-        """``shared_memory``: let a gloo push reach servers on this host through shared memory;
-        ``group_port``: the first port to host the rendezvous on (``group_port.GroupPortClaim``;
-        0: any free port)."""
+        """``shared_memory``: reach servers on this host through shared memory (gloo);
+        ``group_port``: the first port to host the rendezvous on (0: any free port)."""
         self.client = client
         self.clock = clock or PhaseClock()
         """Gets each push's push_begin, push_transfer and push_commit seconds."""
@@ -66,8 +63,7 @@ class WeightPusher:
 
     @property
     def port(self) -> int:
-        """The rendezvous port this trainer hosts (gloo: for the whole run, joins differ by
-        epoch; nccl: a fresh one after each failed join, as vLLM's rendezvous has no epochs)."""
+        """The rendezvous port this trainer hosts (nccl: a fresh one after each failed join)."""
         return self._port_claim.port
 
     async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
@@ -76,10 +72,7 @@ class WeightPusher:
 
     async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]], resend: bool = False) -> int:
         """Send the tensors (HF names, broadcast order) and return the new policy version.
-
-        ``resend``: these are the weights of the current version, unchanged since its
-        commit, sent again because the service asked (a restarted server waits for them);
-        the version stays."""
+        ``resend``: the current version's weights again, as the service asked; the version stays."""
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
         with self.clock.measure("push_begin"):
             # A trainer restarted on its fixed port has the last group's address and port,
@@ -94,10 +87,8 @@ class WeightPusher:
                 resend=resend,
                 join_group=not holds_group,
             )
-        # The commit is asked for now, not after the transfer: the service answers it once its
-        # servers have received everything, and at once when it aborts the update, which is
-        # how a join the service gave up stops waiting for workers that will never come.
-        # Its deadline covers a join and a transfer, each bounded by the transfer timeout.
+        # Commit now, not after the transfer: the service also answers it at once when it aborts
+        # the update, which ends a join waiting for workers that will never come.
         commit = asyncio.create_task(self.client.commit_weight_update(ticket.update_id, 2 * self.timeout_s + 60))
         abandoned = threading.Event()
         commit.add_done_callback(lambda _: abandoned.set())
@@ -130,12 +121,10 @@ class WeightPusher:
         abandoned: threading.Event,
         commit: asyncio.Task[pb.CommitWeightUpdateResponse],
     ) -> None:
-        """Broadcast the tensors to the servers' workers, joining the transfer group first when
-        asked; give up as soon as ``commit`` fails (the service aborted the update)."""
+        """Broadcast the tensors, joining the transfer group first when asked; give up as soon
+        as ``commit`` fails (the service aborted the update)."""
         if ticket.join_group:
-            # First push, or the servers dropped the group (a failure, a service restart):
-            # join again through the same store, under this join's epoch.
-            # The servers may have changed (a pool that grew or shrank): a new world size.
+            # First push, or the servers dropped the group; the world size may have changed.
             sender_class = sender_for(ticket.backend)
             world_size = ticket.group_world_size
             if (
@@ -178,11 +167,7 @@ def _outcome_dropped(broadcast: asyncio.Future[None]) -> None:
 
 
 class AdapterPusher:
-    """Pushes a PEFT model's adapter to a serve_adapter run (megabytes, not the model).
-
-    The service writes the files where its vLLM servers load them and makes them the run's
-    adapter; base weights, shared by every run on the servers, are never touched.
-    """
+    """Pushes a PEFT model's adapter to a serve_adapter run; the shared base weights stay untouched."""
 
     def __init__(self, client: RolloutClient, run_id: str, timeout_s: float = 120.0) -> None:
         self.client = client
@@ -190,8 +175,7 @@ class AdapterPusher:
         self.timeout_s = timeout_s
 
     async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
-        """Publish the adapter; the new version. ``resend`` changes nothing: the service
-        reloads a restarted server's adapters itself and never asks an adapter run for them."""
+        """Publish the adapter; the new version. ``resend`` is unused: the service reloads adapters itself."""
         files = await asyncio.to_thread(adapter_files, model)
         pushed = await self.client.push_adapter(self.run_id, files, self.timeout_s)
         logger.info(

@@ -1,10 +1,9 @@
-"""What every weight sender is: rank 0 of the transfer group between this trainer and the
-vLLM workers, one subclass per vLLM weight-transfer backend (``gloo.py``, ``nccl.py``; the
-backends module names them). ``WeightPusher`` drives any of them through this surface.
+"""The weight sender's base: rank 0 of the transfer group with the vLLM workers, one subclass
+per vLLM weight-transfer backend, driven by ``WeightPusher``.
 
-``connect()`` blocks until every worker has joined, so it runs concurrently with the
-server's ``/init_weight_transfer_engine`` call; likewise ``broadcast()`` with
-``/update_weights``. Every blocking step is bounded by ``timeout_s``.
+``connect()`` and ``broadcast()`` block until the workers take part, so they run concurrently
+with the server's ``/init_weight_transfer_engine`` and ``/update_weights``; each is bounded by
+``timeout_s``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def update_info_for(named_tensors: NamedTensors) -> dict[str, list]:
-    """The ``update_info`` body of ``/update_weights`` announcing these tensors, in order."""
+    """The ``update_info`` body of ``/update_weights`` announcing these tensors."""
     names: list[str] = []
     dtype_names: list[str] = []
     shapes: list[list[int]] = []
@@ -47,8 +46,7 @@ class WeightSender(ABC):
     REJOIN_NEEDS_NEW_PORT: ClassVar[bool]
     """Each join hosts a fresh rendezvous, so a re-join after a failure needs a fresh port."""
     RESIZES_IN_PLACE: ClassVar[bool]
-    """A join may bring another world size (servers joined or left the pool) to this sender;
-    otherwise another world size is a new sender."""
+    """A join may bring another world size to this sender; otherwise that is a new sender."""
 
     def __init__(
         self,
@@ -58,8 +56,7 @@ class WeightSender(ABC):
         timeout_s: float = 60.0,
         shared_memory: bool = True,
     ) -> None:
-        """``shared_memory``: let a push reach workers on this host through shared memory,
-        where the backend can (gloo); False sends every byte over the group."""
+        """``shared_memory``: reach workers on this host through shared memory where the backend can."""
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
         self.master_address = master_address
@@ -80,9 +77,8 @@ class WeightSender(ABC):
     @abstractmethod
     def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
         """Join the group as rank 0 (blocks until every worker joins). ``epoch``: the service's
-        number for this join; ``world_size``: this join's, when the servers changed since the
-        last; ``abandoned``: set when the join is given up, which ends the wait with
-        :class:`UpdateAbandoned`."""
+        number for this join; ``world_size``: this join's, if the servers changed;
+        ``abandoned``: when set, ends the wait with :class:`UpdateAbandoned`."""
 
     @abstractmethod
     def broadcast(self, named_tensors: NamedTensors) -> None:
