@@ -455,8 +455,8 @@ async def benchmark(args: argparse.Namespace, url: str, model_dir: Path, served_
     load_before = os.getloadavg()
     async with contextlib.AsyncExitStack() as stack:
         running = await stack.enter_async_context(running_service(settings))
-        assert running.service.weight_sync is not None
-        for control in running.service.weight_sync.servers:
+        assert running.service.weights.weight_sync is not None
+        for control in running.service.weights.weight_sync.servers:
             recorder.instrument_control(control)
         timed = recorder.sender_class()
         stack.enter_context(mock.patch.object(weight_push, "sender_for", lambda backend: timed))

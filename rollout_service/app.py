@@ -169,7 +169,7 @@ async def running_service(
             partitioned=settings.weight_sync.partitions,
         )
         stack.push_async_callback(service.close)
-        recovery = ServerRecovery(service, pool, service.versions)
+        recovery = ServerRecovery(service.weights, pool, service.versions)
         recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
         if restored := await service.restore():
             logger.info(
@@ -302,7 +302,7 @@ async def _attach_weights(
     if settings.weight_sync.partitions:
         _attach_partitions(service, recovery, controls, settings, stack)
     else:
-        service.weight_sync = WeightSyncCoordinator(
+        service.weights.weight_sync = WeightSyncCoordinator(
             controls,
             settings.weight_sync,
             service.versions,  # a restarted service goes on from its stored version
@@ -311,8 +311,8 @@ async def _attach_weights(
             holds=service.holds,
             on_stuck=recovery.pool.set_stuck,
         )
-        stack.push_async_callback(service.weight_sync.close)
-    service.adapters = AdapterPublisher(
+        stack.push_async_callback(service.weights.weight_sync.close)
+    service.weights.adapters = AdapterPublisher(
         settings.adapters.dir, controls, settings.weight_sync.control_timeout_s, managed_max_lora_rank(settings.engine)
     )
     if managed is not None:
@@ -324,10 +324,10 @@ async def _attach_weights(
         )
         supervisor.start()
         stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
-    if service.weight_sync is not None:
-        await service.weight_sync.prefetch_world_sizes()
-        await service.weight_sync.release_left_transfer(skip=fresh_urls)
-        await service.weight_sync.resume_left_paused()
+    if (sync := service.weights.weight_sync) is not None:
+        await sync.prefetch_world_sizes()
+        await sync.repair.release_left_transfer(skip=fresh_urls)
+        await sync.repair.resume_left_paused()
 
 
 def _attach_partitions(
@@ -346,7 +346,7 @@ def _attach_partitions(
         service.metrics,
     )
     stack.push_async_callback(partitions.close)
-    service.use_partitions(partitions)
+    service.weights.use_partitions(partitions)
 
 
 async def _serve_grpc(

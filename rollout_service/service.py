@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar
 
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
@@ -21,42 +21,33 @@ from rollout_service.delivery.broker import RunBroker
 from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.delivery.state_store import MemoryStore, StateStore
 from rollout_service.delivery.watchdog import RunWatchdog
-from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, echo
 from rollout_service.evaluation import EvalResult, Evaluations
 from rollout_service.generation.environments import EnvironmentRegistry
-from rollout_service.generation.episode import DEFAULT_MAX_TURNS, MultiTurnConfig, TurnTemplate
-from rollout_service.generation.external import ExternalEpisodes, ExternalSource
+from rollout_service.generation.external import ExternalEpisodes
 from rollout_service.generation.prompts import (
     BUILTIN_DATASETS,
-    SUBMIT_CHUNK,
-    CyclingPromptSource,
     OncePromptSource,
     PromptRenderer,
-    PromptSource,
     PromptSpec,
-    RenderedPrompt,
     SubmittedPromptSource,
-    builtin_dataset,
 )
 from rollout_service.generation.scheduler import Scheduler
-from rollout_service.generation.tools import DEFAULT_TOOL_PARSER, DEFAULT_TOOL_TIMEOUT_S, ToolRegistry
+from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.run_inputs import RunInputs
 from rollout_service.runs import MAX_BUFFERED_GROUPS, Run, RunSpec
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.scoring.score import GroupScorer
 from rollout_service.types import EngineState
 from rollout_service.versions import PolicyVersion, VersionChange
-from rollout_service.weights.adapters import AdapterPublisher, AdapterRouting
-from rollout_service.weights.partitions import PartitionRouting
+from rollout_service.weights.push_routes import PushRoutes
 from rollout_service.weights.update_messages import UpdateTimes
 from rollout_service.weights.version_holds import VersionHolds
-from rollout_service.weights.weight_sync import WeightSyncCoordinator, not_in_progress
 
 if TYPE_CHECKING:  # it drives this class: imported for the annotation only
-    from rollout_service.weights.partitions import PoolPartitions
     from rollout_service.weights.pool_membership import PoolMembership
 
 DELETED_RUNS_KEPT = 256
@@ -149,6 +140,8 @@ class RolloutService:
         self.user_code_executor = ThreadPoolExecutor(settings.user_code_threads, thread_name_prefix="user-code")
         """Sync rewards' and environments' own threads (``SchedulerSettings.user_code_threads``)."""
         self.scorer = GroupScorer(rewards, settings.reward_timeout_s, self.user_code_executor)
+        self.inputs = RunInputs(renderer, self.tools, self.environments, settings, self.user_code_executor)
+        """What each run generates from: episode config, prompt source, rendered prompts."""
         self.scheduler = Scheduler(
             engine,
             self.scorer,
@@ -157,43 +150,44 @@ class RolloutService:
             renderer.decode,
             group_requests=settings.group_requests,
             max_group_bytes=settings.max_group_bytes,
-            route=self._engine_for,
+            route=lambda run: self.weights.engine_for(run, engine),
         )
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.watchdog = RunWatchdog(settings.stall_timeout_s, metrics, clock)
         self.pool_usable = True
         self.runs: dict[str, Run] = {}
         """Live runs (running or failed): what ListRuns shows and GetStats reports."""
-        self.base_weights_run: str | None = None
-        """The run whose trainer pushes the servers' base weights (``_claim_base_weights``)."""
         self.deleted: OrderedDict[str, Run] = OrderedDict()
         """The last ``DELETED_RUNS_KEPT`` deleted runs, their groups and metric series freed, so
         that GetRun and a late subscriber can still be told what happened."""
         self.versions = PolicyVersion()
         """The base weights' versions: the runs on them share it; the state store keeps it."""
-        self.weight_sync: WeightSyncCoordinator | None = None
+        self.weights = PushRoutes(
+            self.runs, self.get_run, lambda run_id: self.store.set_meta("base_weights_run", run_id)
+        )
+        """Who may push weights and adapters, and to which servers."""
         self.holds = VersionHolds()
         """Evaluation runs holding the servers' version; the weight sync waits on them."""
         self.evaluations = Evaluations(
             self.holds,
             metrics,
-            pausing_update_pending=lambda: self.weight_sync is not None and self.weight_sync.pausing_update_pending,
+            pausing_update_pending=lambda: (
+                (sync := self.weights.weight_sync) is not None and sync.pausing_update_pending
+            ),
             stop_generation=self.scheduler.stop_generation,
         )
         self.scheduler.evaluations = self.evaluations
         self.versions.watch(self._base_version_changed)
         self.external = ExternalEpisodes(engine, renderer, self.scorer, metrics)
         """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""
-        self.adapters: AdapterPublisher | None = None
-        """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
         self.membership: PoolMembership | None = None
         """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
-        self.partitions: PoolPartitions | None = None
-        """With ``weight_sync.partitions``: the servers split among full-weight runs, each
-        with its own weight sync and policy version (``weights.partitions``)."""
         self.added_engines: list[str] = []
         """Servers AddEngine added and RemoveEngine has not removed, kept across restarts
         (``PoolMembership.rejoin``)."""
+
+    def _update_pausing(self) -> bool:
+        return (sync := self.weights.weight_sync) is not None and sync.pausing_update_pending
 
     @property
     def policy_version(self) -> int:
@@ -247,7 +241,7 @@ class RolloutService:
         say) is logged and dropped from the store."""
         stored, meta = await asyncio.to_thread(self.store.load)
         self.set_policy_version(int(meta.get("policy_version", 0)))
-        self.base_weights_run = meta.get("base_weights_run")
+        self.weights.base_weights_run = meta.get("base_weights_run")
         self.added_engines = list(meta.get("added_engines", []))
         for saved in stored:
             try:
@@ -275,16 +269,16 @@ class RolloutService:
     async def restore_adapters(self) -> None:
         """After ``restore`` and once the adapter publisher is attached: each restored
         serve_adapter run serves its newest adapter on disk again, at its version."""
-        if self.adapters is None:
+        if (adapters := self.weights.adapters) is None:
             return
         for run in self.runs.values():
-            if run.spec.serve_adapter and (version := await self.adapters.restore(run.run_id)):
-                run.adapter = self.adapters.current(run.run_id)
+            if run.spec.serve_adapter and (version := await adapters.restore(run.run_id)):
+                run.adapter = adapters.current(run.run_id)
                 run.admission.set_policy_version(version)
 
     async def _new_run(self, spec: RunSpec, owner: str, run_id: str) -> Run:
         spec.validate()
-        if self.partitions is not None and spec.eval is not None:
+        if self.weights.partitions is not None and spec.eval is not None:
             raise FailedPrecondition(
                 "this service splits its servers among full-weight runs (weight_sync.partitions), and an "
                 "evaluation run cannot say whose weights it evaluates yet; run it on a service without partitions"
@@ -300,9 +294,9 @@ class RolloutService:
                 f"max_inflight {spec.max_inflight} exceeds the service's slot limit "
                 f"{self.settings.max_inflight}; use 0 for the service's limit"
             )
-        episode = self._episode_config(spec)
+        episode = self.inputs.episode_config(spec)
         tool_schemas = episode.tools.schemas() if episode is not None and episode.tools is not None else None
-        source = await self._prompt_source(spec, tool_schemas)
+        source = await self.inputs.prompt_source(spec, tool_schemas)
         max_buffered = spec.max_buffered_groups or self.settings.default_max_buffered_groups
         if isinstance(source, OncePromptSource):  # room for the whole set: no consumer has to keep up
             max_buffered = spec.max_buffered_groups or min(source.size, MAX_BUFFERED_GROUPS)
@@ -323,8 +317,7 @@ class RolloutService:
     def _start_run(self, run: Run) -> None:
         self.runs[run.run_id] = run
         self.scheduler.start_run(run)
-        if self.partitions is not None and _partitioned(run):
-            self.partitions.add_run(run.run_id, run.spec.weight, run.admission.versions)
+        self.weights.run_started(run)
         if run.spec.eval is None:  # the store keeps what admission learned, as versions move
             run.admission.on_change(lambda: self.store.save_run_state(run.run_id, run.stored_state()))
         spec = run.spec
@@ -355,75 +348,6 @@ class RolloutService:
             run_id, max_buffered, self.metrics, lease_timeout_s=lease_timeout_s, admission=admission, store=store
         )
 
-    def _episode_config(self, spec: RunSpec) -> MultiTurnConfig | None:
-        """Resolve a multi-turn spec against the registries; unknown names are INVALID_ARGUMENT."""
-        e = spec.episode
-        if not e.multi_turn:
-            return None
-        timeout_s = e.tool_timeout_s or DEFAULT_TOOL_TIMEOUT_S
-        toolset = self.tools.toolset(e.tools, e.tool_parser or DEFAULT_TOOL_PARSER, timeout_s) if e.tools else None
-        environment = self.environments.get(e.environment) if e.environment else None
-        try:
-            template = TurnTemplate(self.renderer.tokenizer, toolset.schemas() if toolset is not None else None)
-        except Exception as exc:
-            raise FailedPrecondition(
-                f"multi-turn episodes need a chat template that can be extended turn by turn: {exc}"
-            ) from None
-        return MultiTurnConfig(
-            template=template,
-            max_model_len=self.renderer.max_model_len,
-            max_turns=e.max_turns or (DEFAULT_MAX_TURNS if toolset is not None or environment is not None else 1),
-            max_episode_tokens=e.max_episode_tokens,
-            tools=toolset,
-            environment=environment,
-            environment_timeout_s=self.settings.environment_timeout_s,
-            environment_executor=self.user_code_executor,
-        )
-
-    async def _prompt_source(self, spec: RunSpec, tools: list[dict[str, Any]] | None = None) -> PromptSource:
-        if spec.source_kind == "submitted":
-            return SubmittedPromptSource(self.settings.max_queued_prompt_bytes)
-        if spec.source_kind == "external":
-            return ExternalSource()
-        prompts = builtin_dataset(spec.dataset) if spec.source_kind == "dataset" else list(spec.prompts)
-        rendered = await self._render(prompts, spec.sampling.max_tokens, tools)
-        return OncePromptSource(rendered) if spec.eval is not None else CyclingPromptSource(rendered)
-
-    async def _render(
-        self,
-        prompts: Sequence[T],
-        max_tokens: int,
-        tools: list[dict[str, Any]] | None = None,
-        convert: Callable[[T], PromptSpec] | None = None,
-    ) -> list[RenderedPrompt]:
-        """In a thread, ``SUBMIT_CHUNK`` prompts at a time (``convert``: each from its wire form
-        first): converting and rendering a whole dataset take seconds, which on the event
-        loop froze every RPC and every run's generation."""
-        rendered: list[RenderedPrompt] = []
-        for start in range(0, len(prompts), SUBMIT_CHUNK):
-            chunk = prompts[start : start + SUBMIT_CHUNK]
-            rendered += await asyncio.to_thread(self._render_now, chunk, start, max_tokens, tools, convert)
-        return rendered
-
-    def _render_now(
-        self,
-        prompts: Sequence[T],
-        first: int,
-        max_tokens: int,
-        tools: list[dict[str, Any]] | None,
-        convert: Callable[[T], PromptSpec] | None,
-    ) -> list[RenderedPrompt]:
-        rendered = []
-        for i, raw in enumerate(prompts, first):
-            prompt = cast(PromptSpec, raw) if convert is None else convert(raw)
-            try:
-                ids, text = self.renderer.render(prompt, max_tokens, tools)
-            except InvalidArgument as exc:
-                raise InvalidArgument(f"prompt {i}: {exc}") from None
-            messages = tuple(dict(m) for m in prompt.messages or ())
-            rendered.append(RenderedPrompt(ids, text, dict(prompt.metadata), messages))
-        return rendered
-
     def find_run(self, run_id: str) -> Run | None:
         """A live run, or one of the last deleted ones; None if the service has neither."""
         return self.runs.get(run_id) or self.deleted.get(run_id)
@@ -446,10 +370,7 @@ class RolloutService:
         if run.eval is not None:
             self.evaluations.forget(run)
         await self.scheduler.stop_run(run)
-        if self.adapters is not None:
-            await self.adapters.forget(run_id)
-        if self.partitions is not None:
-            self.partitions.remove_run(run_id)
+        await self.weights.run_deleted(run_id)
         freed = run.broker.discard_all()
         self.store.delete_run(run_id)
         run.source.discard()
@@ -470,13 +391,13 @@ class RolloutService:
             )
         if run.state != "running":
             raise FailedPrecondition(f"run {run_id} is {run.state}; push adapters for a running run")
-        if self.adapters is None:
+        if (adapters := self.weights.adapters) is None:
             raise FailedPrecondition(
                 "this service's vLLM servers do not load LoRA adapters; start them with --enable-lora "
                 "(managed servers: engine.managed.max_loras > 0) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
             )
-        version = await self.adapters.publish(run_id, files)
-        run.adapter = self.adapters.current(run_id)
+        version = await adapters.publish(run_id, files)
+        run.adapter = adapters.current(run_id)
         run.admission.set_policy_version(version)
         assert run.adapter is not None
         return version, run.adapter
@@ -497,7 +418,7 @@ class RolloutService:
         if not prompts:
             raise InvalidArgument("prompts is empty; submit at least one prompt")
         tools = run.episode.tools.schemas() if run.episode is not None and run.episode.tools is not None else None
-        rendered = await self._render(prompts, run.spec.sampling.max_tokens, tools, convert)
+        rendered = await self.inputs.render(prompts, run.spec.sampling.max_tokens, tools, convert)
         if run.state != "running":  # stopped or deleted while its prompts were rendered
             raise FailedPrecondition(f"run {run_id} is {run.state}; submit to a running run")
         await run.source.submit(rendered, functools.partial(self.store.put_prompts, run.run_id))
@@ -518,7 +439,7 @@ class RolloutService:
 
     def stats(self) -> ServiceStats:
         """The service-wide time accounting; cheap (running totals), so GetStats may poll it."""
-        slots, sync = self.scheduler.slots, self.weight_sync
+        slots, sync = self.scheduler.slots, self.weights.weight_sync
         rate, window = self.scheduler.tokens.rate()
         return ServiceStats(
             slots_busy=self.scheduler.slots_busy,
@@ -545,77 +466,9 @@ class RolloutService:
             raise FailedPrecondition("this service's pool cannot change while it runs")
         return self.membership
 
-    def require_weight_sync(self, run_id: str | None = None) -> WeightSyncCoordinator:
-        """The weight-sync coordinator; with ``run_id``, also check that run can take a push."""
-        if run_id is not None:
-            run = self.get_run(run_id)
-            if run.state != "running":
-                raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
-            if run.spec.eval is not None:
-                raise FailedPrecondition(
-                    f"run {run_id} is an evaluation run, which never trains; push weights for your training run"
-                )
-            if run.spec.serve_adapter:
-                raise FailedPrecondition(
-                    f"run {run_id} serves its own LoRA adapter (serve_adapter); push the adapter with PushAdapter, "
-                    "not base weights, which every run shares"
-                )
-            if self.partitions is not None:
-                return self.partitions.coordinator(run_id)
-            self._claim_base_weights(run_id)
-        if self.weight_sync is None:
-            raise FailedPrecondition("this service was started without weight sync")
-        return self.weight_sync
-
-    def use_partitions(self, partitions: PoolPartitions) -> None:
-        """``weight_sync.partitions``: each full-weight run, those restored from the state
-        store included, gets its own servers and weight sync, and routing follows."""
-        self.partitions = partitions
-        for run in self.runs.values():
-            if _partitioned(run):
-                partitions.add_run(run.run_id, run.spec.weight, run.admission.versions)
-
-    async def weight_sync_for_push(self, run_id: str) -> WeightSyncCoordinator:
-        """The coordinator a push of ``run_id`` begins on; with partitions, once the run has
-        servers (a rebalance in progress may be bringing them)."""
-        sync = self.require_weight_sync(run_id)
-        if self.partitions is not None:
-            await self.partitions.await_servers(run_id, sync.settings.transfer_timeout_s)
-        return sync
-
-    def weight_sync_of_update(self, update_id: str) -> WeightSyncCoordinator:
-        """The coordinator an update was begun on (with partitions, its run's)."""
-        if self.partitions is None:
-            return self.require_weight_sync()
-        sync = self.partitions.coordinator_of_update(update_id)
-        if sync is None:
-            raise not_in_progress(update_id)
-        return sync
-
     def request_run_weights(self, run_id: str, reason: str) -> None:
         if (run := self.runs.get(run_id)) is not None:
             run.admission.request_weights(reason)
-
-    def base_weights_owner(self) -> Run | None:
-        """The live run whose trainer pushes the servers' base weights, if any."""
-        return self.runs.get(self.base_weights_run or "")
-
-    def _claim_base_weights(self, run_id: str) -> None:
-        """One full-weight run pushes to a pool at a time. The servers hold one set of base
-        weights and every such run samples them, so a second pushing run would train on the
-        first one's policy with its own version labels. The claim passes on once the owner
-        has no consumer connected (its trainer finished or died) or is deleted."""
-        owner = self.base_weights_owner()
-        if owner is not None and owner.run_id != run_id and owner.broker.leases:
-            raise FailedPrecondition(
-                f"run {owner.run_id} pushes the base weights of these servers and its trainer is connected; a "
-                f"second full-weight run would sample run {owner.run_id}'s policy. Train a LoRA adapter instead "
-                f"(a serve_adapter run), add this trainer to run {owner.run_id} (rollout-trainer --run-id "
-                f"{owner.run_id} --no-push), use another server pool, or delete run {owner.run_id} first"
-            )
-        if self.base_weights_run != run_id:
-            self.store.set_meta("base_weights_run", run_id)
-        self.base_weights_run = run_id
 
     async def drain(self, grace_s: float) -> None:
         """The first step of a shutdown: runs start no group and hand out none; consumers
@@ -643,19 +496,3 @@ class RolloutService:
         # Not waiting for user code's threads: a hung call must not hold up the shutdown
         # (``shutdown_timeout_s`` ends the process).
         self.user_code_executor.shutdown(wait=False, cancel_futures=True)
-
-    def _engine_for(self, run: Run) -> Engine:
-        """Runs that serve their own LoRA adapter name it in every request; with pool
-        partitions, a full-weight run's requests go to its own servers only."""
-        engine = self.scheduler.engine
-        if run.spec.serve_adapter:
-            return AdapterRouting(engine, lambda: run.adapter)
-        if (partitions := self.partitions) is not None:
-            return PartitionRouting(cast(EnginePool, engine), run.run_id, lambda: partitions.servers_for(run.run_id))
-        return engine
-
-
-def _partitioned(run: Run) -> bool:
-    """Runs that get servers of their own under pool partitions: the full-weight ones that
-    train. Adapter runs share every server; evaluation runs are refused there."""
-    return not run.spec.serve_adapter and run.spec.eval is None

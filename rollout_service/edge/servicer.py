@@ -50,9 +50,7 @@ from rollout_service.weights.adapters import MAX_ADAPTER_BYTES, check_adapter_fi
 logger = logging.getLogger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 30.0
-"""A stream must send its Subscribe within this long."""
 MAX_STATUS_MESSAGE_CHARS = 2048
-"""A status message is cut here, whatever it quotes (``errors.echo`` bounds each input it repeats)."""
 
 T = TypeVar("T")
 
@@ -69,7 +67,7 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
 
 
 def status_code(error: ServiceError) -> grpc.StatusCode:
-    """The status of a service error's kind (its nearest mapped class); INTERNAL if none."""
+    """The status of the nearest mapped class of the error; INTERNAL if none."""
     for kind in type(error).__mro__:
         if kind in STATUS_CODES:
             return STATUS_CODES[kind]
@@ -77,7 +75,7 @@ def status_code(error: ServiceError) -> grpc.StatusCode:
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
-    """Answer an exception as a status: a service error's own, else INTERNAL, logged."""
+    """Answer an exception as a status: a service error's own, else INTERNAL (logged)."""
     if isinstance(exc, ServiceError):
         message = str(exc)
         if len(message) > MAX_STATUS_MESSAGE_CHARS:
@@ -101,8 +99,7 @@ def _edge(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 def _stream_edge(method: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
-    """``_edge`` for server-streaming methods. Before it, only a ServiceError raised in
-    StreamSamples became a status: anything else reached the client as UNKNOWN, unlogged."""
+    """``_edge`` for server-streaming methods."""
 
     @functools.wraps(method)
     async def wrapper(self: RolloutServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
@@ -118,8 +115,7 @@ def _stream_edge(method: Callable[..., AsyncIterator[T]]) -> Callable[..., Async
 
 
 async def _consumer_requests(requests: AsyncIterator[pb.StreamSamplesRequest]) -> AsyncIterator[ConsumerRequest]:
-    """A stream's requests after its subscribe, as the consumer session's types; a client
-    that goes away mid-read just ends them."""
+    """A stream's requests after its subscribe; a client that goes away just ends them."""
     try:
         async for message in requests:
             yield consumer_request_from_pb(message)
@@ -152,9 +148,7 @@ async def _adapter_files(requests: AsyncIterator[pb.PushAdapterRequest]) -> tupl
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    """Each RPC acts for its caller (``Principal``): a run belongs to the principal that
-    created it, and others get NOT_FOUND for it, as for a run that does not exist, so run ids
-    do not leak; admins see and act on every run."""
+    """Each RPC acts for its caller: others' runs are NOT_FOUND, so run ids do not leak; admins see all."""
 
     def __init__(
         self, service: RolloutService, tokens: TokenTable | None = None, security: SecuritySettings | None = None
@@ -245,8 +239,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return engine_removed_to_pb(removed)
 
     def _check_push(self, run_id: str, trainer_address: str, context: grpc.aio.ServicerContext) -> None:
-        """Base weights change every full-weight run: only a principal allowed to push them
-        may, and vLLM's workers connect only to the caller itself or an allowed address."""
+        """Only principals allowed may push base weights, and only from their own or an allowed address."""
         caller = self._caller(context)
         run = self._run(run_id, caller)
         if not self.tokens.enabled:
@@ -265,14 +258,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             )
 
     def _check_update(self, update_id: str, context: grpc.aio.ServicerContext) -> None:
-        run_id = self.service.weight_sync_of_update(update_id).run_of(update_id)
+        run_id = self.service.weights.of_update(update_id).run_of(update_id)
         if run_id is not None:
             self._run(run_id, self._caller(context))
 
     @_edge
     async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:  # type: ignore[no-untyped-def]
         self._check_push(request.run_id, request.trainer_address, context)
-        sync = await self.service.weight_sync_for_push(request.run_id)
+        sync = await self.service.weights.ready_for_push(request.run_id)
         if request.pause_mode == pb.PAUSE_MODE_UNSPECIFIED:
             mode = sync.settings.default_pause_mode()
         elif request.pause_mode in PAUSE_MODE_FROM_PB:
@@ -300,13 +293,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @_edge
     async def CommitWeightUpdate(self, request: pb.CommitWeightUpdateRequest, context) -> pb.CommitWeightUpdateResponse:  # type: ignore[no-untyped-def]
         self._check_update(request.update_id, context)
-        version, seconds = await self.service.weight_sync_of_update(request.update_id).commit(request.update_id)
+        version, seconds = await self.service.weights.of_update(request.update_id).commit(request.update_id)
         return pb.CommitWeightUpdateResponse(policy_version=version, seconds=seconds)
 
     @_edge
     async def AbortWeightUpdate(self, request: pb.AbortWeightUpdateRequest, context) -> pb.AbortWeightUpdateResponse:  # type: ignore[no-untyped-def]
         self._check_update(request.update_id, context)
-        version = await self.service.weight_sync_of_update(request.update_id).abort(request.update_id, request.reason)
+        version = await self.service.weights.of_update(request.update_id).abort(request.update_id, request.reason)
         return pb.AbortWeightUpdateResponse(policy_version=version)
 
     @_edge
@@ -332,8 +325,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             candidate = ConsumerSession(self.service, subscribe.run_id, consumer_id, credits)
             candidate.check_limits()
             candidate.broker.subscribe(consumer_id, credits)
-            # Only a stream that subscribed may release: a refused duplicate must not hand
-            # back the leases of the live stream that holds this consumer id.
+            # Only a stream that subscribed may release (not a refused duplicate of a live consumer id).
             session = candidate
             session.broker.admission.watch(session.wake)
             requests = _consumer_requests(request_iterator)

@@ -1,23 +1,17 @@
 """Slots, groups and streaming group scoring.
 
 Invariants:
-- at most ``max_inflight`` episodes run at once over all runs (and at most a run's own
-  ``max_inflight`` for that run); a freed slot is refilled at once, because each run's
-  feeder is already waiting for a slot; runs that all wait share the slots in proportion
-  to their weights (``slots.WeightedSlots``);
-- a group reaches its run's broker exactly once, scored, or is dropped and counted:
-  a failed request, a failed reward or a cancelled member drops the whole group (a group
-  with a missing member would bias its advantages);
-- each group is scored the moment its last member finishes, while generation goes on;
-- a single-turn group without per-member seeds is one request for all G samples when the
-  engine can (``GroupEngine``), holding G slots like G members would;
-- stragglers: a run with ``group_deadline_s`` stops waiting for a group's members at that
-  deadline, cancels the rest, and scores the group from those that finished if at least
-  ``min_group_size`` did (advantages over those present), else drops it (``deadline``);
-- no generation that can only go stale: when the run's trainer version moves more than
-  ``max_staleness`` past the version a group started at, its requests are cancelled (vLLM
-  aborts a request whose connection closes), its slots freed, and it is dropped with reason
-  ``stale_inflight``.
+- at most ``max_inflight`` episodes run at once over all runs (and a run's own
+  ``max_inflight`` for that run); a freed slot is refilled at once, and runs that all wait
+  share the slots by weight (``slots.WeightedSlots``);
+- a group reaches its run's broker exactly once, scored, or is dropped and counted: one
+  failed member drops the whole group (a missing member would bias its advantages);
+- each group is scored the moment its last member finishes, while generation goes on; a
+  single-turn group without seeds is one request (``GroupEngine``) holding G slots;
+- a run's ``group_deadline_s`` scores a group from the members that finished by then (at
+  least ``min_group_size``), else drops it (``deadline``);
+- a group the trainer moved more than ``max_staleness`` past is cancelled in flight and
+  dropped (``stale_inflight``): it could only be dropped as stale later.
 
 Every task is owned: the scheduler keeps it until it ends, and a feeder that dies marks
 its run failed with the error instead of vanishing.
@@ -54,9 +48,8 @@ class InflightGroup:
     """A group whose members are generating, and the version it counts as started at."""
 
     start_version: int
-    """The run's policy version once every member was sent: its samples' first tokens come
-    from this version or a later one (a later start counts as fresher, so a group is never
-    judged older than it is)."""
+    """The run's policy version once every member was sent: its first tokens come from this
+    version or a later one, so a group is never judged older than it is."""
     members: list[asyncio.Task[Any]] = field(default_factory=list)
     stale: bool = False
     """Set when the trainer moved past it: its members are being cancelled."""
@@ -89,7 +82,8 @@ class Scheduler:
         self.slots_busy = 0
         self.max_slots_busy_seen = 0
         self.engine_failures = 0
-        self._slots = WeightedSlots(max_inflight)
+        self.slots = WeightedSlots(max_inflight)
+        """The shared slots (their time accounting is read: busy and free slot-seconds)."""
         self.tokens = RecentRate()
         """Tokens generated over all runs, and their recent rate (counted as episodes finish)."""
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
@@ -121,7 +115,7 @@ class Scheduler:
             if pending:
                 logger.warning("run %s: %d tasks did not stop within %.0fs", run.run_id, len(pending), timeout_s)
         await run.broker.close()
-        self._slots.forget(run.run_id)
+        self.slots.forget(run.run_id)
         self._inflight.pop(run.run_id, None)
         self._fed.discard(run.run_id)
 
@@ -150,11 +144,6 @@ class Scheduler:
             logger.error("run %s stopped generating: %s", run.run_id, run.error, exc_info=exc)
 
     # -- slots ---------------------------------------------------------------------------
-    @property
-    def slots(self) -> WeightedSlots:
-        """The shared slots, read for their time accounting (busy and free slot-seconds)."""
-        return self._slots
-
     async def _acquire_slots(self, run: Run, count: int = 1) -> None:
         """``count`` slots at once (a group request's G): the run's own limit first (only its
         feeder takes them), then the service's, granted together so that two runs' requests
@@ -164,7 +153,7 @@ class Scheduler:
             while taken < count:
                 await run.slots.acquire()
                 taken += 1
-            await self._slots.acquire(run.run_id, run.spec.weight, count)
+            await self.slots.acquire(run.run_id, run.spec.weight, count)
         except BaseException:
             for _ in range(taken):
                 run.slots.release()
@@ -179,12 +168,12 @@ class Scheduler:
         self.slots_busy -= 1
         run.counters.slots_busy -= 1
         self.metrics.slots_busy.set(self.slots_busy)
-        self._slots.release(run.run_id)
+        self.slots.release(run.run_id)
         run.slots.release()
         self._account_slot_time(run)
 
     def _account_slot_time(self, run: Run) -> None:
-        total = self._slots.slot_seconds(run.run_id)
+        total = self.slots.slot_seconds(run.run_id)
         self.metrics.slot_seconds.labels(run.run_id).inc(total - run.counters.slot_seconds)
         run.counters.slot_seconds = total
 
@@ -249,7 +238,7 @@ class Scheduler:
             and run.episode is None
             and not run.spec.group_deadline_s  # a deadline keeps the members that finished
             and run.spec.sampling.seed is None
-            and run.spec.group_size <= min(run.max_inflight, self._slots.total)
+            and run.spec.group_size <= min(run.max_inflight, self.slots.total)
             and samples_groups_at_once(self.engine)
         )
 

@@ -45,7 +45,8 @@ from rollout_service.engine.vllm_client import VLLMServerClient, served_models
 from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError, echo
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import EngineRemoved, EngineState
-from rollout_service.weights.server_recovery import ServerRecovery, WeightPlane
+from rollout_service.weights.push_routes import PushRoutes
+from rollout_service.weights.server_recovery import ServerRecovery
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,11 @@ class MetaStore(Protocol):
     def set_meta(self, key: str, value: Any) -> None: ...
 
 
-class MembershipHost(WeightPlane, Protocol):
+class MembershipHost(Protocol):
     """What joins and leaves read and change on the service, at each use because a restore
     replaces the kept servers."""
 
+    weights: PushRoutes
     added_engines: list[str]
     """Servers AddEngine added, kept across restarts."""
 
@@ -123,7 +125,7 @@ class PoolMembership:
     def _state(self, client: VLLMServerClient) -> EngineState:
         url = client.base_url
         reason, owner = self.pool.stuck.get(url) or self.pool.held.get(url, ""), ""
-        if (partitions := self.service.partitions) is not None:
+        if (partitions := self.service.weights.partitions) is not None:
             owner = partitions.owner.get(url) or ""
             reason = reason or partitions.unready_reason(url)
         return EngineState(url, not reason, reason, client.inflight, url in self.managed_urls, owner)
@@ -190,7 +192,7 @@ class PoolMembership:
             )
 
     async def _join(self, url: str, control: VLLMControlClient) -> None:
-        sync, adapters = self.service.weight_sync, self.service.adapters
+        sync, adapters = self.service.weights.weight_sync, self.service.weights.adapters
         self.recovery.awaiting_weights.add(url)  # before it joins: the next commit including it releases it
         if adapters is not None:
             try:
@@ -200,9 +202,9 @@ class PoolMembership:
                     f"{url} could not load the runs' adapters ({exc}); start it with --enable-lora and "
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as the pool's other servers"
                 ) from None
-        if self.service.partitions is not None:  # a run's partition takes it and brings it to its policy
-            self.service.partitions.add_server(control)
-        if self.service.partitions is not None or sync is None:
+        if self.service.weights.partitions is not None:  # a run's partition takes it and brings it to its policy
+            self.service.weights.partitions.add_server(control)
+        if self.service.weights.partitions is not None or sync is None:
             self.recovery.awaiting_weights.discard(url)
             self.pool.release(url)
             return
@@ -250,12 +252,12 @@ class PoolMembership:
 
     async def _forget(self, url: str, client: VLLMServerClient, control: VLLMControlClient | None) -> None:
         """Out of the weight plane (between updates), the adapters and the pool; clients closed."""
-        if self.service.weight_sync is not None:
-            await self.service.weight_sync.remove_server(url)
-        if self.service.partitions is not None:
-            await self.service.partitions.remove_server(url)
-        if self.service.adapters is not None:
-            self.service.adapters.remove_server(url)
+        if self.service.weights.weight_sync is not None:
+            await self.service.weights.weight_sync.remove_server(url)
+        if self.service.weights.partitions is not None:
+            await self.service.weights.partitions.remove_server(url)
+        if self.service.weights.adapters is not None:
+            self.service.weights.adapters.remove_server(url)
         self.recovery.awaiting_weights.discard(url)
         if self.pool.client(url) is client:
             self.pool.remove(url)

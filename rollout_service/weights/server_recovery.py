@@ -28,41 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
 
 from rollout_service.engine.control import WeightControl, WeightSyncError
 from rollout_service.engine.pool import EnginePool
-from rollout_service.runs import Run
 from rollout_service.versions import PolicyVersion
-from rollout_service.weights.adapters import AdapterPublisher
-from rollout_service.weights.partitions import PoolPartitions
-from rollout_service.weights.weight_sync import WeightSyncCoordinator
+from rollout_service.weights.push_routes import PushRoutes
 
 logger = logging.getLogger(__name__)
 
 STARTUP_HOLD = "the service is starting: which policy version this server holds is not checked yet"
 
 
-class WeightPlane(Protocol):
-    """The service's weight plane, read at each use because it is attached after start-up."""
-
-    @property
-    def weight_sync(self) -> WeightSyncCoordinator | None: ...
-
-    @property
-    def adapters(self) -> AdapterPublisher | None: ...
-
-    @property
-    def partitions(self) -> PoolPartitions | None: ...
-
-    def base_weights_owner(self) -> Run | None:
-        """The run whose trainer pushes the base weights, if it is live: it is asked for a push."""
-
-
 class ServerRecovery:
     def __init__(
         self,
-        weights: WeightPlane,
+        weights: PushRoutes,
         pool: EnginePool,
         versions: PolicyVersion,
     ) -> None:

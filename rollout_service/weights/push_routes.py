@@ -1,0 +1,140 @@
+"""Who may push weights, and to which servers: the one owner of that decision.
+
+Invariant: a full-weight push reaches one set of servers, from a run that may change what
+they serve.
+- Without partitions the set is the whole pool, and only the run holding the base-weights
+  claim pushes: the servers hold one set of base weights, so a second pushing run would
+  train on the first one's policy under its own version labels. The claim passes on once
+  its owner has no consumer connected (its trainer finished or died) or is deleted.
+- With partitions (``weights.partitions``) each full-weight run pushes to its own servers,
+  and its requests are routed to them alone.
+- Adapter runs push adapters (``weights.adapters``) to every server, never weights;
+  evaluation runs never push.
+
+Server recovery and pool membership read the same routes, so a restarted or joining server
+is brought to the policy of whoever may push to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import cast
+
+from rollout_service.engine.pool import EnginePool
+from rollout_service.engine.protocol import Engine
+from rollout_service.errors import FailedPrecondition
+from rollout_service.runs import Run
+from rollout_service.weights.adapters import AdapterPublisher, AdapterRouting
+from rollout_service.weights.partitions import PartitionRouting, PoolPartitions
+from rollout_service.weights.weight_sync import WeightSyncCoordinator, not_in_progress
+
+
+class PushRoutes:
+    def __init__(
+        self,
+        runs: Mapping[str, Run],
+        get_run: Callable[[str], Run],
+        remember_owner: Callable[[str], None] = lambda run_id: None,
+    ) -> None:
+        """``runs``: the live runs, by id; ``get_run``: a run by id, or NotFound;
+        ``remember_owner``: keeps the base-weights claim across restarts (the state store)."""
+        self._runs = runs
+        self._get_run = get_run
+        self._remember_owner = remember_owner
+        self.weight_sync: WeightSyncCoordinator | None = None
+        """The pool's one weight sync, without partitions; None: the service does not sync weights."""
+        self.partitions: PoolPartitions | None = None
+        """With ``weight_sync.partitions``: a weight sync per full-weight run, over its own servers."""
+        self.adapters: AdapterPublisher | None = None
+        """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
+        self.base_weights_run: str | None = None
+        """The run whose trainer pushes the pool's base weights (``_claim``)."""
+
+    def require(self) -> WeightSyncCoordinator:
+        if self.weight_sync is None:
+            raise FailedPrecondition("this service was started without weight sync")
+        return self.weight_sync
+
+    def for_push(self, run_id: str) -> WeightSyncCoordinator:
+        """The weight sync ``run_id`` pushes through, once it is checked that it may push."""
+        run = self._get_run(run_id)
+        if run.state != "running":
+            raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
+        if run.spec.eval is not None:
+            raise FailedPrecondition(
+                f"run {run_id} is an evaluation run, which never trains; push weights for your training run"
+            )
+        if run.spec.serve_adapter:
+            raise FailedPrecondition(
+                f"run {run_id} serves its own LoRA adapter (serve_adapter); push the adapter with PushAdapter, "
+                "not base weights, which every run shares"
+            )
+        if self.partitions is not None:
+            return self.partitions.coordinator(run_id)
+        self._claim(run_id)
+        return self.require()
+
+    async def ready_for_push(self, run_id: str) -> WeightSyncCoordinator:
+        """``for_push``; with partitions, once the run has servers (a rebalance may be bringing them)."""
+        sync = self.for_push(run_id)
+        if self.partitions is not None:
+            await self.partitions.await_servers(run_id, sync.settings.transfer_timeout_s)
+        return sync
+
+    def of_update(self, update_id: str) -> WeightSyncCoordinator:
+        """The weight sync an update was begun on (with partitions, its run's)."""
+        if self.partitions is None:
+            return self.require()
+        sync = self.partitions.coordinator_of_update(update_id)
+        if sync is None:
+            raise not_in_progress(update_id)
+        return sync
+
+    def base_weights_owner(self) -> Run | None:
+        """The live run whose trainer pushes the servers' base weights, if any."""
+        return self._runs.get(self.base_weights_run or "")
+
+    def _claim(self, run_id: str) -> None:
+        owner = self.base_weights_owner()
+        if owner is not None and owner.run_id != run_id and owner.broker.leases:
+            raise FailedPrecondition(
+                f"run {owner.run_id} pushes the base weights of these servers and its trainer is connected; a "
+                f"second full-weight run would sample run {owner.run_id}'s policy. Train a LoRA adapter instead "
+                f"(a serve_adapter run), add this trainer to run {owner.run_id} (rollout-trainer --run-id "
+                f"{owner.run_id} --no-push), use another server pool, or delete run {owner.run_id} first"
+            )
+        if self.base_weights_run != run_id:
+            self._remember_owner(run_id)
+        self.base_weights_run = run_id
+
+    def use_partitions(self, partitions: PoolPartitions) -> None:
+        """Each full-weight run, those restored from the state store included, gets its own
+        servers and weight sync."""
+        self.partitions = partitions
+        for run in self._runs.values():
+            self.run_started(run)
+
+    def run_started(self, run: Run) -> None:
+        if self.partitions is not None and _partitioned(run):
+            self.partitions.add_run(run.run_id, run.spec.weight, run.admission.versions)
+
+    async def run_deleted(self, run_id: str) -> None:
+        if self.adapters is not None:
+            await self.adapters.forget(run_id)
+        if self.partitions is not None:
+            self.partitions.remove_run(run_id)
+
+    def engine_for(self, run: Run, engine: Engine) -> Engine:
+        """A serve_adapter run names its adapter in every request; with partitions, a
+        full-weight run's requests go to its own servers only."""
+        if run.spec.serve_adapter:
+            return AdapterRouting(engine, lambda: run.adapter)
+        if (partitions := self.partitions) is not None:
+            return PartitionRouting(cast(EnginePool, engine), run.run_id, lambda: partitions.servers_for(run.run_id))
+        return engine
+
+
+def _partitioned(run: Run) -> bool:
+    """Runs that get servers of their own under partitions: the full-weight ones that train.
+    Adapter runs share every server; evaluation runs are refused there."""
+    return not run.spec.serve_adapter and run.spec.eval is None
