@@ -1,5 +1,4 @@
-"""Errors as values inside the service, plain Python: the core knows nothing of gRPC.
-``edge/servicer.py`` maps each kind to its gRPC status code in one place (``status_code``)."""
+"""The service's errors, plain Python: the core knows nothing of gRPC (``edge.servicer`` maps them)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ def echo(value: object) -> str:
 
 
 class ServiceError(Exception):
-    """An error a client caused or can act on; its message says what to change. The kind
-    (subclass) says which: the gRPC edge answers INTERNAL for a bare ServiceError."""
+    """An error a client caused or can act on; its message says what to change."""
 
 
 class InvalidArgument(ServiceError):
@@ -55,13 +53,11 @@ class EngineError(Exception):
 
 
 class RequestRejected(EngineError):
-    """vLLM refused the request itself (HTTP 4xx): retrying cannot help, and the server is
-    not at fault, so it stays routable and healthy."""
+    """vLLM refused the request itself (HTTP 4xx): no retry, and the server stays healthy."""
 
 
 class EnvironmentFailure(Exception):
-    """An environment's reset or step raised or timed out: its group is dropped (reason
-    ``environment``) and the run goes on."""
+    """An environment's reset or step raised or timed out: its group is dropped."""
 
 
 class RewardError(Exception):
@@ -69,5 +65,4 @@ class RewardError(Exception):
 
 
 class StartupError(RuntimeError):
-    """The service cannot start (no vLLM server, a managed server that did not come up);
-    the message says what to change. The CLI prints it without a traceback."""
+    """The service cannot start; the message says what to change (the CLI prints no traceback)."""

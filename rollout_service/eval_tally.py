@@ -1,5 +1,4 @@
-"""What an evaluation run is asked for and has scored: plain records a run carries
-(``runs.Run.eval``); ``evaluation`` drives the runs themselves."""
+"""What an evaluation run is asked for and has scored (``runs.Run.eval``)."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ class EvalTally:
     reward_sum: float = 0.0
     component_sums: dict[str, float] = field(default_factory=dict)
     component_counts: dict[str, int] = field(default_factory=dict)
-    """Per reward function: samples it scored (None rewards are skipped, as TRL's nanmean)."""
+    """Per reward function: samples it scored (None skipped, as TRL's nanmean)."""
     complete: bool = False
     started: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the run holds its version: the scheduler feeds it only then."""

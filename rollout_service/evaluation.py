@@ -1,20 +1,9 @@
 """Evaluation runs: every prompt of a held-out set once, all at one known policy version.
 
-Why: an asynchronous run's reward curve mixes samples of several policy versions, so it
-cannot tell a user how good version N is. An evaluation run can: it waits until the
-servers hold version N, holds that version while it generates (weight updates wait for
-it, see ``weights.version_holds``), never trains, and reports its scores per version.
-
-Lifecycle, driven by the service:
-
-- created: the version is resolved (unset: the servers' version now); one that has
-  already been replaced is FAILED_PRECONDITION;
-- waiting: until the servers hold the version and no pausing update is under way;
-- generating: the run holds the version, and the scheduler feeds each prompt once;
-- completed: every group scored or dropped; the hold is released and the run's stream
-  ends once its groups are delivered;
-- failed: the version was replaced before it could start, or a weight update waited
-  ``weight_sync.eval_hold_timeout_s`` for it; what it scored is kept.
+An asynchronous run's rewards mix versions; an evaluation run waits until the servers hold
+version N, holds it while it generates (weight updates wait, ``weights.version_holds``),
+never trains, and reports its scores. It fails if the version is replaced before it starts,
+or if a weight update waits ``weight_sync.eval_hold_timeout_s`` for it (its scores are kept).
 """
 
 from __future__ import annotations
@@ -37,13 +26,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEPT_RESULTS = 100
-"""Evaluation results GetStats reports, the latest ones; deleted runs' included."""
+"""The latest evaluation results GetStats reports, deleted runs' included."""
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    """One evaluation run's scores, as GetStats and GetRun report them."""
-
     run_id: str
     display_name: str
     policy_version: int
@@ -77,8 +64,7 @@ def eval_result(run: Run) -> EvalResult:
 
 
 class Evaluations:
-    """Starts evaluation runs when their version is live, holds it while they generate,
-    and keeps the latest results for GetStats and Prometheus."""
+    """Starts evaluation runs when their version is live, holds it while they generate, keeps results."""
 
     def __init__(
         self,
@@ -92,7 +78,6 @@ class Evaluations:
         self._metrics = metrics
         self._pausing_update_pending = pausing_update_pending
         self._stop_generation = stop_generation
-        """Cancels a run's generation at once (the scheduler's), for an evaluation overrun."""
         self._waiting: dict[str, Run] = {}
         self._holding: dict[str, Run] = {}
         self._reported: OrderedDict[str, Run] = OrderedDict()
@@ -115,8 +100,7 @@ class Evaluations:
         self.version_changed(current_version)
 
     def version_changed(self, current_version: int) -> None:
-        """The servers' version changed, or an update ended: start the evaluations of this
-        version, and fail those whose version has been replaced."""
+        """Start the evaluations of this version, fail those whose version was replaced."""
         for run in list(self._waiting.values()):
             assert run.eval is not None
             if run.eval.policy_version < current_version:
@@ -160,7 +144,7 @@ class Evaluations:
         )
 
     def forget(self, run: Run) -> None:
-        """The run was deleted: it holds and waits for nothing any more (its result stays)."""
+        """The run was deleted: release its hold (its result stays)."""
         self._waiting.pop(run.run_id, None)
         self._release(run)
 

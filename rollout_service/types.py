@@ -10,18 +10,12 @@ from enum import StrEnum
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "max_turns", "max_episode_tokens", "max_model_len"]
+"""Why an episode ended; ``max_turns``: the model still wanted to go on after its last allowed turn."""
 PauseModeName = Literal["keep", "abort", "wait", "none"]
-"""What a server does with its in-flight requests while its weights change (the proto's PauseMode)."""
-"""Why an episode ended. ``stop``: the model ended its turn with nothing left to do (no tool
-call, or the environment said done); ``length``: a turn hit ``sampling.max_tokens``;
-``abort``: the engine aborted a request; ``max_turns``: the model still wanted to go on
-(a tool call, an unfinished environment) after its last allowed turn; ``max_episode_tokens``
-/ ``max_model_len``: the episode's token budget or the model's context left no room for
-the next tool result or turn."""
+"""What a server does with its in-flight requests while its weights change."""
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-"""The roles a chat message may have (rollout.v1.ChatMessage, the OpenAI endpoint)."""
 
 
 class AdvantageScaling(StrEnum):
@@ -43,20 +37,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     model: str | None = None
-    """The served model to sample from when not the engine's own: a run's LoRA adapter."""
+    """A run's LoRA adapter to sample from; None: the engine's own model."""
     cache_salt: str | None = None
-    """vLLM's prefix-cache salt: requests share cached prompt blocks only under the same
-    salt. Episodes set it to the policy version they start at (``salted``), so no request
-    reuses blocks that older weights computed, also when an update did not pause vLLM
-    and its prefix-cache reset was refused."""
+    """vLLM's prefix-cache salt, the policy version (``salted``): no request reuses blocks older weights computed."""
 
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """How one episode unfolds beyond a single completion: tools, an environment, budgets.
-
-    The default (no tools, no environment, no budgets) is the single-turn episode.
-    """
+    """Tools, an environment and budgets of an episode; the default is a single turn."""
 
     tools: tuple[str, ...] = ()
     tool_parser: str = ""
@@ -72,8 +60,7 @@ class EpisodeSpec:
 
 @dataclass(frozen=True)
 class PromptItem:
-    """A prompt ready for generation: token ids plus what rewards may want to see
-    (``messages`` when the prompt was given as a conversation)."""
+    """A prompt ready for generation: token ids plus what rewards may want to see."""
 
     index: int
     token_ids: list[int]
@@ -84,8 +71,7 @@ class PromptItem:
 
 @dataclass(frozen=True)
 class Completion:
-    """One vLLM completion, ids and behaviour logprobs exactly as vLLM returned them. No text:
-    vLLM's incremental text holds back a partial UTF-8 tail; the episode decodes the ids."""
+    """One vLLM completion, ids and behaviour logprobs as returned; no text (the episode decodes the ids)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -108,23 +94,19 @@ class EpisodeResult:
     num_tool_calls: int = 0
     num_tool_failures: int = 0
     messages: tuple[dict[str, str], ...] = ()
-    """The completion as a conversation (assistant turns, tool results, observations) as the
-    chat template renders it: special tokens kept (``<tool_call>`` of tool turns)."""
+    """The completion as a conversation, special tokens kept."""
     env_reward: float | None = None
     """Sum of the environment's step rewards; None without an environment."""
     reward_text: str = ""
-    """The completion ids decoded with ``skip_special_tokens=True``: TRL's completion text."""
+    """The completion without special tokens: TRL's completion text."""
     reward_messages: tuple[dict[str, Any], ...] = ()
-    """The completion as TRL's reward functions see it: assistant messages whose content is
-    the turn's ids decoded with ``skip_special_tokens=True`` (plus ``tool_calls`` in TRL's
-    form when the tool parser read calls), then tool results and observations."""
+    """The completion as TRL's reward functions see it (without special tokens, TRL's ``tool_calls``)."""
 
 
 @dataclass(eq=False)
 class ScoredGroup:
     """G episodes of one prompt with rewards and advantages: the unit the broker hands out.
-    Compared and hashed by identity, so the edge can keep its wire encoding beside it
-    (``edge.group_wire``); nothing changes a group's content."""
+    Hashed by identity, so the edge can keep its wire encoding beside it."""
 
     group_id: str
     run_id: str
@@ -148,9 +130,7 @@ class ScoredGroup:
         return sum(sum(e.mask) for e in self.episodes)
 
     def wire_bytes_upper_bound(self) -> int:
-        """An upper bound of this group's size as a ``rollout.v1.Group`` message, without
-        building it: packed varints take at most 5 bytes (ids, mask), floats 4, and every
-        field and sample gets generous room for its tag and length."""
+        """An upper bound of this group's encoded size, without building the message."""
         prompt = 5 * len(self.prompt.token_ids) + len(self.prompt.text.encode())
         metadata = sum(len(k.encode()) + len(v.encode()) + 16 for k, v in self.prompt.metadata.items())
         components = sum(len(name.encode()) + 32 for name in self.reward_components)
@@ -183,7 +163,7 @@ class EngineState:
     url: str
     routable: bool
     held_reason: str
-    """Why it takes no requests now (joining, restarting, leaving); empty when routable."""
+    """Why it takes no requests now; empty when routable."""
     sequences_in_flight: int
     managed: bool
     partition_run_id: str = ""
@@ -195,6 +175,6 @@ class EngineRemoved:
     url: str
     drain_seconds: float
     sequences_drained: int
-    """Sequences in flight when the drain began that finished on the server."""
+    """Sequences that finished on the server during the drain."""
     sequences_moved: int
-    """Sequences still running at the drain timeout: abandoned there, started over elsewhere."""
+    """Sequences abandoned at the drain timeout, started over elsewhere."""

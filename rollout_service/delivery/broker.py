@@ -1,30 +1,11 @@
 """Holds a run's scored groups until consumers take them, and tracks what they hold.
 
-Invariant: a scored group is in exactly one place: ``buffered`` (waiting), ``leased`` to
-one consumer (sent, not acked), or gone (acked). A consumer that leaves returns its
-unacked leases to the front of the buffer, so no group is lost and none is handed to two
-consumers at once. Acks are idempotent by group id.
-
-Admission: the scheduler starts a group only when the run's ``RunAdmission`` (versions and
-staleness, ``delivery/admission.py``) allows one more pending group and the buffer has room;
-this broker counts the pending groups and wakes reservations when either answer may change.
-
-Lease timeout: a consumer that stays connected but stops acking (a hung trainer) would hold
-its groups for ever. With ``lease_timeout_s`` set, a lease older than that returns to the
-front of the buffer for another consumer, and the late ack of the first holder is refused
-with a message that says so; that consumer must not count the group as trained. The
-consumer it expired on does not get it back while its stream lasts (both copies would be
-trained and acked as one): another consumer takes it, or the same id after it reconnects.
-Expiry is checked whenever a consumer waits for a group, so an expired group is handed out
-as soon as anyone can take it.
-
-Backpressure: the scheduler reserves a place (``reserve``) before it starts a group and
-fills it with ``put`` or gives it back with ``unreserve`` (a dropped group); at most
-``max_buffered`` groups are ever reserved or buffered, so a run without consumers stops
-generating once that many groups wait, and memory stays bounded.
-
-A reservation that waits (full buffer, staleness bound, first update) is timed by the
-run's admission (``admission_wait_seconds``).
+Invariant: a group is in exactly one place: ``buffered``, ``leased`` to one consumer, or
+gone (acked); a consumer that leaves returns its leases to the front of the buffer. Acks are
+idempotent by group id. With ``lease_timeout_s``, an expired lease returns to the buffer,
+the first holder's late ack is refused, and that holder does not get it back while its
+stream lasts (both copies would be trained). The scheduler ``reserve``s a place before it
+starts a group, so at most ``max_buffered`` groups are ever reserved or buffered.
 """
 
 from __future__ import annotations
@@ -63,7 +44,6 @@ class RunBroker:
     ) -> None:
         self.run_id = run_id
         self.store: StateStore = store if store is not None else MemoryStore()
-        """Where scored groups and acks are made durable (``state_store``)."""
         self.max_buffered = max_buffered
         self.metrics = metrics
         self.lease_timeout_s = lease_timeout_s
@@ -75,13 +55,11 @@ class RunBroker:
         self.expired_from: OrderedDict[str, str] = OrderedDict()
         """group id -> the consumer whose lease on it expired, to explain a late ack."""
         self.expired_holder: dict[str, str] = {}
-        """Buffered group id -> the consumer its lease expired on, which may not take it back
-        while its stream lasts (it may still train its first copy)."""
+        """Buffered group id -> the consumer its lease expired on, which may not take it back."""
         self.leases_expired = 0
         self.groups_returned = 0
-        """Leased groups put back for another consumer (the consumer left, or its lease expired)."""
+        """Leased groups put back (the consumer left, or its lease expired)."""
         self.admission = admission if admission is not None else RunAdmission(run_id, metrics, free_clock=clock)
-        """The run's versions and staleness bound; a version that moves may admit waiters."""
         self.admission.on_change(self._wake_soon)
         self._wakeups: set[asyncio.Task[None]] = set()
         self._reservers_waiting = 0
@@ -89,25 +67,20 @@ class RunBroker:
         self.acked: OrderedDict[str, str] = OrderedDict()
         self.ack_counts = {ACK_TRAINED: 0, ACK_DROPPED_STALE: 0}
         self.restored: set[str] = set()
-        """Ids of groups restored from the store and not yet acked: their consumer before the
-        restart may ack them without holding a lease now (``ack``)."""
+        """Restored, unacked group ids: their pre-restart consumer may ack them without a lease."""
         self.deliveries: dict[str, int] = {}
-        """Times each group not yet acked has been leased (1: once); a redelivery says so."""
+        """Times each unacked group has been leased; a redelivery says so."""
         self.buffered_at: dict[str, float] = {}
-        """group id -> when ``put`` buffered it: how long it waited for a consumer tells paced
-        admission how much earlier than needed it started."""
+        """group id -> when ``put`` buffered it (paced admission's slack)."""
         self.reserved = 0
         self.closed = False
         self.draining = False
-        """Set at shutdown (``drain``): no group is started or handed out any more."""
+        """Set at shutdown: no group is started or handed out any more."""
         self.closed_event = asyncio.Event()
-        """Set by ``close``: wakes a consumer stream that has no credits to take with."""
         self.finished = False
-        """Set by ``finish``: no group will be added (an evaluation run's set is done)."""
         self.finished_event = asyncio.Event()
         self._changed = asyncio.Condition()
 
-    # -- producer side -------------------------------------------------------------------
     def has_room(self) -> bool:
         return self._buffer_has_room() and self.admission.allows(self.pending)
 
@@ -116,7 +89,6 @@ class RunBroker:
 
     @property
     def pending(self) -> int:
-        """Groups started and not yet consumed: reserved + buffered + leased."""
         return self.reserved + len(self.buffered) + self.num_leased
 
     async def reserve(self) -> bool:
@@ -149,15 +121,13 @@ class RunBroker:
         task.add_done_callback(self._wakeups.discard)
 
     def finish(self) -> None:
-        """No group will be added: once the buffered and leased ones are acked, consumers'
-        streams end (``exhausted``) instead of waiting for more."""
+        """No group will be added: streams end once the rest are acked (``exhausted``)."""
         self.finished = True
         self.finished_event.set()
         self._wake_soon()
 
     @property
     def exhausted(self) -> bool:
-        """Finished, and every group delivered and acked."""
         return self.finished and not self.buffered and not self.num_leased
 
     async def unreserve(self) -> None:
@@ -166,8 +136,7 @@ class RunBroker:
             self._changed.notify_all()
 
     async def put(self, group: ScoredGroup) -> None:
-        """Buffer a scored group once it is durable: a group a consumer took is never one a
-        restarted service would forget. A store that fails is logged; the group stays in memory."""
+        """Buffer a group once it is durable, so a restart never forgets a group a consumer took."""
         try:
             await self.store.put_group(group)
         except Exception:
@@ -180,7 +149,6 @@ class RunBroker:
             self._update_gauges()
             self._changed.notify_all()
 
-    # -- consumer side -------------------------------------------------------------------
     def subscribe(self, consumer_id: str, credits: int = 0) -> None:
         if self.closed:
             raise FailedPrecondition(f"run {self.run_id} is stopped; create a new run")
@@ -193,10 +161,7 @@ class RunBroker:
         self.admission.consumer_joined(consumer_id, credits)
 
     async def take(self, consumer_id: str) -> ScoredGroup | None:
-        """Wait for a group and lease it to the consumer; None once the run is closed.
-
-        Cancellation-safe: the group is leased only on return, with no await in between.
-        """
+        """Wait for a group and lease it; None once closed. Cancellation-safe: no await after the lease."""
         async with self._changed:
             lookahead, starving = self.admission.lookahead, False
             try:
@@ -237,8 +202,7 @@ class RunBroker:
             return group
 
     def _first_for(self, consumer_id: str) -> int | None:
-        """Index of the oldest buffered group this consumer may take: any but those whose
-        lease expired on it (it may still hold and train its first copy)."""
+        """Index of the oldest buffered group this consumer may take (not one that expired on it)."""
         for index, group in enumerate(self.buffered):
             if self.expired_holder.get(group.group_id) != consumer_id:
                 return index
@@ -273,8 +237,7 @@ class RunBroker:
             self._update_gauges()
 
     def ack(self, consumer_id: str, group_ids: list[str], status: str, trained_at: int | None = None) -> int:
-        """Remove acked groups; returns how many were newly acked. Repeats are no-ops.
-        ``trained_at``: the trainer version they were trained at (None: the current T)."""
+        """Remove acked groups; returns how many were newly acked (repeats are no-ops)."""
         leased = self.leases.get(consumer_id, {})
         newly = 0
         for group_id in group_ids:
@@ -328,8 +291,7 @@ class RunBroker:
         return len(leased)
 
     def restore(self, groups: list[ScoredGroup], acked: dict[str, str]) -> None:
-        """A restarted service's stored state: the unacked groups (their leases returned, as
-        if their consumers had left) and the memory of acked ids."""
+        """A restarted service's unacked groups (buffered, as if their consumers had left) and acked ids."""
         self.buffered.extend(groups)
         self.restored.update(group.group_id for group in groups)
         for group_id, status in acked.items():
@@ -337,9 +299,7 @@ class RunBroker:
         self._update_gauges()
 
     def _take_restored(self, group_id: str) -> bool:
-        """A buffered group restored from the store, acked by the consumer that held it before
-        the restart (its trainer trained it and reconnected): out of the buffer, so that it is
-        not handed out again. False if it is no longer buffered, or was not restored."""
+        """Take a restored group acked by its pre-restart consumer out of the buffer; False if not there."""
         if group_id not in self.restored:
             return False
         for index, group in enumerate(self.buffered):
@@ -350,8 +310,7 @@ class RunBroker:
         return False
 
     def discard_all(self) -> int:
-        """After ``close`` (the run was deleted): drop every group and the memories of acks,
-        expiries and versions; returns how many groups were buffered or leased."""
+        """After ``close`` of a deleted run: drop everything; returns how many groups were held."""
         freed = len(self.buffered) + self.num_leased
         self.buffered.clear()
         self.buffered_at.clear()
@@ -365,8 +324,7 @@ class RunBroker:
         return freed
 
     async def drain(self) -> None:
-        """Shutting down: start no group and hand out none, so the groups leased now can only
-        be acked or returned (``wait_leases_settled``)."""
+        """Shutting down: start and hand out no group, so leases can only settle."""
         async with self._changed:
             self.draining = True
             self._changed.notify_all()

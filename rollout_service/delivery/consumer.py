@@ -1,10 +1,8 @@
-"""One consumer's stream of a run, with no gRPC in it: credits and acks in, groups and
-requests for weights out. ``edge/servicer.py`` converts the wire messages to and from these types.
+"""One consumer's stream of a run, without gRPC: credits and acks in, groups, weight requests
+and stalls out.
 
 Invariant: a group is taken from the broker only while credits are positive, and a taken
-group is either sent or (if the stream ends first) released back by ``broker.release``.
-Requests for the run's weights (``WeightsWanted``) and the run's stalls (``RunStall``) use
-no credit; each stream passes each one on once.
+group is either sent or released back by ``broker.release``.
 """
 
 from __future__ import annotations
@@ -21,21 +19,17 @@ if TYPE_CHECKING:
     from rollout_service.service import RolloutService
 
 MAX_CREDITS = 4096
-"""Groups one stream may hold unacked: a bound on what a stream can take from other
-consumers of its run, far above what a trainer step asks for."""
+"""Groups one stream may hold unacked, far above what a trainer step asks for."""
 
 
 @dataclass(frozen=True)
 class Credit:
-    """Permission to send ``groups`` more groups."""
-
     groups: int
 
 
 @dataclass(frozen=True)
 class Ack:
-    """``status``: ``broker.ACK_TRAINED`` or ``ACK_DROPPED_STALE``; ``policy_version``: the
-    consumer's version when it trained them (None: the service's current trainer version)."""
+    """``status``: a ``broker.ACK_*``; ``policy_version``: the version trained at (None: the current one)."""
 
     group_ids: list[str]
     status: str
@@ -44,16 +38,13 @@ class Ack:
 
 @dataclass(frozen=True)
 class WeightsWanted:
-    """The service needs the run's current weights pushed now (a restarted server waits)."""
-
     policy_version: int
     reason: str
 
 
 @dataclass(frozen=True)
 class Delivery:
-    """A group handed to this consumer, and how many times it has been handed out (1: the
-    first; more after an earlier holder left without acking it or its lease expired)."""
+    """A group handed to this consumer, and how many times it has been handed out (1: the first)."""
 
     group: ScoredGroup
     attempt: int
@@ -64,8 +55,7 @@ ConsumerMessage = Delivery | WeightsWanted | RunStall
 
 
 class ConsumerSession:
-    """One stream: ``read`` consumes the client's requests (run it as its own task) while
-    the caller sends what ``next_message`` returns."""
+    """One stream: ``read`` (its own task) consumes requests while the caller sends ``next_message``."""
 
     def __init__(self, service: RolloutService, run_id: str, consumer_id: str, credits: int) -> None:
         self.service = service
@@ -80,7 +70,6 @@ class ConsumerSession:
         self.stalls_sent = 0
 
     def check_limits(self) -> None:
-        """Before subscribing: the run's consumer count and this stream's credits are bounded."""
         limits = self.service.settings
         if len(self.broker.leases) >= limits.max_consumers_per_run and self.consumer_id not in self.broker.leases:
             raise ResourceExhausted(
@@ -94,8 +83,7 @@ class ConsumerSession:
             raise InvalidArgument(f"a stream may hold at most {MAX_CREDITS} credits; this one would hold {credits}")
 
     async def read(self, requests: AsyncIterator[ConsumerRequest]) -> None:
-        """Apply the client's requests until it stops sending; an invalid one ends the stream
-        with its error (``next_message`` raises it)."""
+        """Apply requests until the client stops; an invalid one ends the stream (``next_message`` raises it)."""
         try:
             async for request in requests:
                 self._handle(request)
@@ -119,8 +107,7 @@ class ConsumerSession:
         self._changed.set()
 
     async def next_message(self) -> ConsumerMessage | None:
-        """The next message to send (a group, or a request for weights), or None when the
-        stream should end."""
+        """The next message to send, or None when the stream should end."""
         while True:
             if self.error is not None:
                 raise self.error
@@ -154,8 +141,7 @@ class ConsumerSession:
             try:
                 await asyncio.wait({take, changed}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                # Also when this stream is cancelled: no take may outlive it. A group it
-                # already leased stays leased and the stream's release returns it.
+                # Also on cancellation: no take may outlive the stream (its release returns a leased group).
                 changed.cancel()
                 if not take.done():
                     take.cancel()
@@ -172,7 +158,7 @@ class ConsumerSession:
             return Delivery(group, self.broker.deliveries[group.group_id])
 
     def _stall(self) -> RunStall | None:
-        """The run's stall, once per stall (also to a stream that subscribes during one)."""
+        """The run's stall, once per stall."""
         run = self.run
         if run.stall is None or self.stalls_sent == run.stalls:
             return None
@@ -180,7 +166,7 @@ class ConsumerSession:
         return run.stall
 
     def _weights_wanted(self) -> WeightsWanted | None:
-        """A request for weights this stream has not passed on yet (one per request)."""
+        """A request for weights this stream has not passed on yet."""
         admission = self.broker.admission
         if not admission.weights_wanted or self.weights_requests_sent == admission.weights_requests:
             return None

@@ -1,24 +1,10 @@
-"""Durable service state: runs, their scored groups not yet acked, and the acked ids, in an
-embedded SQLite database (WAL), so that a restarted service loses nothing.
+"""Durable service state: runs, their unacked scored groups and the acked ids, in SQLite (WAL),
+so that a restarted service loses nothing.
 
-Why here: groups are the expensive part of a run (minutes of vLLM time each, at scale), and
-they live in the broker until a trainer acks them. A service that restarts (a crash, a
-deploy) used to drop them all, and the trainers had to start over.
-
-What is written, and when (batched on the event loop: a transaction per flush, so the
-stream is not slowed by a commit per group; ``SqliteStore`` says why not a thread):
-
-- a run when it is created (its spec and owner) and its state and versions as they change;
-- a scored group before a consumer can take it: ``put_group`` returns once the group is
-  on disk, so a group handed out is never one a restart would forget. It is stored as its
-  wire message (``GroupCodec``, ``edge.group_wire``), the encoding its delivery reuses, so
-  durability costs the stream an insert, not a second serialisation;
-- an ack as it arrives (a kill within the flush interval may forget the last acks; those
-  groups come back once, and trainers skip a group id they trained: ``GroupFeed``);
-- a run's rows go when it is deleted.
-
-Leases are not stored: after a restart every unacked group is buffered again, as if its
-consumer had left. ``MemoryStore`` keeps today's behaviour (nothing survives a restart).
+Writes are batched on the event loop, a transaction per flush. ``put_group`` returns once the
+group is on disk, so a group handed out is never one a restart forgets; it is stored as its
+wire message (``GroupCodec``), the encoding delivery reuses. Leases are not stored: after a
+restart every unacked group is buffered again, as if its consumer had left.
 """
 
 from __future__ import annotations
@@ -39,21 +25,19 @@ from rollout_service.types import PromptItem, ScoredGroup
 logger = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 0.001
-"""How long writes gather into one transaction (after the first one is queued)."""
+"""How long writes gather into one transaction."""
 
 CHECKPOINT_INTERVAL_S = 1.0
 """How often the maintenance thread deletes acked groups and checkpoints the WAL."""
 
 ACKED_KEPT = 100_000
-"""Acked ids kept, newest first: as many as a run's broker remembers (``broker._ACK_MEMORY``)."""
+"""Acked ids kept, as many as a run's broker remembers (``broker._ACK_MEMORY``)."""
 
 DELETE_CHUNK = 512
-"""Acked groups deleted per transaction of the maintenance thread: each holds the write lock
-for a few milliseconds, which is as long as a flush on the loop may have to wait."""
+"""Acked groups deleted per maintenance transaction: bounds how long a flush waits for the write lock."""
 
-# The tables on the stream's path (groups, acked) are append-only B-trees with no index beside
-# their rowid: an index on group ids cost the loop a third of the store's time per group.
-# Acked rows carry the group's ``seq``, by which the maintenance thread deletes its row.
+# groups and acked have no index beside their rowid (cheap appends on the loop); acked rows carry
+# the group's ``seq``, by which the maintenance thread deletes its row.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, created REAL, owner TEXT, spec BLOB, state BLOB);
 CREATE TABLE IF NOT EXISTS groups (seq INTEGER PRIMARY KEY, group_id TEXT, run_id TEXT, body BLOB);
@@ -70,48 +54,32 @@ class StoredRun:
     run_id: str
     owner: str
     spec: Any
-    """The ``RunSpec`` it was created with."""
     state: dict[str, Any]
-    """State that changes: versions and admission's estimate (``Run.stored_state``)."""
+    """``Run.stored_state``: versions and admission's estimate."""
     groups: list[ScoredGroup] = field(default_factory=list)
     """Scored and not acked, oldest first."""
     acked: dict[str, str] = field(default_factory=dict)
     prompts: list[PromptItem] = field(default_factory=list)
-    """Submitted prompts not yet made into a stored group (queued, or in flight at the stop),
-    in order."""
+    """Submitted prompts not yet made into a stored group, in order."""
     prompts_submitted: int = 0
-    """Prompts ever submitted to the run: the next one's index."""
+    """The next submitted prompt's index."""
 
 
 class GroupCodec(Protocol):
-    """How a scored group becomes the bytes the store keeps, and back."""
-
     def encode(self, group: ScoredGroup) -> bytes: ...
-
     def decode(self, body: bytes) -> ScoredGroup: ...
 
 
 class StateStore(Protocol):
-    """What the service writes as it goes and reads back at start-up."""
-
     def load(self) -> tuple[list[StoredRun], dict[str, Any]]: ...
-
     def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None: ...
-
     def save_run_state(self, run_id: str, state: dict[str, Any]) -> None: ...
-
     def delete_run(self, run_id: str) -> None: ...
-
     async def put_group(self, group: ScoredGroup) -> None: ...
-
     async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None: ...
-
     def prompt_done(self, run_id: str, prompt_index: int) -> None: ...
-
     def ack(self, run_id: str, group_ids: list[str], status: str) -> None: ...
-
     def set_meta(self, key: str, value: Any) -> None: ...
-
     def close(self) -> None: ...
 
 
@@ -121,32 +89,15 @@ class MemoryStore:
     def load(self) -> tuple[list[StoredRun], dict[str, Any]]:
         return [], {}
 
-    def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None:
-        pass
-
-    def save_run_state(self, run_id: str, state: dict[str, Any]) -> None:
-        pass
-
-    def delete_run(self, run_id: str) -> None:
-        pass
-
-    async def put_group(self, group: ScoredGroup) -> None:
-        pass
-
-    async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None:
-        pass
-
-    def prompt_done(self, run_id: str, prompt_index: int) -> None:
-        pass
-
-    def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
-        pass
-
-    def set_meta(self, key: str, value: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None: ...
+    def save_run_state(self, run_id: str, state: dict[str, Any]) -> None: ...
+    def delete_run(self, run_id: str) -> None: ...
+    async def put_group(self, group: ScoredGroup) -> None: ...
+    async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None: ...
+    def prompt_done(self, run_id: str, prompt_index: int) -> None: ...
+    def ack(self, run_id: str, group_ids: list[str], status: str) -> None: ...
+    def set_meta(self, key: str, value: Any) -> None: ...
+    def close(self) -> None: ...
 
 
 _Write = tuple[str, tuple[Any, ...]]
@@ -154,19 +105,11 @@ _Write = tuple[str, tuple[Any, ...]]
 
 
 class SqliteStore:
-    """The state in one SQLite file (WAL), written on the event loop in batched
-    transactions, checkpointed by a thread.
+    """The state in one SQLite file, written on the event loop in batched transactions.
 
-    Why writes run on the loop, not on a writer thread: a writer thread made the stream
-    clearly slower than the memory store (``benchmarks/bench_state_store.py``). Each time it
-    needed the GIL back (after its sleep, after each statement) it waited up to the
-    interpreter's switch interval while the loop encoded groups, so the puts waiting for its
-    commit stalled. On the loop, a batch commit is short (a WAL append, no fsync with
-    ``synchronous=NORMAL``). The slow parts run on a maintenance thread with
-    its own connection, each one statement in C with the GIL released: deleting the rows
-    of acked groups (so the file holds what a restart needs, not every group ever made),
-    trimming the acked ids to the last ``ACKED_KEPT``, and the checkpoint that copies the
-    WAL into the database and fsyncs."""
+    Writes stay on the loop because a writer thread stalls on the GIL switch interval while
+    the loop encodes groups; the slow parts (deleting acked groups, trimming acked ids,
+    checkpoints) run on a maintenance thread with its own connection."""
 
     def __init__(
         self,
@@ -188,20 +131,19 @@ class SqliteStore:
         self._closed = False
         self._seq = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM groups").fetchone()[0])
         self._seq_of: dict[str, dict[str, int]] = {}
-        """Per run, the row of each stored group not yet acked (put, or loaded at start-up)."""
+        """Per run, the row of each stored group not yet acked."""
         self.flushes = 0
         self.writes = 0
         self.checkpoints = 0
         self.deleted_groups = 0
         self._prompt_runs: set[str] = set()
-        """Runs with submitted prompts stored: only their groups and drops delete a prompt row."""
+        """Runs with stored submitted prompts: only theirs delete a prompt row."""
         self._stop = threading.Event()
         self._maintainer = threading.Thread(
             target=self._maintain, args=(checkpoint_interval_s,), name="state-store-maintenance", daemon=True
         )
         self._maintainer.start()
 
-    # -- reading (at start-up, before anything is written) ----------------------------------
     def load(self) -> tuple[list[StoredRun], dict[str, Any]]:
         db = self._db
         db.execute("DELETE FROM groups WHERE group_id IN (SELECT group_id FROM acked)")
@@ -225,7 +167,6 @@ class SqliteStore:
             run.prompts_submitted = meta.pop(_submitted_key(run.run_id), 0)
         return list(runs.values()), meta
 
-    # -- writing -------------------------------------------------------------------------
     def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None:
         self._enqueue(
             "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?)",
@@ -243,9 +184,7 @@ class SqliteStore:
         self._seq_of.pop(run_id, None)
 
     async def put_group(self, group: ScoredGroup) -> None:
-        """Returns once the group is committed: only then may a consumer take it. Its
-        prompt's row (a submitted prompt's) goes in the same transaction, so after a kill a
-        prompt is either a stored group or queued again, never both or neither."""
+        """Returns once committed, with its prompt's row deleted in the same transaction."""
         self._seq += 1
         done = self._committed()
         self.prompt_done(group.run_id, group.prompt.index)
@@ -255,10 +194,8 @@ class SqliteStore:
         await done
 
     async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None:
-        """Submitted prompts, and the run's count of them; returns once committed, so a
-        client told its prompts were queued is never told so by a service that forgets
-        them. The writes are queued before the first await: a group made from one of them
-        later deletes its row after it is written."""
+        """Submitted prompts and the run's count of them; returns once committed. The writes are
+        queued before the first await, so a later group's delete of its row comes after them."""
         done = self._committed()
         self._prompt_runs.add(run_id)
         for prompt in prompts:
@@ -270,14 +207,12 @@ class SqliteStore:
         await done
 
     def prompt_done(self, run_id: str, prompt_index: int) -> None:
-        """The prompt left the run without a group (dropped): it is not queued again after a restart."""
+        """The prompt left the run without a group: it is not queued again after a restart."""
         if run_id in self._prompt_runs:
             self._enqueue("DELETE FROM prompts WHERE run_id = ? AND prompt_index = ?", (run_id, prompt_index))
 
     def ack(self, run_id: str, group_ids: list[str], status: str) -> None:
-        """One small row per ack; the acked group's own 4 KB row is deleted by the
-        maintenance thread, off the loop (deleting it in the flush made the store's cost per
-        group much higher: ``benchmarks/bench_state_store.py``)."""
+        """One small row per ack; the maintenance thread deletes the group's row, off the loop."""
         for group_id in group_ids:
             seq = self._seq_of.get(run_id, {}).pop(group_id, None)  # None: acked before (a repeat)
             self._enqueue("INSERT INTO acked VALUES (?, ?, ?, ?)", (run_id, group_id, status, seq))
@@ -297,14 +232,13 @@ class SqliteStore:
         self._db.close()
 
     def _committed(self) -> asyncio.Future[None]:
-        """Done when the next flush commits (or fails with its error)."""
+        """Done when the next flush commits (or fails)."""
         done = asyncio.get_running_loop().create_future()
         self._waiters.append(done)
         return done
 
     def _enqueue(self, sql: str, args: tuple[Any, ...]) -> None:
-        """Queue a write for the next flush, ``flush_interval_s`` after the first queued one
-        (at once when no event loop runs: start-up, shutdown, scripts)."""
+        """Queue a write for the next flush (at once when no event loop runs)."""
         if self._closed:
             raise RuntimeError("the state store is closed")
         self._pending.append((sql, args))
@@ -318,8 +252,7 @@ class SqliteStore:
         self._timer = loop.call_later(self.flush_interval_s, self.flush)
 
     def flush(self) -> None:
-        """One transaction for everything queued; consecutive writes of one statement go in
-        one ``executemany``. Then the puts awaiting it (``_committed``) return, or raise."""
+        """One transaction for everything queued, then wake the puts awaiting it."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -348,8 +281,7 @@ class SqliteStore:
                     done.set_exception(error)
 
     def _maintain(self, interval_s: float) -> None:
-        """Now and then: delete acked groups' rows, trim the acked ids, checkpoint the WAL
-        (PASSIVE: it never blocks the loop's writes)."""
+        """Delete acked groups' rows, trim the acked ids, checkpoint the WAL (PASSIVE: never blocks the loop)."""
         db = _connect(self.path)
         acks_done = 0  # acked rows (by rowid) whose groups are deleted
         try:
@@ -367,8 +299,7 @@ class SqliteStore:
 
 
 def _delete_acked_groups(db: sqlite3.Connection, after: int) -> tuple[int, int]:
-    """Rows of the groups acked since acked row ``after``, ``DELETE_CHUNK`` acks per
-    transaction; returns how many were deleted and the newest acked row now done."""
+    """Delete the groups acked since acked row ``after``; returns how many, and the newest row done."""
     newest = db.execute("SELECT COALESCE(MAX(rowid), 0) FROM acked").fetchone()[0]
     deleted = 0
     while after < newest:

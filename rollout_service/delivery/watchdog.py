@@ -1,21 +1,10 @@
 """Liveness of each run: a run that stopped making progress is reported, not left silent.
 
-A trainer waiting on an empty stream cannot tell a slow pool from a dead one, and used to
-wait for hours. Every ``interval`` the watchdog looks at each running run's counters:
-
-- **generation** stalls when no group was scored for ``stall_timeout_s`` while nothing waited
-  for its consumers (none buffered or leased): every server fails, every group fails, or
-  admission holds the run back (e.g. it waits for a first weight update that never comes);
-- **consumers** stall when groups wait or are leased and none was acked for
-  ``stall_timeout_s``.
-
-A stall is set on the run (``GetRun``'s ``stall``), exported (``rollout_run_stalled{run,kind}``),
-logged once as a warning, reflected in gRPC health under ``rollout.v1.RolloutService/runs``
-(NOT_SERVING while any run is stalled), and sent once to every consumer stream of the run,
-where a trainer stops with the reason. It clears, with a log line, as soon as the run progresses again.
-
-Progress is read from counters the run keeps anyway (groups scored, groups acked), so no
-hot path carries a hook for this; the resolution is one ``interval``.
+A **generation** stall: no group scored for ``stall_timeout_s`` while none was buffered or
+leased; a **consumers** stall: groups wait or are leased and none was acked for that long.
+A stall is set on the run, exported, logged, reflected in gRPC health and sent to the run's
+consumer streams; it clears as soon as the run progresses. Progress is read from counters
+the run keeps anyway, so no hot path carries a hook.
 """
 
 from __future__ import annotations
@@ -44,8 +33,7 @@ class _Progress:
     pending: bool = False
     """Groups were buffered or leased at the last look."""
     pending_changed_at: float = 0.0
-    """When ``pending`` last flipped: a side's idle time starts no earlier than its turn did
-    (a buffer that just filled after a long generation stall is not a consumer stall yet)."""
+    """When ``pending`` last flipped: a side's idle time starts no earlier than its turn."""
 
 
 class RunWatchdog:
@@ -54,8 +42,7 @@ class RunWatchdog:
         self.metrics = metrics
         self.clock = clock
         self.on_stalled: Callable[[bool], None] = lambda any_stalled: None
-        """Told when the service goes from no stalled run to some, and back (gRPC health's
-        ``RUNS_HEALTH_NAME`` follows it)."""
+        """Told when the service goes from no stalled run to some, and back (gRPC health)."""
         self.any_stalled = False
         self._progress: dict[str, _Progress] = {}
 

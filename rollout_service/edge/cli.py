@@ -37,8 +37,7 @@ def _fail(message: str) -> None:
 
 
 def apply_managed_flags(settings: ServiceSettings, options: dict[str, Any], vllm_args: list[str]) -> None:
-    """``serve``'s flags of the managed vLLM server (None: not given) over ``settings``; a
-    ValueError says which flag is wrong or cannot apply."""
+    """Apply ``serve``'s managed-server flags (None: not given); a ValueError names the wrong flag."""
     given = {name: value for name, value in options.items() if value is not None}
     if not given and not vllm_args:
         return
@@ -82,8 +81,7 @@ async def serve_until_signalled(settings: ServiceSettings) -> None:
     async with running_service(settings):
         await stop.wait()
         logging.getLogger(__name__).info("shutting down (at most %.0fs)", settings.shutdown_timeout_s)
-        # A hung reward or tool thread would keep the process alive for ever (the loop's
-        # executor and the interpreter both join their threads): a daemon timer ends it.
+        # A hung reward or tool thread would keep the process alive for ever: a daemon timer ends it.
         deadline = threading.Timer(settings.shutdown_timeout_s, _exit_now, [f"{settings.shutdown_timeout_s:g}s"])
         deadline.daemon = True
         deadline.start()
@@ -169,9 +167,7 @@ def serve(
         if max_inflight < 1:
             _fail(f"--max-inflight is {max_inflight}; it must be >= 1")
         settings.scheduler.max_inflight = max_inflight
-    # Added to the modules of the settings (YAML, environment), not in place of them, and
-    # importable from the working directory as with `python -m` (a console script's path
-    # starts at its bin/ folder).
+    # Added to the settings' modules, importable from the working directory as with `python -m`.
     if reward_module or tool_module or environment_module:
         sys.path.insert(0, os.getcwd())
     settings.reward_modules += reward_module or []
@@ -215,8 +211,8 @@ def dev_credentials_command(
     ] = None,
     days: Annotated[float, typer.Option(min=0.01, help="Validity of the certificates")] = 30,
 ) -> None:
-    """Write a throwaway CA, a server certificate and one token (and client certificate) per
-    principal, for TLS and tokens without a PKI. A directory that already has them is kept."""
+    """Write a throwaway CA, server certificate, and a token and client certificate per principal.
+    A directory that already has them is kept."""
     from rollout_service.edge.dev_credentials import PrincipalSpec, write_dev_credentials
 
     try:
@@ -243,8 +239,7 @@ def health(
     target: Annotated[str, typer.Option(help="The service, host:port")] = "127.0.0.1:50051",
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the answer")] = 5.0,
 ) -> None:
-    """Exit 0 if the service answers SERVING to gRPC health, else 2 with the reason: a
-    readiness probe (Kubernetes' own gRPC probe cannot do TLS). TLS from ROLLOUT_TLS_CA."""
+    """Exit 0 if the service answers SERVING to gRPC health, else 2 with the reason (TLS from ROLLOUT_TLS_CA)."""
     from rollout_api.client import HealthCheckFailed, health_status  # the API's client, loaded by this command only
 
     try:
@@ -263,8 +258,7 @@ def top(
     once: Annotated[bool, typer.Option(help="Print one snapshot and exit")] = False,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the service")] = 10.0,
 ) -> None:
-    """A live view: slots busy, tokens/s, and per run its version and where its groups are.
-    TLS and token from ROLLOUT_TLS_CA / ROLLOUT_TOKEN_FILE, as every client here."""
+    """A live view of slots, tokens/s and runs (TLS and token from ROLLOUT_TLS_CA / ROLLOUT_TOKEN_FILE)."""
     from rollout_api.top import ServiceUnreachable, show  # the API's client, loaded by this command only
 
     try:

@@ -319,23 +319,11 @@ def stats_to_pb(stats: ServiceStats, runs: Iterable[Run]) -> pb.GetStatsResponse
 
 
 def engine_state_to_pb(engine: EngineState) -> pb.EngineState:
-    return pb.EngineState(
-        url=engine.url,
-        routable=engine.routable,
-        held_reason=engine.held_reason,
-        sequences_in_flight=engine.sequences_in_flight,
-        managed=engine.managed,
-        partition_run_id=engine.partition_run_id,
-    )
+    return pb.EngineState(**asdict(engine))
 
 
 def engine_removed_to_pb(removed: EngineRemoved) -> pb.RemoveEngineResponse:
-    return pb.RemoveEngineResponse(
-        url=removed.url,
-        drain_seconds=removed.drain_seconds,
-        sequences_drained=removed.sequences_drained,
-        sequences_moved=removed.sequences_moved,
-    )
+    return pb.RemoveEngineResponse(**asdict(removed))
 
 
 def update_times_to_pb(times: UpdateTimes) -> pb.WeightUpdateTimes:

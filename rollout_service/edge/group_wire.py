@@ -1,13 +1,8 @@
 """A scored group on the wire (``rollout.v1.Group``), encoded once per group.
 
-Why: building a group's message is the costliest step of a delivery (about 140 us for G = 8
-and 64 tokens; more than the broker's own work), and the durable state store needs the
-group as bytes anyway, before a consumer may take it. So the group is encoded once, by the
-store at ``put`` or else at its first delivery, the bytes are kept on the group
-(``WireCodec``), and each delivery sends them with its own ``delivery_attempt``
-appended: protobuf merges a message's fields in order, so a scalar field that appears
-again takes the later value. Re-deliveries (a consumer left, a lease expired) and the store
-cost no second encoding, and a restored group decodes from the very bytes it was stored as.
+Encoding is the costliest step of a delivery, so the bytes are kept on the group (shared with
+the state store) and each delivery appends its own ``delivery_attempt``: protobuf lets a
+scalar field that appears again override the earlier value.
 """
 
 from __future__ import annotations
@@ -83,8 +78,7 @@ def group_to_pb(group: ScoredGroup) -> pb.Group:
 
 
 def group_from_pb(message: pb.Group) -> ScoredGroup:
-    """The group a message carries: everything a consumer is sent. What only scoring needed
-    (the conversation as messages, the reward texts) is not on the wire and stays empty."""
+    """The group a message carries; what only scoring needed (messages, reward texts) stays empty."""
     samples = message.samples
     components = samples[0].reward_components if samples else []  # every sample names the same ones
     return ScoredGroup(
@@ -121,13 +115,11 @@ def group_from_pb(message: pb.Group) -> ScoredGroup:
 
 
 _ENCODED: weakref.WeakKeyDictionary[ScoredGroup, bytes] = weakref.WeakKeyDictionary()
-"""Each live group's ``rollout.v1.Group`` bytes once encoded (by the state store at put,
-else at the first delivery), reused by every later delivery and gone with the group."""
+"""Each live group's encoded bytes, gone with the group."""
 
 
 class WireCodec:
-    """Groups as ``rollout.v1.Group`` bytes, encoded once: the state store's codec
-    (``state_store.GroupCodec``) and the stream's."""
+    """Groups as ``rollout.v1.Group`` bytes, encoded once: the state store's and the stream's codec."""
 
     @staticmethod
     def encode(group: ScoredGroup) -> bytes:
@@ -144,7 +136,6 @@ class WireCodec:
 
 
 def delivery_response(group: ScoredGroup, attempt: int) -> bytes:
-    """The ``StreamSamplesResponse`` that delivers ``group`` for the ``attempt``-th time, as
-    bytes: the group's stored encoding with this delivery's attempt appended."""
+    """The encoded ``StreamSamplesResponse`` delivering ``group`` for the ``attempt``-th time."""
     body = WireCodec.encode(group) + _ATTEMPT_TAG + _varint(attempt)
     return _RESPONSE_GROUP_TAG + _varint(len(body)) + body

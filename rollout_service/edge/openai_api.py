@@ -1,23 +1,8 @@
-"""The OpenAI-compatible HTTP endpoint of external runs (``generation.external``).
-
-Any OpenAI client points its ``base_url`` at ``http://HOST:PORT/v1/runs/{run_id}`` and
-drives episodes of that run:
-
-- ``POST /v1/runs/{run_id}/chat/completions``: one assistant turn. The episode is named by
-  the header ``x-rollout-episode-id`` (or the body field ``episode_id``, e.g. the OpenAI
-  client's ``extra_body``), its task by ``x-rollout-task-id`` / ``task_id`` on its first
-  request. ``tools`` are passed to the chat template; tool calls the model writes come back
-  as ``tool_calls``. Each choice carries the generated ids and their logprobs under
-  ``rollout`` (not an OpenAI field; clients ignore it). ``stream: true`` sends the turn as
-  server-sent chunks once it is generated.
-- ``POST /v1/runs/{run_id}/completions``: the same for plain text: ``prompt`` repeats the
-  episode's text so far (previous prompt and completion) and appends what the client adds.
-  ``stream: true`` works here too.
-- ``POST /v1/runs/{run_id}/episodes/{episode_id}/close`` with ``{"reward": r}`` or ``{}``.
-
-Authentication is the gRPC service's: ``Authorization: Bearer <token>`` of a principal in
-``security``, and a run is visible to its owner (and admins) only. Errors are OpenAI's
-shape, ``{"error": {"message", "type", "code"}}``, with the message saying what to change.
+"""The OpenAI-compatible HTTP endpoint of external runs (``generation.external``), at
+``/v1/runs/{run_id}``: ``chat/completions`` and ``completions`` generate one turn of the episode
+named by ``x-rollout-episode-id`` (or body ``episode_id``), and ``episodes/{episode_id}/close``
+ends it. Each choice carries the generated ids and logprobs under ``rollout``. Authentication
+and run visibility are the gRPC service's; errors are OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -164,11 +149,8 @@ class _Endpoint:
 
 
 async def _stream_reply(request: web.Request, reply: TurnReply, model: str, chat: bool) -> web.StreamResponse:
-    """``stream: true``, as server-sent events: the reply is generated whole first (the
-    sample needs all of it), then sent as OpenAI's chunks, and a final chunk with the finish
-    reason, usage and ``rollout`` (ids and logprobs); then ``[DONE]``. Chat: a role-and-content
-    chunk and a tool-calls chunk if any (``chat.completion.chunk``); text: one chunk with the
-    text (``text_completion``). Clients that always stream work as they are."""
+    """``stream: true`` as server-sent events of the whole generated reply (the sample needs
+    all of it), then a final chunk with finish reason, usage and ``rollout``."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     head = _envelope(*(("chatcmpl", "chat.completion.chunk") if chat else ("cmpl", "text_completion")), model)
@@ -193,7 +175,6 @@ async def _stream_reply(request: web.Request, reply: TurnReply, model: str, chat
 
 
 def _episode_and_sampling(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
-    """What both completion endpoints read alike: the episode and task names, and sampling."""
     return {
         "episode_id": _named(request, body, EPISODE_HEADER, "episode_id", required=True),
         "task_id": _named(request, body, TASK_HEADER, "task_id", required=False),
@@ -208,13 +189,13 @@ def _envelope(id_prefix: str, object_name: str, model: str) -> dict[str, Any]:
 
 
 def _completion(id_prefix: str, object_name: str, model: str, reply: TurnReply, **answer: Any) -> dict[str, Any]:
-    """OpenAI's response around one choice; ``answer``: its ``message`` (chat) or ``text``."""
+    """OpenAI's response around one choice: ``message`` (chat) or ``text``."""
     choice = {"index": 0, **answer, "finish_reason": reply.finish_reason, "logprobs": None, "rollout": _rollout(reply)}
     return {**_envelope(id_prefix, object_name, model), "choices": [choice], "usage": _usage(reply)}
 
 
 def _rollout(reply: TurnReply) -> dict[str, list[Any]]:
-    """Not an OpenAI field (clients ignore it): the turn's ids and logprobs as vLLM generated them."""
+    """Not an OpenAI field (clients ignore it): the turn's ids and logprobs."""
     return {"token_ids": reply.token_ids, "logprobs": reply.logprobs}
 
 

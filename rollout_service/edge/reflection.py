@@ -1,10 +1,7 @@
-"""gRPC server reflection under both names clients ask for: ``grpc.reflection.v1`` (grpcurl,
-Postman and recent grpc libraries try it first) and ``grpc.reflection.v1alpha``.
+"""gRPC server reflection as ``grpc.reflection.v1`` and ``v1alpha``.
 
-grpcio-reflection ships only the v1alpha service. The two protos differ in their package
-name alone, so their messages are the same bytes on the wire: the v1 service here is the
-same servicer registered under the v1 name, and a copy of the v1alpha file descriptor under
-the v1 package lets clients describe the v1 service too.
+grpcio-reflection ships only v1alpha; the protos differ only in package name, so the same
+servicer is registered under the v1 name with a copy of the descriptor in the v1 package.
 """
 
 from __future__ import annotations

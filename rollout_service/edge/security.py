@@ -1,15 +1,9 @@
 """Who is calling, over what: TLS credentials, bearer tokens and the principal of a call.
 
-Every RPC but health (and reflection, when it is on) needs ``authorization: Bearer <token>``
-once principals are configured; ``AuthInterceptor`` answers a call without a valid token
-UNAUTHENTICATED before it reaches the servicer, and the servicer asks ``principal_of`` who
-the caller is to decide what it may see and do (``RolloutServicer``). Tokens are compared in
-constant time, each against every configured one, so the time of a refusal says nothing
-about how close a guess was. With no principals configured, authentication is off and every
-caller is ``ANONYMOUS``, an admin: today's behaviour, for loopback.
-
-Plain text is the default only on loopback: ``check_bind`` refuses any other address without
-TLS unless ``security.allow_insecure`` is set.
+Once principals are configured every RPC but health (and reflection, when on) needs
+``authorization: Bearer <token>``; without them every caller is ``ANONYMOUS``, an admin.
+Tokens are compared in constant time against every configured one, so a refusal's timing
+leaks nothing. Plain text is allowed only on loopback unless ``security.allow_insecure``.
 """
 
 from __future__ import annotations

@@ -24,8 +24,7 @@ from rollout_service.service import RolloutService
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 RUNS_HEALTH_NAME = f"{SERVICE_NAME}/runs"
-"""A health detail: NOT_SERVING while any run is stalled (``delivery.watchdog``; GetRun says
-which and why). The service itself stays SERVING: other runs may be fine."""
+"""NOT_SERVING while any run is stalled; the service itself stays SERVING (other runs may be fine)."""
 
 
 class _HandlerCollector:
@@ -47,15 +46,13 @@ def _stream_response_bytes(response: pb.StreamSamplesResponse | bytes) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class _Undecodable:
-    """A request message that did not parse, and why: its handler answers INVALID_ARGUMENT
-    (grpc.aio parses before the handler runs, and answers a parse error UNKNOWN)."""
+    """A request that did not parse: its handler answers INVALID_ARGUMENT (grpc.aio would answer UNKNOWN)."""
 
     why: str
 
 
 def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """``handler`` with requests that do not parse (a string that is not UTF-8) refused as
-    INVALID_ARGUMENT naming the field, in unary and streaming requests alike."""
+    """``handler`` refusing requests that do not parse as INVALID_ARGUMENT naming the field."""
     message = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name[method].input_type
     parse = handler.request_deserializer
 
@@ -101,9 +98,8 @@ async def _parsed(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 def _add_rollout_servicer(servicer: RolloutServicer, server: grpc.aio.Server) -> None:
-    """The generated ``add_RolloutServiceServicer_to_server``, with two changes: StreamSamples
-    may yield a response as bytes, so a group is sent as encoded once, not re-encoded per
-    delivery; and a request that does not parse is INVALID_ARGUMENT (``_tolerant``)."""
+    """The generated registration, but StreamSamples may yield pre-encoded bytes and
+    unparsable requests are INVALID_ARGUMENT."""
     collector = _HandlerCollector()
     pb_grpc.add_RolloutServiceServicer_to_server(servicer, collector)
     if collector.handlers is None:
@@ -117,8 +113,7 @@ def _add_rollout_servicer(servicer: RolloutServicer, server: grpc.aio.Server) ->
 async def start_grpc_server(
     service: RolloutService, host: str, port: int, security: SecuritySettings | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
-    """Start the gRPC server with health (and reflection if enabled), over TLS when
-    configured, tokens checked when principals are; returns (server, bound port, health)."""
+    """Start the gRPC server with health (and reflection); returns (server, bound port, health)."""
     security = security if security is not None else SecuritySettings()
     check_bind(host, security)
     tokens = load_token_table(security)

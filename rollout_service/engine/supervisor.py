@@ -1,17 +1,9 @@
 """Restarts a managed vLLM server whose API process died, a bounded number of times.
 
-Why: a managed server is this service's to keep alive. Its API process can die (out of
-memory, a crash in a request path). Without a supervisor the pool probes a dead port for
-ever and every run stops producing.
-
-The supervisor waits on the server's guard (``vllm_guard``, which exits when the API
-server does; a pidfd, readable once it exits; no polling), then tells ``on_down`` at once,
-so routing stops sending requests to it, reaps the whole process group, starts the server
-again on the same port and tells ``on_restarted``. The restarted server holds the
-checkpoint's weights and no adapters: what it takes to bring it back to the runs' policies
-is the service's part (``server_recovery.ServerRecovery``). After ``max_restarts``
-restarts it gives up and leaves the server down, with an error in the log that says where
-vLLM's own log is.
+It waits on the guard's pidfd, tells ``on_down`` at once (routing stops), restarts the
+server on the same port and tells ``on_restarted``, which brings it back to the runs'
+policies (a restarted server holds the checkpoint's weights). After ``max_restarts`` it
+leaves the server down and logs vLLM's log tail.
 """
 
 from __future__ import annotations
@@ -30,15 +22,13 @@ MAX_RESTARTS = 3
 
 
 class Supervisable(Protocol):
-    """What the supervisor needs of a managed server (``ManagedVLLMServer``)."""
-
     url: str
 
     @property
     def pid(self) -> int | None: ...
 
     def restart(self) -> None:
-        """Reap what is left of the old process group and start again (blocking)."""
+        """Reap the old process group and start again (blocking)."""
 
     def log_tail(self, lines: int = 20) -> str: ...
 
@@ -103,8 +93,7 @@ class ServerSupervisor:
 
 
 async def wait_for_exit(pid: int) -> None:
-    """Return once process ``pid`` has exited (a child of this process: it stays a zombie
-    until the supervisor's restart reaps it, so the pid cannot be reused meanwhile)."""
+    """Return once child ``pid`` has exited (a zombie until reaped, so the pid is not reused meanwhile)."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:

@@ -1,22 +1,10 @@
 """HTTP client of one OpenAI-compatible vLLM server, token ids in and out.
 
-Requests go to vLLM's token-in, token-out endpoint (``/inference/v1/generate``, served with
-``--enable-scale-out``, vLLM >= 0.32) with detokenization off: the service decodes the ids
-itself, so vLLM's incremental detokenizer and its OpenAI response were work for nothing, done
-in the API server process, which on a CPU host may run on the trainer's cores (a large share
-of that process's CPU per step: ``benchmarks/SPEED_HISTORY.md``). A server without the
-endpoint (403 or 404), and a request with stop strings (which need vLLM's text), use
-``/v1/completions``.
-
-Bodies are encoded and parsed with orjson: a group's answer is about 36 kB of JSON (two
-objects per token's logprob), and the standard library's parser took a large share of the
-service's event-loop time in a run, several times orjson's (``benchmarks/SPEED_HISTORY.md``),
-on a host where the service shares the trainer's core.
-
-Retries only what can succeed (connection errors, timeouts, 5xx, 408, 429) with exponential
-backoff inside a bounded budget; any other 4xx is the request's fault: it fails at once with
-vLLM's message (``RequestRejected``) and does not count against the server's health. Timeouts
-are per phase (connect, read) per attempt, never one total around retries.
+Requests go to vLLM's token-in, token-out endpoint with detokenization off (the service
+decodes the ids itself); a server without it, and a request with stop strings (which need
+vLLM's text), use ``/v1/completions``. Bodies go through orjson: the answers are large.
+Only what can succeed is retried (connection errors, timeouts, 5xx, 408, 429); any other 4xx
+fails at once as ``RequestRejected`` and does not count against the server's health.
 """
 
 from __future__ import annotations
@@ -47,7 +35,7 @@ _JSON = {"Content-Type": "application/json"}
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
 BACKOFF_BASE_S = 0.2
-"""First retry delay of a request; it doubles each retry, up to ``BACKOFF_MAX_S``."""
+"""First retry delay; it doubles each retry, up to ``BACKOFF_MAX_S``."""
 BACKOFF_MAX_S = 5.0
 
 
@@ -56,12 +44,11 @@ class _Retryable(Exception):
 
 
 class _NoTokenEndpoint(Exception):
-    """The server does not serve ``GENERATE_PATH`` (vLLM before 0.32, or without --enable-scale-out)."""
+    """The server does not serve ``GENERATE_PATH``."""
 
 
 async def served_models(url: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """What a vLLM server serves (GET /v1/models): one entry per model, with ``id`` and
-    ``max_model_len``; raises aiohttp's errors or TimeoutError when it does not answer."""
+    """GET /v1/models: one entry per model; raises aiohttp's errors or TimeoutError."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url + "/v1/models") as resp:
         resp.raise_for_status()
@@ -91,8 +78,7 @@ def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -
 
 
 def generate_body(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
-    """The ``/inference/v1/generate`` request for ``n`` completions with behaviour logprobs,
-    as ``completion_body`` asks them but without detokenization (so without stop strings)."""
+    """The ``GENERATE_PATH`` request for ``n`` completions, as ``completion_body`` but without detokenization."""
     sampling: dict[str, Any] = {
         "n": n,
         "max_tokens": params.max_tokens,
@@ -111,12 +97,9 @@ def generate_body(model: str, prompt_ids: list[int], params: SamplingParams, n: 
 
 
 def parse_generated(payload: dict[str, Any], server: str, n: int) -> list[Completion]:
-    """The ``n`` choices of a ``/inference/v1/generate`` answer, in index order."""
-    choices = sorted(payload["choices"], key=lambda choice: choice.get("index", 0))
-    if len(choices) != n:
-        raise EngineError(server, f"{len(choices)} choices for n={n}")
+    """The ``n`` choices of a ``GENERATE_PATH`` answer, in index order."""
     completions = []
-    for choice in choices:
+    for choice in _choices(payload, server, n):
         token_ids = list(choice["token_ids"] or [])
         logprobs = [float(entry["logprob"]) for entry in (choice.get("logprobs") or {}).get("content") or []]
         completions.append(_completion(token_ids, logprobs, choice.get("finish_reason"), server))
@@ -129,10 +112,14 @@ def parse_completion(payload: dict[str, Any], server: str) -> Completion:
 
 def parse_completions(payload: dict[str, Any], server: str, n: int) -> list[Completion]:
     """The ``n`` choices of one request, in index order."""
+    return [_parse_choice(choice, server) for choice in _choices(payload, server, n)]
+
+
+def _choices(payload: dict[str, Any], server: str, n: int) -> list[dict[str, Any]]:
     choices = sorted(payload["choices"], key=lambda choice: choice.get("index", 0))
     if len(choices) != n:
         raise EngineError(server, f"{len(choices)} choices for n={n}")
-    return [_parse_choice(choice, server) for choice in choices]
+    return choices
 
 
 def _parse_choice(choice: dict[str, Any], server: str) -> Completion:
@@ -162,27 +149,25 @@ class VLLMServerClient:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.salt_prefix = secrets.token_hex(4)
-        """Prefixes every prefix-cache salt: blocks another service, or this one before a
-        restart, computed under other weights at the same version label are never reused."""
+        """Prefixes every cache salt: blocks another service (or this one, pre-restart) computed are not reused."""
         self.settings = settings
         self.metrics = metrics
         self.inflight = 0
         """Sequences this service has running on the server."""
         self.consecutive_failures = 0
         self.token_endpoint = True
-        """Whether to use ``GENERATE_PATH``; False once the server answered it 403 or 404."""
+        """Whether to use ``GENERATE_PATH``; False once the server refused it."""
         # aiohttp's default cap of 100 connections would silently throttle large runs.
         self._connector_limit = max(max_connections, 1) + 8
         self._session: aiohttp.ClientSession | None = None
         self._given_up = asyncio.Event()
-        """Set when the server is found hung: the requests in flight then fail at once. A
-        fresh event replaces it, so later requests are not affected."""
+        """Set (then replaced) when the server is found hung: the requests in flight fail at once."""
         self._given_up_reason = ""
         self._idle = asyncio.Event()
-        """Set while nothing is in flight: what a server leaving the pool waits for."""
+        """Set while nothing is in flight."""
         self._idle.set()
         self.leaving = False
-        """Removed from the pool: a request it abandons is sent to another server (``EnginePool``)."""
+        """Removed from the pool: a request it abandons is sent to another server."""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=self.settings.read_timeout_s)
@@ -198,8 +183,7 @@ class VLLMServerClient:
         return (await self.generate_many(prompt_ids, params, 1))[0]
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
-        """Whether the server answers /health within ``timeout_s`` (the pool's probes: of a
-        server that failed, and of a busy one that may have hung)."""
+        """Whether the server answers /health within ``timeout_s``."""
         if self._session is None:
             return False
         timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -210,7 +194,7 @@ class VLLMServerClient:
             return False
 
     async def server_load(self, timeout_s: float = 2.0) -> ServerLoad | None:
-        """The server's own account of its load (``/metrics``), None when it does not answer."""
+        """The server's load from its ``/metrics``; None when it does not answer."""
         if self._session is None:
             return None
         try:
@@ -221,8 +205,7 @@ class VLLMServerClient:
             return None
 
     async def generate_many(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
-        """``n`` samples of one prompt in one request (vLLM's ``n``); ``inflight`` counts
-        sequences, which is what loads a server."""
+        """``n`` samples of one prompt in one request; ``inflight`` counts sequences."""
         self.inflight += n
         self._idle.clear()
         self.metrics.server_inflight.labels(self.base_url).set(self.inflight)
@@ -274,9 +257,7 @@ class VLLMServerClient:
         return True
 
     async def drain_or_give_up(self, timeout_s: float, reason: str) -> int:
-        """Let the requests in flight finish within ``timeout_s``, then give up on the rest
-        (``give_up``: they start over on another server when ``leaving`` is set). Returns how
-        many sequences were given up."""
+        """Let requests in flight finish within ``timeout_s``, then give up on the rest; returns how many."""
         if await self.drained(timeout_s):
             return 0
         abandoned = self.inflight
@@ -284,8 +265,7 @@ class VLLMServerClient:
         return abandoned
 
     def give_up(self, reason: str) -> None:
-        """Treat the server as hung: fail the requests in flight now (closing their
-        connections, so vLLM aborts them) and route nothing to it until it answers a probe."""
+        """Treat the server as hung: fail the requests in flight now and route nothing to it until a probe."""
         if self.inflight:
             logger.warning("%s %s; abandoning its %d sequences in flight", self.base_url, reason, self.inflight)
         self.consecutive_failures += 1

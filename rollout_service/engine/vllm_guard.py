@@ -2,21 +2,11 @@
 service that started it.
 
 ``python vllm_guard.py SERVICE_PID CORES NICE -- COMMAND...`` (CORES: comma-separated, or ""
-for all; NICE: 0 leaves the priority as is). The guard leads the process group that vLLM's
-API server, engine core and workers run in, and:
-
-- when the service dies, even by SIGKILL, it sends the group SIGTERM, then SIGKILL after a
-  grace period (PR_SET_PDEATHSIG would fire when the service's *thread* that forked ends,
-  and reaches the direct child only, not the engine core);
-- when the command exits, it kills what is left of the group and exits with the command's
-  code (128 + N for signal N), so whoever waits on the guard sees the server go down;
-- SIGTERM or SIGINT to the guard is passed on to the group once.
-
-Why a process of its own and not ``subprocess.Popen(preexec_fn=...)``: a ``preexec_fn``
-runs Python in the forked child of a multi-threaded parent (the service), together with
-every library's at-fork hooks; one of them (fsspec's) crashed the test suite with a
-segmentation fault there. This script starts single-threaded and imports only the standard
-library. It is run by path, so it does not import the ``rollout_service`` package.
+for all; NICE: 0 leaves the priority as is). The guard leads vLLM's process group: when the
+service dies (even by SIGKILL; PR_SET_PDEATHSIG would reach only the direct child) it stops
+the group; when the command exits it kills the rest and exits with its code; SIGTERM or
+SIGINT is passed on once. A separate process, not a ``preexec_fn``, because at-fork hooks
+in a multi-threaded parent can crash; it is run by path and imports only the standard library.
 """
 
 from __future__ import annotations
@@ -34,21 +24,19 @@ from pathlib import Path
 logger = logging.getLogger("vllm_guard")
 
 GRACE_S = 10.0
-"""How long vLLM may take to shut down after the service died, before it is killed."""
+"""How long vLLM may take to shut down after the service died."""
 
 PARENT_POLL_S = 1.0
 """How often the parent is checked where there are no pidfds to wait on."""
 
 
 def launcher(service_pid: int, cores: tuple[int, ...] | None, nice: int, command: list[str]) -> list[str]:
-    """``command`` started through this script."""
     return [sys.executable, __file__, str(service_pid), ",".join(map(str, cores or ())), str(nice), "--", *command]
 
 
 def place(cores: tuple[int, ...], nice: int) -> None:
-    """Pin to ``cores`` (none: leave as is) and lower the priority by ``nice``, for this process
-    and for its session's autogroup (with the kernel's autogroup on, sessions share a core by
-    the autogroup's niceness, whatever their threads' own)."""
+    """Pin to ``cores`` (none: as is) and lower the priority by ``nice``, also of the session's
+    autogroup (which the kernel schedules by)."""
     if cores:
         os.sched_setaffinity(0, cores)
     if nice:
@@ -67,8 +55,7 @@ def _stat(pid: int | str) -> list[str] | None:
 
 
 def start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot): with the pid, it names one
-    process for good, where a pid alone may be reused."""
+    """When process ``pid`` started (clock ticks since boot): with the pid, it names one process for good."""
     fields = _stat(pid)
     return None if fields is None else int(fields[19])
 

@@ -1,16 +1,9 @@
 """Environments: multi-turn tasks that are not tool calls (games, graders, simulated users).
 
-An environment answers each model turn with an observation (appended to the conversation
-as a user message), a reward and whether the episode is done. One environment instance
-lives for one episode, made by the run's factory, so environments may keep state without
-locks. ``reset`` and ``step`` may be sync or async; sync ones run in the environments' own
-threads (``scheduler.user_code_threads``), one call of an instance at a time. Either kind
-is bounded by ``scheduler.environment_timeout_s``; one that raises or times out drops its
-group (reason ``environment``), and the run goes on.
-
-Rewards the environment gives are summed per episode and reach reward functions as the
-``env_reward`` keyword (the built-in ``env_reward`` reward function passes it through), so
-a run weighs them like any other reward.
+An environment answers each model turn with an observation (a user message), a reward and
+whether the episode is done. One instance lives for one episode, so it may keep state
+without locks. A failing or slow ``reset``/``step`` drops its group, and the run goes on.
+Step rewards are summed per episode and reach reward functions as ``env_reward``.
 """
 
 from __future__ import annotations
@@ -30,8 +23,7 @@ from rollout_service.types import PromptItem
 
 @dataclass(frozen=True)
 class StepResult:
-    """The environment's answer to one model turn; ``observation`` None with ``done`` False
-    is allowed only as the last turn (nothing new for the model to see)."""
+    """The environment's answer to one model turn; ``observation`` None ends the episode."""
 
     observation: str | None
     reward: float = 0.0
@@ -39,14 +31,9 @@ class StepResult:
 
 
 class Environment(Protocol):
-    """One episode's environment."""
-
     def reset(self, prompt: PromptItem) -> Awaitable[None] | None:
-        """Start an episode from its prompt and metadata (a secret, a game seed).
-
-        The prompt is the first observation: it is rendered once per group and every
-        member's sample carries the same prompt ids, so the environment cannot add its own
-        opening message; put what the model must see first into the prompt (dataset)."""
+        """Start an episode from its prompt and metadata; the prompt (shared by the group) is
+        the first observation, so put what the model must see first into it."""
         ...
 
     def step(self, model_text: str) -> StepResult | Awaitable[StepResult]:
@@ -60,8 +47,7 @@ EnvironmentFactory = Callable[[], Environment]
 async def call_environment(
     what: str, method: Callable[..., Any], *args: Any, executor: Executor | None, timeout_s: float
 ) -> Any:
-    """``method(*args)`` of an environment: a sync one in ``executor``, either bounded by
-    ``timeout_s``; any failure is an ``EnvironmentFailure`` naming ``what``."""
+    """``method(*args)`` bounded by ``timeout_s``; any failure is an ``EnvironmentFailure``."""
     try:
         return await asyncio.wait_for(call_user_function(method, executor, *args), timeout_s)
     except TimeoutError:
@@ -73,8 +59,7 @@ async def call_environment(
 
 
 class GuessNumber:
-    """The model guesses the prompt's ``secret`` integer; each wrong guess is answered
-    "Higher." or "Lower."; reward 1 for the right guess, which ends the episode."""
+    """The model guesses the prompt's ``secret``, told "Higher." or "Lower."; reward 1 when right."""
 
     def __init__(self) -> None:
         self.secret = 0
@@ -99,8 +84,6 @@ BUILTIN_ENVIRONMENTS: dict[str, EnvironmentFactory] = {"guess_number": GuessNumb
 
 
 class EnvironmentRegistry:
-    """Named environment factories a run may ask for."""
-
     def __init__(self) -> None:
         self._factories: dict[str, EnvironmentFactory] = dict(BUILTIN_ENVIRONMENTS)
 

@@ -1,24 +1,11 @@
 """One episode (one group member): a single completion, or a conversation with tools or an
 environment.
 
-Token-exact: the completion is the concatenation of the ids vLLM generated and the ids the
-chat template puts between turns (tool results, observations, turn headers). Earlier turns
-are never re-tokenized: re-tokenizing a model's text can give different ids (a tiny model
-may spell ``<tool_call>`` as five ordinary tokens), and the trainer must score exactly the
-tokens that were sampled. Only the appended messages are rendered, as the suffix the chat
-template adds after an assistant turn (``TurnTemplate``). Generated tokens have mask 1 and
-their behaviour logprob; template and tool tokens mask 0 and logprob 0, so the loss ignores
-them.
-
-The episode records the run's policy version before its first request and after its last
-one returns, so the trainer judges the staleness of a long episode by its oldest token. A
-weight sync that pauses with in-flight requests kept only delays a turn; a turn the engine
-aborts ends the episode with ``abort``, its ids kept as generated.
-
-Two views of the text: ``messages`` keep special tokens (the chat template's rendering of
-the conversation, and what tool parsers read, since ``<tool_call>`` may be a special
-token); ``reward_text`` / ``reward_messages`` are what TRL's reward functions get, the ids
-decoded with ``skip_special_tokens=True``. Neither changes the ids or logprobs.
+Token-exact: the completion is the ids vLLM generated plus the ids the chat template puts
+between turns; earlier turns are never re-tokenized (re-tokenizing can give other ids, and
+the trainer must score exactly the sampled tokens). Generated tokens have mask 1 and their
+behaviour logprob; template and tool tokens mask 0. ``messages`` keep special tokens (tool
+parsers read them); ``reward_text`` / ``reward_messages`` are decoded without them, as TRL's.
 """
 
 from __future__ import annotations
@@ -41,12 +28,10 @@ _MARKER = "ASSISTANT_TURN_MARKER"
 
 
 class Decode(Protocol):
-    """Token ids to text, as ``tokenizer.decode`` (``PromptRenderer.decode``)."""
-
     def __call__(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
-def _tool_calls(calls: Sequence[ParsedCall]) -> list[dict[str, Any]]:
+def trl_tool_calls(calls: Sequence[ParsedCall]) -> list[dict[str, Any]]:
     """The calls the parser could read, in TRL's (and the chat template's) message form."""
     return [
         {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}
@@ -61,8 +46,7 @@ def salt(version: int) -> str:
 
 
 def salted(params: SamplingParams, version: int) -> SamplingParams:
-    """``params`` whose requests share vLLM's cached prompt blocks only with requests made at
-    the same policy version (``SamplingParams.cache_salt``)."""
+    """``params`` sharing vLLM's cached prompt blocks only with requests at the same policy version."""
     return replace(params, cache_salt=salt(version))
 
 
@@ -96,8 +80,7 @@ async def run_single_turn_group(
 
 
 def _single_turn_result(completion: Completion, version_first: int, version_last: int, decode: Decode) -> EpisodeResult:
-    # Decoded here from the ids, not vLLM's incremental text (which holds back a partial
-    # UTF-8 tail), so rewards see exactly what the ids say.
+    # Decoded from the ids, not vLLM's incremental text (which holds back a partial UTF-8 tail).
     text = decode(completion.token_ids)
     reward_text = decode(completion.token_ids, skip_special_tokens=True)
     return EpisodeResult(
@@ -124,14 +107,8 @@ def _suffix(full: list[int], head: list[int], what: str) -> list[int]:
 
 
 class TurnTemplate:
-    """The ids a tokenizer's chat template puts after an assistant turn.
-
-    Rendered against a fixed stand-in conversation (a user message and an assistant turn),
-    once with the assistant turn left open (``continue_final_message``) and once followed
-    by the new messages and the next assistant header; the token suffix is what goes on
-    the wire, and the prefix must match or the template cannot be extended token-exactly.
-    The same ``tools`` as the prompt's are passed, since templates put them in the header.
-    """
+    """The ids a tokenizer's chat template puts after an assistant turn: the suffix of a stand-in
+    conversation rendered with and without the new messages (the prefix must match)."""
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
@@ -141,7 +118,7 @@ class TurnTemplate:
         self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}]
         self._head = self._render(self._base, continue_final_message=True)
         self.close_ids = _suffix(self._render(self._base), self._head, "a closed assistant turn")
-        """What closes an assistant turn, e.g. ``<|im_end|>\\n``; the model usually generates its first id."""
+        """What closes an assistant turn, e.g. ``<|im_end|>\\n``."""
         if not self.close_ids:
             raise ValueError("the chat template renders nothing after an assistant turn")
 
@@ -159,8 +136,7 @@ class TurnTemplate:
         return 0
 
     def bridge(self, turn_ids: Sequence[int], messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Ids to append after a model turn: the rest of its closing, ``messages`` and the next
-        assistant header, exactly as the template renders them after an assistant turn."""
+        """Ids to append after a model turn: the rest of its closing, ``messages`` and the next header."""
         rendered = self._render([*self._base, *messages], add_generation_prompt=True)
         after = _suffix(rendered, self._head, "new messages")
         if after[: len(self.close_ids)] != self.close_ids:
@@ -174,13 +150,11 @@ class TurnTemplate:
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    """A run's resolved episode settings (validated when the run was created)."""
-
     template: TurnTemplate
     max_model_len: int
     max_turns: int = DEFAULT_MAX_TURNS
     max_episode_tokens: int = 0
-    """Completion tokens (generated and template/tool) per episode; 0: only the context bounds it."""
+    """Completion tokens (generated and template) per episode; 0: only the context bounds it."""
     tools: ToolSet | None = None
     environment: EnvironmentFactory | None = None
     environment_timeout_s: float = 60.0
@@ -192,8 +166,7 @@ class MultiTurnConfig:
 
 
 class Transcript:
-    """The growing completion: ids, behaviour logprobs, mask and the conversation as messages
-    (as the template renders them, and as reward functions see them)."""
+    """The growing completion: ids, behaviour logprobs, mask and the conversation as messages."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -216,8 +189,7 @@ class Transcript:
 
 
 class _Episode:
-    """One multi-turn episode while it runs: the transcript, the counters, and what answers
-    each model turn. ``run_episode`` drives it turn by turn."""
+    """One multi-turn episode while ``run_episode`` drives it."""
 
     def __init__(
         self,
@@ -253,15 +225,13 @@ class _Episode:
         return turn_message
 
     async def answer(self, turn_ids: list[int], turn_message: dict[str, Any]) -> list[dict[str, str]] | FinishReason:
-        """The messages that answer a turn that stopped: its tool calls' results, or the
-        environment's observation. The episode ends instead (a finish reason) when the turn
-        has no tool call and no environment goes on, or when the turn limit is reached."""
+        """Tool results or the environment's observation answering a turn, or the finish reason."""
         text = self.decode(turn_ids)
         tools = self.config.tools
         calls = tools.parse(text) if tools is not None else []
         if calls:
             assert tools is not None
-            if readable := _tool_calls(calls):
+            if readable := trl_tool_calls(calls):
                 turn_message["tool_calls"] = readable
             if self.turns >= self.config.max_turns:
                 return "max_turns"  # its results could never be shown to the model
@@ -321,12 +291,8 @@ async def run_episode(
     affinity: str | None = None,
     on_tool_result: Callable[[ToolResult], None] | None = None,
 ) -> EpisodeResult:
-    """Turns until the model stops, the environment is done or a guard ends the episode.
-
-    A turn's tool calls run (concurrently) and their results come back as tool messages;
-    a turn without tool calls goes to the environment if there is one, else ends the
-    episode. Every failure of a tool call is a message to the model, never an exception.
-    """
+    """Turns until the model stops, the environment is done or a guard ends the episode; a
+    failed tool call is a message to the model, never an exception."""
     episode = _Episode(prompt, config, decode, on_tool_result)
     if episode.environment is not None:
         await call_environment("reset", episode.environment.reset, prompt, **config.environment_call())

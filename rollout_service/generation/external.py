@@ -1,17 +1,11 @@
 """Episodes driven from outside: agent code talks to an OpenAI-compatible endpoint, and
 the service turns its conversations into training samples.
 
-Why: agents are written against OpenAI's API, in frameworks this project does not know.
-If the service sits behind that API, any of them produces samples, and the samples are
-exact: the service, not the agent, keeps the token ids and behaviour logprobs of every
-turn as vLLM generated them. A later request repeats the conversation so far (as OpenAI
-clients do); the service checks it against what it holds, renders only the messages the
-request adds (tool results, user turns) as the chat template's suffix after an assistant
-turn (``TurnTemplate``, mask 0), and never re-tokenizes the model's turns.
-
-An episode is named by the client and belongs to a task: G episodes of one task form a
-group. Closing an episode optionally gives its reward; a group whose episodes came without
-rewards is scored by the run's reward functions, like a group the service generated.
+The service, not the agent, keeps every turn's token ids and logprobs. A later request
+repeats the conversation so far; it is checked against what the service holds, and only the
+added messages are rendered (``TurnTemplate``, mask 0), never re-tokenizing the model's
+turns. G closed episodes of one task form a group, scored by the rewards given at close or
+else by the run's reward functions.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError, echo
-from rollout_service.generation.episode import TurnTemplate, salted
+from rollout_service.generation.episode import TurnTemplate, salted, trl_tool_calls
 from rollout_service.generation.external_conversation import (
     OpenEpisode,
     TextRequest,
@@ -51,7 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_OPEN_EPISODES = 10_000
-"""Open episodes per run: each holds its transcript until it is closed."""
+"""Open episodes per run: each holds its transcript until closed."""
 CLIENT_REWARD = "client"
 """The reward component of rewards given at close."""
 
@@ -65,9 +59,7 @@ class _Closed:
 
 
 class ExternalSource:
-    """The prompt source of an external run: it hands out no prompt (the scheduler starts
-    no feeder for it); it holds the run's open episodes and the closed ones per task until
-    their group is complete."""
+    """An external run's prompt source: no prompts, but its open episodes and the closed ones per task."""
 
     def __init__(self) -> None:
         self.open: dict[str, OpenEpisode] = {}
@@ -108,8 +100,7 @@ class ExternalEpisodes:
             episode.busy = False
 
     async def complete(self, run: Run, request: TextRequest) -> TurnReply:
-        """One completion of a text episode (``/completions``): the prompt must repeat the
-        episode's text so far; what it adds is tokenized on its own and masked."""
+        """One completion of a text episode (``/completions``): what the prompt adds is tokenized and masked."""
         source = _running_source(run)
         self.renderer.check_chars(len(request.prompt), "prompt")
         episode = source.open.get(request.episode_id)
@@ -280,15 +271,12 @@ class ExternalEpisodes:
         episode.transcript.messages.append({"role": "assistant", "content": raw})
         reward_message: dict[str, Any] = {"role": "assistant", "content": decode(turn_ids, skip_special_tokens=True)}
         if calls:
-            reward_message["tool_calls"] = [
-                {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}} for c in calls
-            ]
+            reward_message["tool_calls"] = trl_tool_calls(calls)
         episode.transcript.reward_messages.append(reward_message)
         return reply(episode, completion, content or None, tool_calls)
 
     async def close(self, run: Run, episode_id: str, reward: float | None) -> int:
-        """End an episode; returns how many episodes of its task wait for their group (0:
-        its group was just completed and put into the run's stream)."""
+        """End an episode; returns how many of its task wait for their group (0: the group was just put)."""
         source = _source(run)
         episode = source.open.get(episode_id)
         if episode is None:

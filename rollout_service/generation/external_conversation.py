@@ -1,5 +1,5 @@
-"""One outside episode's conversation (``generation.external``): the requests and replies of the
-OpenAI-compatible endpoint, what the service holds of the episode, and the checks that a request repeats it."""
+"""One outside episode's conversation (``generation.external``): the endpoint's requests and replies,
+what the service holds of the episode, and the checks that a request repeats it."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TurnRequest:
-    """One chat request of an episode, as the endpoint parsed it."""
-
     episode_id: str
     task_id: str
     messages: list[dict[str, Any]]
@@ -33,8 +31,7 @@ class TurnRequest:
 
 @dataclass(frozen=True)
 class TextRequest:
-    """One text completion request of an episode (``/v1/completions``): ``prompt`` is the
-    episode's text so far (the previous prompt and completion) plus what the client adds."""
+    """``prompt``: the episode's text so far plus what the client adds."""
 
     episode_id: str
     task_id: str
@@ -47,8 +44,6 @@ class TextRequest:
 
 @dataclass(frozen=True)
 class TurnReply:
-    """The assistant's turn, in the terms of OpenAI's chat completion."""
-
     content: str | None
     tool_calls: list[dict[str, Any]]
     finish_reason: str
@@ -67,7 +62,7 @@ class OpenEpisode:
     """The chat template's turn suffixes; None for a text episode (``/v1/completions``)."""
     version_first: int
     known: list[dict[str, Any]]
-    """The conversation so far, as the client must repeat it (its requests and our replies)."""
+    """The conversation so far, as the client must repeat it."""
     text: str = ""
     """A text episode's text so far, as the client must repeat it."""
     transcript: Transcript = field(default_factory=Transcript)
@@ -133,9 +128,8 @@ def check_messages(messages: list[dict[str, Any]], first: bool) -> None:
 
 
 def same_message(sent: Any, held: dict[str, Any]) -> bool:
-    """The client's copy of a message the service holds. Assistant turns compare as clients
-    re-serialize them: content None or "" alike, text parts joined, tool calls by name and
-    parsed arguments (the ids and the JSON's spacing are the client's)."""
+    """Whether ``sent`` is the client's copy of ``held``, tolerating how clients re-serialize
+    assistant turns (None or "" content, text parts, tool call ids and JSON spacing)."""
     if not isinstance(sent, dict) or sent.get("role") != held.get("role"):
         return False
     if _text(sent.get("content")) != _text(held.get("content")):
@@ -166,5 +160,5 @@ def _calls(message: dict[str, Any]) -> list[Any]:
 
 
 def chars(messages: list[Any]) -> int:
-    """The characters a request's messages give the chat template (what its size check reads)."""
+    """The characters a request's messages give the chat template."""
     return sum(len(str(_text(m.get("content")))) for m in messages if isinstance(m, dict))

@@ -28,7 +28,7 @@ class PromptSpec:
 
 
 MAX_METADATA_BYTES = 64 << 10
-"""Per prompt: metadata rides along with every group of the prompt to every consumer."""
+"""Per prompt: metadata rides along with every group of the prompt."""
 MAX_CHARS_PER_TOKEN = 64
 """A prompt longer than this many characters per context token cannot fit, whatever it says."""
 _BYTES_PER_TOKEN_ID = 36
@@ -56,27 +56,24 @@ def _repeat_a() -> list[PromptSpec]:
     ]
 
 
-def _arithmetic() -> list[PromptSpec]:
-    pairs = [(a, b) for a in range(0, 50, 7) for b in range(0, 50, 11)]
+def _sums(question: str, left: range, right: range) -> list[PromptSpec]:
     return [
         PromptSpec(
-            messages=[{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}],
+            messages=[{"role": "user", "content": question.format(a=a, b=b)}],
             metadata={"answer": str(a + b)},
         )
-        for a, b in pairs
+        for a in left
+        for b in right
     ]
+
+
+def _arithmetic() -> list[PromptSpec]:
+    return _sums("What is {a} + {b}? Answer with the number.", range(0, 50, 7), range(0, 50, 11))
 
 
 def _tool_arithmetic() -> list[PromptSpec]:
     """For runs with the ``add`` tool: the model learns to call it and report the result."""
-    pairs = [(a, b) for a in range(3, 90, 13) for b in range(5, 90, 17)]
-    return [
-        PromptSpec(
-            messages=[{"role": "user", "content": f"Use the add tool to compute {a} + {b}, then state the sum."}],
-            metadata={"answer": str(a + b)},
-        )
-        for a, b in pairs
-    ]
+    return _sums("Use the add tool to compute {a} + {b}, then state the sum.", range(3, 90, 13), range(5, 90, 17))
 
 
 def _guess_number() -> list[PromptSpec]:
@@ -97,7 +94,7 @@ BUILTIN_DATASETS = {
     "tool_arithmetic": _tool_arithmetic,
     "guess_number": _guess_number,
 }
-"""Toy datasets for the embedded default; the names are what RunSpec.prompt_source.dataset takes."""
+"""Toy datasets for the embedded default, by ``RunSpec.prompt_source.dataset`` name."""
 
 
 def builtin_dataset(name: str) -> list[PromptSpec]:
@@ -122,8 +119,7 @@ class RenderedPrompt:
         return PromptItem(index, self.token_ids, self.text, self.metadata, self.messages)
 
     def approx_bytes(self) -> int:
-        """What it holds in memory, roughly: ``_BYTES_PER_TOKEN_ID`` per token id, and the
-        UTF-8 size of its text, metadata and messages."""
+        """Its rough size in memory."""
         strings = [self.text, *self.metadata, *self.metadata.values()]
         strings += [value for message in self.messages for value in message.values()]
         return _BYTES_PER_TOKEN_ID * len(self.token_ids) + sum(len(value.encode()) for value in strings)
@@ -173,8 +169,7 @@ class PromptRenderer:
         return ids, self.decode(ids)
 
     def _check_sizes(self, spec: PromptSpec) -> None:
-        """Refuse what cannot fit before tokenizing it: a 20 MB prompt took the tokenizer 36 s
-        on the event loop, and every RPC of the service waited."""
+        """Refuse what cannot fit before tokenizing it: the tokenizer runs on the event loop."""
         metadata_bytes = sum(len(k.encode()) + len(v.encode()) for k, v in spec.metadata.items())
         if metadata_bytes > MAX_METADATA_BYTES:
             raise InvalidArgument(
@@ -188,8 +183,7 @@ class PromptRenderer:
             )
 
     def check_chars(self, chars: int, what: str = "prompt") -> None:
-        """Refuse text that cannot fit the context before a tokenizer reads it: that takes
-        seconds, and memory, for text that is refused anyway."""
+        """Refuse text that cannot fit the context before a tokenizer spends seconds on it."""
         max_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
         if chars > max_chars:
             raise InvalidArgument(
@@ -217,7 +211,7 @@ class PromptSource(Protocol):
     async def next(self) -> PromptItem: ...
 
     def discard(self) -> None:
-        """The run was deleted: free the prompts it holds."""
+        """The run was deleted: free its prompts."""
 
 
 class CyclingPromptSource:
@@ -237,8 +231,7 @@ class CyclingPromptSource:
 
 
 class OncePromptSource:
-    """A fixed list of rendered prompts, each handed out once (an evaluation set). The
-    feeder checks ``exhausted`` before it reserves room for another group."""
+    """A fixed list of rendered prompts, each handed out once (an evaluation set)."""
 
     def __init__(self, rendered: list[RenderedPrompt]) -> None:
         if not rendered:
@@ -279,20 +272,14 @@ def _unpack(index: int, blob: bytes) -> PromptItem:
 
 
 SUBMIT_CHUNK = 1024
-"""Prompts converted, rendered, queued and stored per step: a submit of a whole dataset must
-not hold up the service's other RPCs."""
+"""Prompts handled per step, so a large submit does not hold up other RPCs."""
 
 
 class SubmittedPromptSource:
     """Prompts pushed through SubmitPrompts, in order; a run waits while none are queued.
 
-    Bounded by bytes (``scheduler.max_queued_prompt_bytes``): a submit that would pass it is
-    refused whole, so a client knows exactly which prompts were queued.
-
-    Queued prompts are held pickled, one bytes object each (``_pack``), and made into a
-    ``PromptItem`` when taken: as objects, each is several containers that every full pass
-    of the garbage collector walks with the GIL held, so the passes a large submit set off
-    held up every RPC for longer than the submit's own steps did.
+    Bounded by bytes: a submit that would pass the bound is refused whole. Queued prompts are
+    held pickled, one bytes object each, so the garbage collector has few objects to walk.
     """
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
@@ -301,16 +288,14 @@ class SubmittedPromptSource:
         self.max_bytes = max_bytes
         self.queued_bytes = 0
         self._submitting = asyncio.Lock()
-        """One submit at a time: the room it found at its start stays its own to its end."""
+        """One submit at a time: the room it found stays its own."""
         self._discarded = False
 
     async def submit(
         self, rendered: list[RenderedPrompt], persist: Callable[[list[PromptItem]], Awaitable[None]]
     ) -> None:
-        """Queue the prompts (all or none), ``SUBMIT_CHUNK`` at a time with the event loop
-        free in between. Each chunk goes to ``persist`` (the state store) in the step that
-        queues it, before a group can be made of it. ``rendered`` is emptied: its prompts are
-        held packed from then on."""
+        """Queue the prompts (all or none) ``SUBMIT_CHUNK`` at a time, each chunk persisted
+        before a group can be made of it; ``rendered`` is emptied."""
         packed = await asyncio.to_thread(_pack_all, rendered)
         async with self._submitting:  # meanwhile the run only takes prompts: the room only grows
             total = sum(size for _, size in packed)
@@ -336,9 +321,7 @@ class SubmittedPromptSource:
         return self._queue.qsize()
 
     def restore(self, items: list[PromptItem], submitted: int) -> None:
-        """A restarted service's stored prompts (queued, or in flight when it stopped), in
-        order and with their indices; ``submitted``: how many the run had been sent, so new
-        ones are numbered on from there."""
+        """A restarted service's stored prompts; new ones are numbered on from ``submitted``."""
         for item in items:
             blob, size = _pack(RenderedPrompt(item.token_ids, item.text, item.metadata, item.messages))
             self._queue.put_nowait((item.index, blob, size))

@@ -1,25 +1,10 @@
 """The service's slots, shared between runs in proportion to their weights.
 
-An ``asyncio.Semaphore`` wakes waiters first come, first served; every run's feeder waits
-for one slot at a time, so runs would share the slots equally whatever their weights.
-Here a freed slot goes to the waiting run that has used the least slot time per unit of
-weight (its "virtual time", slot-seconds / weight, as in weighted fair queuing). Two runs
-of weights 3 and 1 that both have work settle at 3/4 and 1/4 of the slot time.
-
-Why usage and not the slots held right now: a run's feeder is not waiting at every
-instant (between groups it takes a prompt and a buffer place, which can take an event-loop
-turn), and every slot freed in such a gap goes to the others. A rule on the current holdings
-forgets that; 3:1 weights then gave 0.69 instead of 0.75 in a simulation. Usage remembers
-it, and the run that fell behind is served first when it waits again.
-
-The sharing is work-conserving: a run that does not wait (its consumers stopped, so its
-buffer is full) leaves its share to the others. When it becomes active again its virtual
-time is raised to the least of the active runs', so an idle spell earns no burst later.
-
-Slot time is also accounted per run (slot-seconds), which is what a run's share means
-over a window, and over all runs: the integral of the busy slots (its mean over the uptime
-says how full the slots were kept) and the seconds at least one slot was free (admission
-charges a run's waits against it: a wait while every slot was busy cost nothing).
+A freed slot goes to the waiting run that has used the least slot time per unit of weight
+(its virtual time, as in weighted fair queuing). Usage, not current holdings, because a
+run's feeder is not waiting at every instant and would lose the slots freed in its gaps.
+Work-conserving: an idle run leaves its share to the others, and its virtual time is raised
+to the active runs' least when it returns, so idling earns no burst.
 """
 
 from __future__ import annotations
@@ -57,19 +42,16 @@ class WeightedSlots:
         self._handout_scheduled = False
         self._releases = 0
         self._held_seconds = 0.0
-        """Slot-seconds held by all keys ever (forgotten ones included), for the mean hold time."""
+        """Slot-seconds held by all keys ever, for the mean hold time."""
         self.started = clock()
         self._changed_at = self.started
         self._busy_seconds = 0.0
-        """Integral of ``busy`` up to ``_changed_at``; kept eagerly at every change of ``busy``
-        (the per-key accounting is lazy, so its sum is only exact right after ``_account``)."""
+        """Integral of ``busy`` up to ``_changed_at`` (kept eagerly; the per-key accounting is lazy)."""
         self._free_seconds = 0.0
         """Seconds up to ``_changed_at`` during which at least one slot was free."""
 
     async def acquire(self, key: str, weight: float = 1.0, count: int = 1) -> None:
-        """Wait for ``count`` slots, granted together: a group request holds its G slots at
-        once. Taken one at a time, two runs' requests could each hold part of what they
-        need while the slots ran out, and wait for each other for ever."""
+        """Wait for ``count`` slots, granted together: taken one at a time, two runs could deadlock."""
         if not 1 <= count <= self.total:
             raise ValueError(f"{count} slots asked for at once, of {self.total}")
         holder = self._holders.setdefault(key, _Holder(weight, since=self.clock()))
@@ -87,9 +69,8 @@ class WeightedSlots:
         except asyncio.CancelledError:
             if entry in holder.waiters:
                 holder.waiters.remove(entry)
-                if self.busy < self.total and not self._handout_scheduled:  # it may have blocked others
-                    self._handout_scheduled = True
-                    asyncio.get_running_loop().call_soon(self._hand_out)
+                if self.busy < self.total:  # it may have blocked others
+                    self._schedule_hand_out()
             elif future.done() and not future.cancelled():
                 for _ in range(count):
                     self.release(key)  # granted and cancelled in the same turn: give it back
@@ -102,9 +83,7 @@ class WeightedSlots:
         holder.busy -= 1
         self._integrate()
         self.busy -= 1
-        if not self._handout_scheduled:
-            self._handout_scheduled = True
-            asyncio.get_running_loop().call_soon(self._hand_out)
+        self._schedule_hand_out()
 
     def busy_of(self, key: str) -> int:
         holder = self._holders.get(key)
@@ -123,13 +102,12 @@ class WeightedSlots:
         return self._busy_seconds + self.busy * (self.clock() - self._changed_at)
 
     def busy_time_average(self) -> float:
-        """Slots busy on average since start: ``busy_seconds`` over the elapsed time."""
+        """Slots busy on average since start."""
         elapsed = self.clock() - self.started
         return self.busy_seconds() / elapsed if elapsed > 0 else float(self.busy)
 
     def free_seconds(self) -> float:
-        """Seconds since start during which at least one slot was free (a clock that only
-        runs while a run could have started an episode)."""
+        """Seconds since start during which at least one slot was free."""
         running = self.clock() - self._changed_at if self.busy < self.total else 0.0
         return self._free_seconds + running
 
@@ -141,6 +119,11 @@ class WeightedSlots:
 
     def _anyone_waiting(self) -> bool:
         return any(holder.waiters for holder in self._holders.values())
+
+    def _schedule_hand_out(self) -> None:
+        if not self._handout_scheduled:
+            self._handout_scheduled = True
+            asyncio.get_running_loop().call_soon(self._hand_out)
 
     def _hand_out(self) -> None:
         self._handout_scheduled = False
@@ -162,13 +145,10 @@ class WeightedSlots:
             holder.waiters.pop(0)
             self._grant(holder, count)
             future.set_result(None)
-            # One grant per loop turn: the task just woken may want more slots at once (its
-            # run's next episode or group) and must be waiting before the next slot is handed
-            # out, or every second slot of a release goes to the other runs whatever the
-            # weights (3:1 gave 0.60 of the slots instead of 0.75).
+            # One grant per loop turn: the task just woken must be waiting again before the next
+            # slot is handed out, or the other runs get every second slot whatever the weights.
             if self.busy < self.total and self._anyone_waiting():
-                self._handout_scheduled = True
-                asyncio.get_running_loop().call_soon(self._hand_out)
+                self._schedule_hand_out()
             return
 
     def _grant(self, holder: _Holder, count: int = 1) -> None:
@@ -186,7 +166,7 @@ class WeightedSlots:
         self._changed_at = now
 
     def _mean_slot_seconds(self) -> float:
-        """How long a slot is held, on average (in-progress slots count as partly done)."""
+        """How long a slot is held on average (in-progress slots count as partly done)."""
         return self._held_seconds / max(1, self._releases + self.busy)
 
     def _reactivate(self, holder: _Holder) -> None:

@@ -1,19 +1,10 @@
 """Tools a model may call during an episode, and the parsers that find its calls in its output.
 
-A tool is a plain Python callable, sync or async, with type hints and a Google-style
-docstring: its JSON schema comes from ``transformers.utils.get_json_schema`` (the same
-schema the tokenizer's chat template renders under ``tools=``), so what the model is told
-and what runs cannot drift apart.
-
-Nothing a tool call does may end an episode: an unknown tool, arguments that are not JSON
-or do not fit the signature, a tool that raises and a tool that runs past its timeout all
-become a ``ToolResult`` whose content is an error message for the model (it may retry)
-and whose ``error_kind`` names the failure for metrics.
-
-Sync tools run in the registry's own thread pool, so a hanging tool cannot starve the
-event loop's default executor (which runs reward functions). Python cannot kill a thread:
-a sync tool past its timeout is abandoned, still occupying its worker until it returns;
-write long-running tools as ``async def`` so the timeout can cancel them.
+A tool is a typed Python callable with a Google-style docstring; its JSON schema comes from
+``transformers.utils.get_json_schema``, as the chat template renders it. Nothing a tool call
+does may end an episode: every failure becomes a ``ToolResult`` with an error message for
+the model. Sync tools run in the registry's own threads, so a hanging one cannot starve the
+default executor (reward functions); past its timeout it is abandoned, not killed.
 """
 
 from __future__ import annotations
@@ -37,7 +28,6 @@ from rollout_service.generation.user_code import call_user_function
 
 ToolFunction = Callable[..., Any]
 ToolErrorKind = Literal["unknown_tool", "bad_json", "bad_arguments", "error", "timeout"]
-TOOL_ERROR_KINDS: tuple[ToolErrorKind, ...] = ("unknown_tool", "bad_json", "bad_arguments", "error", "timeout")
 DEFAULT_TOOL_PARSER = "hermes"
 DEFAULT_TOOL_TIMEOUT_S = 10.0
 TOOL_THREADS = 32
@@ -67,8 +57,6 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A call the parser could read: a name and keyword arguments."""
-
     name: str
     arguments: dict[str, Any]
 
@@ -95,12 +83,8 @@ _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 def parse_hermes(text: str) -> list[ParsedCall]:
-    """Hermes / Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-
-    ``arguments`` may also be a JSON string holding the object (OpenAI style). A call opened
-    but never closed is read up to the end of the turn, so a truncated call is reported to
-    the model instead of silently ignored.
-    """
+    """Hermes / Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    (``arguments`` may be a JSON string); an unclosed call is read to the end of the turn."""
     calls: list[ParsedCall] = []
     for match in _HERMES_CALL.finditer(text):
         calls.append(_read_call_json(match.group(1).strip()))
@@ -147,17 +131,12 @@ class ToolResult:
         return {"role": "tool", "name": self.name, "content": self.content}
 
 
-# -- built-in tools --------------------------------------------------------------------------
-
-
-# The built-in tools run the model's own output: every operation is bounded before it runs,
-# since one huge integer power holds the GIL (and so the whole service) for minutes.
+# The built-in tools bound every operation before it runs: one huge integer power holds the GIL for minutes.
 MAX_RESULT_BITS = 4096
-"""Integers up to about 1,200 digits; beyond that a result is refused, not computed."""
 
 
 def _number(name: str, value: Any) -> float:
-    """The model may send anything; only real numbers go in (``"a" * 10**10`` is 10 GB)."""
+    """Only real numbers go in (``"a" * 10**10`` is 10 GB)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     return value
@@ -184,7 +163,7 @@ def multiply(a: float, b: float) -> float:
 
 
 def _checked(op: Callable[..., float], left: float, right: float) -> float:
-    """Apply a binary operator after checking its integer result cannot exceed MAX_RESULT_BITS."""
+    """Apply ``op`` after checking its integer result cannot exceed MAX_RESULT_BITS."""
     if isinstance(left, int) and isinstance(right, int):
         bits = max(left.bit_length(), right.bit_length())
         if op is operator.mul:
@@ -240,7 +219,7 @@ BUILTIN_TOOLS: dict[str, ToolFunction] = {"add": add, "multiply": multiply, "cal
 
 
 MAX_RESULT_CHARS = 16_384
-"""What a tool may add to the conversation from a value it returns (strings pass as they are)."""
+"""What a non-string tool result may add to the conversation."""
 
 
 def format_result(value: Any) -> str:
@@ -310,7 +289,7 @@ class ToolRegistry:
         return ToolSet([self._tools[n] for n in names], self._parsers[parser], timeout_s, self._executor)
 
     def close(self) -> None:
-        """Stop the tool threads (abandoned hanging tools keep theirs until they return)."""
+        """Stop the tool threads (hanging tools keep theirs until they return)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

@@ -11,9 +11,7 @@ from typing import Any
 
 
 async def call_user_function(function: Callable[..., Any], executor: Executor | None, *args: Any, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)``: an ``async def`` awaited on the loop, a sync one run in
-    ``executor`` (its owner's threads; None: asyncio's default pool), and a coroutine that a
-    sync wrapper returns awaited too."""
+    """Await an ``async def`` on the loop, run a sync one in ``executor`` (awaiting what it returns)."""
     if inspect.iscoroutinefunction(function):
         return await function(*args, **kwargs)
     call = functools.partial(function, *args, **kwargs)

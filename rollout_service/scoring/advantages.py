@@ -1,8 +1,5 @@
-"""Group-normalised advantages, as TRL's GRPOTrainer computes them.
-
-advantage_i = (r_i - mean(r_group)) / (std + 1e-4), where std is the unbiased standard
-deviation of the group (``scale_rewards="group"``), of recent rewards across groups
-(``"batch"``, a sliding window since groups stream in one at a time), or 1 (``"none"``).
+"""Group-normalised advantages, as TRL's GRPOTrainer computes them: (r_i - mean) / (std + 1e-4),
+std being the group's, that of a sliding window of recent rewards (``"batch"``), or 1 (``"none"``).
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ class AdvantageComputer:
 
 
 def weighted_total(components: dict[str, list[float]], weights: dict[str, float], size: int) -> list[float]:
-    """Weighted sum over reward functions ignoring NaN (a function that returned None), like
-    TRL's nansum; a sample where every function returned None gets NaN."""
+    """Weighted sum over reward functions ignoring NaN, like TRL's nansum; all NaN gives NaN."""
     totals: list[float] = []
     for i in range(size):
         values = [(components[name][i], weights[name]) for name in components]

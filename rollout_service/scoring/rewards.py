@@ -1,31 +1,8 @@
 """Reward functions with TRL's signature, their registry, and the inputs they are called with.
 
-A reward function is ``f(prompts, completions, completion_ids, **kwargs) -> list[float | None]``,
-sync or async, called with keyword arguments exactly as TRL's ``GRPOTrainer`` calls it, with
-the same inputs (``reward_inputs``), so a TRL reward function (``trl.rewards`` included) scores
-a completion here as it would there:
-
-- ``completions``: the completion ids decoded with ``skip_special_tokens=True`` (no trailing
-  ``<|im_end|>``). For a conversational prompt (given as messages) each completion is
-  ``[{"role": "assistant", "content": text}]``, else the text. A multi-turn episode's
-  completion is always its message list: assistant turns (with ``tool_calls`` when the tool
-  parser read any), ``{"role": "tool", "name", "content"}`` results and environment
-  observations as user messages.
-- ``prompts``: the prompt's original messages (a conversational prompt), else its text.
-- ``completion_ids``: every completion id (template and tool ids of multi-turn episodes too).
-- kwargs: each prompt metadata key as a list (one entry per completion), as TRL passes
-  dataset columns; ``trainer_state`` (None: the service has no trainer state),
-  ``log_extra`` and ``log_metric`` (accepted, logged at debug level, not recorded); and the
-  service's own ``messages``, ``completion_messages``, ``env_reward``, ``num_turns``,
-  ``num_tool_calls``, ``num_tool_failures``. These names win over metadata keys of the same
-  name; metadata keys named ``prompts``, ``completions`` or ``completion_ids`` are not passed.
-
-TRL 1.16 no longer prepends a final assistant prompt message to the completion, and a chat
-prompt here always ends with a fresh assistant header, so there is no bootstrap prefix.
-
-Sync functions run in a worker thread so a slow one does not stall generation; every call
-has a timeout. A function that raises, times out or returns the wrong number of values
-fails its group with ``RewardError``; the service goes on.
+A reward function is called exactly as TRL's ``GRPOTrainer`` calls it, with the same inputs
+(README, "Reward functions"), so a TRL reward function scores here as it does there. One that
+raises, times out or returns the wrong number of values fails its group with ``RewardError``.
 """
 
 from __future__ import annotations
@@ -51,7 +28,6 @@ RewardFunction = Callable[..., list[float | None] | Awaitable[list[float | None]
 
 Message = dict[str, Any]
 Completion = str | list[Message]
-"""A completion as reward functions see it: a text, or (conversational) a message list."""
 
 POSITIONAL = ("prompts", "completions", "completion_ids")
 """The three inputs every reward function gets; never taken from prompt metadata."""
@@ -59,8 +35,6 @@ POSITIONAL = ("prompts", "completions", "completion_ids")
 
 @dataclass(frozen=True)
 class RewardInputs:
-    """What every reward function of a group is called with (TRL's inputs)."""
-
     prompts: list[str | list[Message]]
     completions: list[Completion]
     completion_ids: list[list[int]]
@@ -76,11 +50,7 @@ def _log_metric(name: str, value: float) -> None:
 
 
 def reward_inputs(prompt: PromptItem, episodes: Sequence[EpisodeResult], multi_turn: bool = False) -> RewardInputs:
-    """TRL's reward inputs for one group: ``prompt`` and its G finished ``episodes``.
-
-    ``multi_turn`` (a run with tools, an environment or several turns) makes every completion
-    a message list, whatever the prompt's form.
-    """
+    """TRL's reward inputs for one group; ``multi_turn`` makes every completion a message list."""
     size = len(episodes)
     conversational = bool(prompt.messages)
     prompts: list[str | list[Message]] = [
@@ -121,8 +91,7 @@ def assistant_texts(completion: Completion) -> list[str]:
 
 
 def char_fraction(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs: Any):
-    """Fraction of the non-space characters the model wrote (all its turns) equal to the
-    prompt's ``target_char``."""
+    """Fraction of the non-space characters the model wrote equal to the prompt's ``target_char``."""
     targets = kwargs.get("target_char") or ["a"] * len(completions)
     out: list[float | None] = []
     for completion, target in zip(completions, targets, strict=True):
@@ -132,9 +101,8 @@ def char_fraction(prompts: list[Any], completions: list[Completion], completion_
 
 
 def exact_answer(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs: Any):
-    """1.0 when the first number in the completion equals the prompt's ``answer``, else 0.0;
-    None for prompts without an answer. In a multi-turn episode the completion is the model's
-    last message (earlier turns hold tool calls and their arguments)."""
+    """1.0 when the first number in the model's last message equals the prompt's ``answer``, else
+    0.0; None for prompts without an answer."""
     answers = kwargs.get("answer") or [None] * len(completions)
     out: list[float | None] = []
     for completion, answer in zip(completions, answers, strict=True):
@@ -166,8 +134,6 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 
 
 class RewardRegistry:
-    """Named reward functions a run may ask for."""
-
     def __init__(self) -> None:
         self._functions: dict[str, RewardFunction] = dict(BUILTIN_REWARDS)
 
@@ -177,9 +143,7 @@ class RewardRegistry:
         self._functions[name] = function
 
     def load_module(self, module_path: str) -> None:
-        """Add the ``REWARD_FUNCTIONS`` dict of a user module (``reward_modules`` setting), or
-        for ``module:function`` that one function, under that name (as a trainer names it in
-        ``reward_funcs``)."""
+        """Add a user module's ``REWARD_FUNCTIONS`` dict, or for ``module:function`` that function under that name."""
         module_name, _, function_name = module_path.partition(":")
         module = importlib.import_module(module_name)
         if function_name:
@@ -209,8 +173,7 @@ class RewardRegistry:
 async def call_reward(
     name: str, function: RewardFunction, inputs: RewardInputs, timeout_s: float, executor: Executor | None = None
 ) -> list[float]:
-    """One reward function over one group, called as TRL calls it (keyword arguments); None
-    becomes NaN. A sync function runs in ``executor`` (None: asyncio's default pool)."""
+    """One reward function over one group, called as TRL calls it; None becomes NaN."""
     arguments = dict(
         inputs.kwargs, prompts=inputs.prompts, completions=inputs.completions, completion_ids=inputs.completion_ids
     )
@@ -235,8 +198,7 @@ async def call_reward(
         raise RewardError(f"reward {name!r} returned a non-number: {exc}") from None
     for index, (value, number) in enumerate(zip(values, numbers, strict=True)):
         if value is not None and not math.isfinite(number):
-            # NaN stands for None (no reward for this sample) from here on: a NaN or inf the
-            # function returned is a bug in it, not a skipped sample.
+            # NaN stands for None from here on: a NaN or inf the function returned is a bug in it.
             raise RewardError(
                 f"reward {name!r} returned {number} for completion {index}; return a finite number, "
                 "or None to leave the sample unscored by it"

@@ -1,8 +1,5 @@
-"""Scoring a finished group: its members' rewards (TRL's reward inputs, every function of
-the run concurrently, each under a timeout), their weighted total, and the advantages.
-
-The scheduler calls :meth:`GroupScorer.score` the moment a group's last member finishes;
-a ``RewardError`` drops that group alone (counted by the scheduler), never the run.
+"""Scoring a finished group: its members' rewards (every function of the run concurrently),
+their weighted total, and the advantages. A ``RewardError`` drops that group alone, never the run.
 """
 
 from __future__ import annotations
@@ -26,9 +23,7 @@ if TYPE_CHECKING:
 class GroupScorer:
     rewards: RewardRegistry
     timeout_s: float
-    """Bound on one reward function's call for one group."""
     executor: Executor
-    """Where sync reward functions run, off the event loop."""
 
     async def score(
         self, run: Run, prompt: PromptItem, group_id: str, episodes: list[EpisodeResult], seconds: float
