@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 POLL_INTERVAL_S = 0.05
 
@@ -88,3 +89,10 @@ def save_into_hub_cache(model_dir: Path, repo_id: str, hf_home: Path) -> None:
     shutil.copytree(model_dir, repo / "snapshots" / commit)
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
+
+
+def with_bad_utf8(request: Any, text: str) -> bytes:
+    """``request`` serialized, the bytes of ``text`` (a string field's value) made invalid UTF-8."""
+    data = request.SerializeToString()
+    assert data.count(text.encode()) == 1
+    return data.replace(text.encode(), b"\xff\xfe" + text.encode()[2:])

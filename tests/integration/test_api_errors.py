@@ -13,8 +13,7 @@ from rollout_service.app import RunningService
 from rollout_service.edge.server import SERVICE_NAME
 from tests.integration.test_discovery import fetch_text
 from tests.integration.test_stream import take_groups
-from tests.support import wait_until
-from tests.unit.test_hostile_input import with_bad_utf8
+from tests.support import wait_until, with_bad_utf8
 
 pytestmark = pytest.mark.integration
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND

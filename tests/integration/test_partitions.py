@@ -72,7 +72,7 @@ async def test_full_weight_runs_sample_their_own_weights_and_share_servers_by_we
         urls = [vllm_server.url, other.url]
         settings = service_settings(urls, tiny_model, scheduler={"max_inflight": 8}, weight_sync={"partitions": True})
         async with service_with_client(settings) as (running, client):
-            partitions = running.service.partitions
+            partitions = running.service.weights.partitions
             assert isinstance(partitions, PoolPartitions)
 
             def spec(weight: float = 1.0) -> pb.RunSpec:

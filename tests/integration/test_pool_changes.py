@@ -55,7 +55,7 @@ async def logprobs_at_one_version(running: RunningService, first: str, second: s
     """Max difference between the two servers' logprobs of the same seeded sample at one
     policy version: under a hold on the version, as an evaluation run takes (a push waits for
     it before it applies), and read again if a push that was already applying landed between."""
-    sync = running.service.weight_sync
+    sync = running.service.weights.weight_sync
     assert sync is not None
     found: list[float] = []
 

@@ -260,7 +260,7 @@ async def test_trainer_vanishing_mid_update_resumes_on_old_weights(sync_service,
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "aborted" in info.value.details() and "policy version 1" in info.value.details()
         assert await vllm_matches(vllm_server.url, base_model) <= 1e-4  # old weights, still serving
-        assert service.service.weight_sync.updates_aborted == 1
+        assert service.service.weights.weight_sync.updates_aborted == 1
 
         stream = client.stream(run.run_id, "c", credits=2)
         async with asyncio.timeout(60):

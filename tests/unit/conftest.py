@@ -20,6 +20,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(autouse=True)
 def quick_resume_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scripted servers answer at once: a failed /resume is retried without the production backoff."""
-    from rollout_service.weights import weight_sync
+    from rollout_service.weights import server_repair
 
-    monkeypatch.setattr(weight_sync, "RESUME_RETRY_S", 0.001)
+    monkeypatch.setattr(server_repair, "RESUME_RETRY_S", 0.001)

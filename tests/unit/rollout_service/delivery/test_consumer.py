@@ -1,0 +1,85 @@
+"""The consumer session without gRPC: credits bound what it sends, acks reach the broker,
+an invalid request ends it with its error. The engine behind it is scripted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rollout_api import rollout_pb2 as pb
+from rollout_service.delivery.broker import ACK_TRAINED
+from rollout_service.delivery.consumer import Ack, ConsumerRequest, ConsumerSession, Credit, Delivery
+from rollout_service.edge.convert import consumer_message_to_wire
+from rollout_service.errors import InvalidArgument
+from tests.unit.rollout_service.builders import one_prompt_spec as spec
+from tests.unit.scripted import ScriptedEngine, make_service
+
+
+class Requests:
+    """The client's side: requests the test sends, one at a time."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[ConsumerRequest | None] = asyncio.Queue()
+
+    async def __aiter__(self) -> AsyncIterator[ConsumerRequest]:
+        while (request := await self.queue.get()) is not None:
+            yield request
+
+
+async def open_session(credits: int):  # type: ignore[no-untyped-def]
+    service = make_service(ScriptedEngine())
+    run = await service.create_run(spec())
+    run.broker.subscribe("c", credits)
+    session = ConsumerSession(service, run.run_id, "c", credits)
+    requests = Requests()
+    reader = asyncio.ensure_future(session.read(aiter(requests)))
+    return service, run, session, requests, reader
+
+
+async def test_credits_bound_what_is_sent_and_acks_reach_the_broker() -> None:
+    service, run, session, requests, reader = await open_session(credits=1)
+    first = await asyncio.wait_for(session.next_message(), 10)
+    assert isinstance(first, Delivery) and first.attempt == 1
+    waiting = asyncio.ensure_future(session.next_message())
+    done, _ = await asyncio.wait({waiting}, timeout=0.2)  # bounded: no credit, nothing is sent
+    assert not done
+    requests.queue.put_nowait(Credit(1))
+    second = await asyncio.wait_for(waiting, 10)
+    assert isinstance(second, Delivery) and second.group.group_id != first.group.group_id
+    requests.queue.put_nowait(Ack([first.group.group_id, second.group.group_id], ACK_TRAINED, 0))
+    requests.queue.put_nowait(None)  # the client closes its side
+    assert await asyncio.wait_for(session.next_message(), 10) is None
+    await reader
+    assert run.broker.ack_counts[ACK_TRAINED] == 2
+    await service.delete_run(run.run_id)
+
+
+async def test_an_invalid_request_ends_the_stream_with_its_error() -> None:
+    service, run, session, requests, reader = await open_session(credits=0)
+    requests.queue.put_nowait(Credit(0))
+    with pytest.raises(InvalidArgument, match=r"credit\.groups must be > 0"):
+        await asyncio.wait_for(session.next_message(), 10)
+    await reader
+    await service.delete_run(run.run_id)
+
+
+async def test_a_group_handed_out_again_says_it_is_a_redelivery() -> None:
+    """A consumer that left without acking returns its groups; the next consumer is told the
+    group has been delivered before (its first holder may have trained it)."""
+    service, run, session, requests, reader = await open_session(credits=1)
+    first = await asyncio.wait_for(session.next_message(), 10)
+    assert isinstance(first, Delivery) and first.attempt == 1
+    requests.queue.put_nowait(None)
+    await reader
+    assert await run.broker.release("c") == 1  # the stream ended without an ack
+    run.broker.subscribe("d", 1)
+    again = ConsumerSession(service, run.run_id, "d", 1)
+    redelivered = await asyncio.wait_for(again.next_message(), 10)
+    assert isinstance(redelivered, Delivery)
+    assert (redelivered.group.group_id, redelivered.attempt) == (first.group.group_id, 2)
+    assert pb.StreamSamplesResponse.FromString(consumer_message_to_wire(redelivered)).group.delivery_attempt == 2
+    run.broker.ack("d", [first.group.group_id], ACK_TRAINED)
+    assert first.group.group_id not in run.broker.deliveries  # acked: forgotten
+    await service.delete_run(run.run_id)
