@@ -1,7 +1,5 @@
-"""The service's core, free of gRPC: runs, their scheduling, prompt submission, statistics.
-
-server.py is a thin edge over this class; tests and the demo can drive it directly too.
-"""
+"""The service's core, free of gRPC (the edge is thin over it): runs, their scheduling,
+prompt submission, statistics."""
 
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from rollout_service.delivery.state_store import MemoryStore, StateStore
 from rollout_service.delivery.watchdog import RunWatchdog
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, echo
-from rollout_service.evaluation import EvalResult, Evaluations
+from rollout_service.evaluation import Evaluations
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.external import ExternalEpisodes
 from rollout_service.generation.prompts import (
@@ -41,10 +39,9 @@ from rollout_service.runs import MAX_BUFFERED_GROUPS, Run, RunSpec
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.scoring.score import GroupScorer
-from rollout_service.types import EngineState
+from rollout_service.service_reports import ServerInfo, ServiceStats
 from rollout_service.versions import PolicyVersion, VersionChange
 from rollout_service.weights.push_routes import PushRoutes
-from rollout_service.weights.update_messages import UpdateTimes
 from rollout_service.weights.version_holds import VersionHolds
 
 if TYPE_CHECKING:  # it drives this class: imported for the annotation only
@@ -64,49 +61,6 @@ class ServiceInfo:
     max_inflight: int
     model_signature: str = ""
     """``rollout_common.model_signature`` of the served model; empty when unknown."""
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """What GetServerInfo reports: the service's fixed facts and the names a run may use now."""
-
-    model: str
-    engine_urls: list[str]
-    max_inflight: int
-    reward_functions: list[str]
-    datasets: list[str]
-    tools: list[str]
-    tool_parsers: list[str]
-    environments: list[str]
-    model_signature: str
-
-
-@dataclass(frozen=True)
-class ServiceStats:
-    """The service-wide part of GetStats: slots now, and where the time went since start.
-    Everything the edge reports comes from here, not from the scheduler's internals."""
-
-    slots_busy: int
-    max_inflight: int
-    max_slots_busy_seen: int
-    engine_request_failures: int
-    uptime_seconds: float
-    tokens_generated: int
-    recent_tokens_per_second: float
-    recent_window_seconds: float
-    slot_seconds: float
-    """Integral of the busy slots over the uptime."""
-    slots_busy_time_average: float
-    weight_updates_committed: int
-    weight_updates_aborted: int
-    weight_updates_resent: int
-    """Commits of the current version's weights again, for a restarted server (no bump)."""
-    weight_update_paused_seconds: float
-    last_weight_update: UpdateTimes | None
-    evals: list[EvalResult]
-    """The latest evaluation runs' results, oldest first."""
-    engines: list[EngineState]
-    """The pool's servers now: routable or held, and why."""
 
 
 class RolloutService:

@@ -5,7 +5,7 @@
     python tools/import_graph.py --check  # exit 1 and name each broken rule
 
 Imports are read with ``ast`` from the source (function-level ones included, so a lazy
-import cannot hide a dependency); nothing is imported. ``tests/unit/test_import_rules.py``
+import cannot hide a dependency); nothing is imported. ``tests/unit/tools/test_import_rules.py``
 runs the check in the suite.
 """
 

@@ -17,7 +17,7 @@ by name) before it calls each parameter's loader. On the benchmark's small model
 a quarter of an apply. Every push of a run carries the same names, so the first push records
 which loader each tensor went to, with which arguments (``record_loader_calls``), and later
 pushes call those loaders directly. The loaders still do the copying, shard offsets and dtype
-handling, so the result is what ``load_weights`` gives (``tests/unit/test_gloo_apply.py``;
+handling, so the result is what ``load_weights`` gives (``tests/unit/vllm_gloo_transfer/test_gloo_apply.py``;
 ``tests/integration/test_weight_transfer.py`` checks vLLM's logprobs against the trainer's
 after a recorded and a replayed push). A model whose ``load_weights`` hands a loader anything
 but a pushed tensor itself (a slice, a concatenation, a converted copy) cannot be replayed,

@@ -2,7 +2,7 @@
 
 Why a module of its own: these are the numbers the speed issue is judged by (time to target,
 steps to target against TRL's, steps/s, the trainer's idle fraction), so they are computed in
-one place, without a service or a trainer, and tested (``tests/unit/test_bench_vs_trl.py``).
+one place, without a service or a trainer, and tested (``tests/unit/benchmarks/test_bench_vs_trl.py``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from rollout_service.types import (
 from rollout_service.weights.update_messages import TensorSpec, UpdateTimes
 
 if TYPE_CHECKING:
-    from rollout_service.service import ServerInfo, ServiceStats
+    from rollout_service.service_reports import ServerInfo, ServiceStats
 
 _SCALING_FROM_PB = {
     pb.ADVANTAGE_SCALING_UNSPECIFIED: AdvantageScaling.GROUP,
