@@ -1,10 +1,5 @@
-"""Assembles a running service from settings: vLLM servers (managed or given), tokenizer,
-engine pool, scheduler, gRPC server, metrics endpoint; and takes them down in reverse.
-
-``running_service`` is the one lifetime: an async context manager that shuts everything
-down in ``finally`` (health NOT_SERVING first, then the gRPC server with a grace period,
-then runs, engines and the managed vLLM server).
-"""
+"""Assembles a running service from settings (vLLM servers, tokenizer, engine pool, service, weight
+sync, gRPC and metrics endpoints) and takes it down in reverse: ``running_service`` is its lifetime."""
 
 from __future__ import annotations
 
@@ -77,9 +72,7 @@ async def describe_model(url: str, timeout_s: float = 10.0) -> tuple[str, int | 
 
 
 async def resolve_model(urls: list[str], settings: EngineSettings) -> tuple[str, int]:
-    """Ask the servers what they serve. A service whose servers are not up yet (containers
-    start in any order) still starts when the model is configured; requests then fail,
-    are counted, and succeed once a server answers."""
+    """What the servers serve; with ``engine.model`` set the service may start before its servers."""
     for url in urls:
         try:
             model, max_model_len = await describe_model(url)
@@ -96,8 +89,7 @@ async def resolve_model(urls: list[str], settings: EngineSettings) -> tuple[str,
 
 
 def served_signature(checkpoint: str) -> str:
-    """The served model's signature for GetServerInfo, read from its config (next to the
-    tokenizer); empty, and trainers skip their check, where there is none to read."""
+    """The served model's signature for GetServerInfo; empty (trainers skip their check) without a config."""
     try:
         return signature_of(checkpoint)
     except (OSError, ValueError) as exc:
@@ -115,13 +107,8 @@ def load_tokenizer(name_or_path: str):  # type: ignore[no-untyped-def]
 async def running_service(
     settings: ServiceSettings, managed: ManagedVLLMServer | None = None
 ) -> AsyncIterator[RunningService]:
-    """``managed``: a running managed server to supervise and serve from, which its owner
-    stops (tests share one); default: ``engine.urls``, else a server of its own.
-
-    Start-up in order: the vLLM servers, the model and tokenizer they serve, the engine
-    pool and control clients, the core service, weight sync beside it, then the network
-    edges (metrics, gRPC). Everything started is stopped in reverse order by one exit stack.
-    """
+    """``managed``: a running managed server to serve from, which its owner stops (tests share one);
+    default: ``engine.urls``, else a server of its own. One exit stack stops everything in reverse."""
     engine_settings = settings.engine
     rewards, tools, environments = _user_registries(settings)  # first: a typo fails before vLLM starts
     async with contextlib.AsyncExitStack() as stack:
@@ -219,10 +206,8 @@ async def running_service(
 
 
 def freeze_startup_objects(stack: contextlib.ExitStack | contextlib.AsyncExitStack) -> None:
-    """Keep what start-up made (torch, transformers, the tokenizer: objects that live as long
-    as the service) out of the garbage collector's full passes, until ``stack`` closes: each
-    pass scans every tracked object with the GIL held, so with them in, the passes a large
-    SubmitPrompts sets off held up every RPC (``benchmarks/bench_prompt_submission.py``)."""
+    """Keep start-up's long-lived objects (torch, the tokenizer) out of the GC's full passes until
+    ``stack`` closes: scanning them, with the GIL held, held up every RPC."""
     gc.collect()
     gc.freeze()
     stack.callback(gc.unfreeze)
@@ -256,8 +241,7 @@ async def _start_managed_server(settings: ServiceSettings, stack: contextlib.Asy
 
 
 def _keep_off_vllm_cores(managed: ManagedVLLMServer, stack: contextlib.AsyncExitStack) -> None:
-    """Move this process to ``managed.service_cores()`` (the cores left to a trainer) while the
-    service runs, and back to where it was when ``stack`` closes."""
+    """Move this process to the cores left to a trainer while the service runs (back when ``stack`` closes)."""
     cores = managed.service_cores()
     if cores is None:
         return
@@ -295,10 +279,8 @@ async def _attach_weights(
     stack: contextlib.AsyncExitStack,
     fresh_urls: frozenset[str] = frozenset(),
 ) -> None:
-    """Weight sync, adapters, and (for a managed server) the supervisor that restarts it and
-    holds it out of routing until it holds the runs' policy again (``recovery``).
-    ``fresh_urls``: servers this service started itself, on which no earlier service can have
-    left a transfer open to release."""
+    """Weight sync, adapters, and a managed server's supervisor (``recovery`` holds a restarted one);
+    ``fresh_urls``: servers started here, where no earlier service can have left a transfer open."""
     if settings.weight_sync.partitions:
         _attach_partitions(service, recovery, controls, settings, stack)
     else:
@@ -339,11 +321,7 @@ def _attach_partitions(
 ) -> None:
     """``weight_sync.partitions``: a weight sync per full-weight run over its own servers."""
     partitions = PoolPartitions(
-        recovery.pool,
-        controls,
-        settings.weight_sync,
-        service.request_run_weights,
-        service.metrics,
+        recovery.pool, controls, settings.weight_sync, service.request_run_weights, service.metrics
     )
     stack.push_async_callback(partitions.close)
     service.weights.use_partitions(partitions)
@@ -352,14 +330,12 @@ def _attach_partitions(
 async def _serve_grpc(
     service: RolloutService, pool: EnginePool, settings: ServiceSettings, stack: contextlib.AsyncExitStack
 ) -> int:
-    """Start the gRPC server, whose health follows the pool; returns its port. At exit it says
-    NOT_SERVING, drains the runs' leases, then stops."""
+    """Start the gRPC server, its health following the pool; its port. At exit: NOT_SERVING, drain, stop."""
     server, grpc_port, health = await start_grpc_server(service, settings.host, settings.port, settings.security)
     updates = HealthUpdates()
 
     def engines_usable(usable: bool) -> None:
-        """NOT_SERVING while no vLLM server can generate (load balancers and orchestrators
-        then stop sending trainers here), SERVING again once one can."""
+        """NOT_SERVING while no vLLM server can generate, so load balancers send trainers elsewhere."""
         updates.schedule(set_serving(health, usable))
         service.engines_usable(usable)
 
@@ -397,9 +373,7 @@ async def _serve_openai(
 
 
 class HealthUpdates:
-    """Runs the health servicer's updates (its ``set`` is async) from plain callbacks, one at
-    a time in the order reported: two in flight at once (a server held, then free again)
-    could interleave their ``set`` calls and leave the older status on one of the names."""
+    """Runs the health servicer's async updates in order: interleaved ``set`` calls could leave an older status."""
 
     def __init__(self) -> None:
         self._order = asyncio.Lock()

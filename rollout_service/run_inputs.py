@@ -88,9 +88,7 @@ class RunInputs:
         tools: list[dict[str, Any]] | None = None,
         convert: Callable[[T], PromptSpec] | None = None,
     ) -> list[RenderedPrompt]:
-        """In a thread, ``SUBMIT_CHUNK`` prompts at a time (``convert``: each from its wire form
-        first): converting and rendering a whole dataset take seconds, which on the event
-        loop froze every RPC and every run's generation."""
+        """In a thread (a dataset takes seconds), ``SUBMIT_CHUNK`` at a time; ``convert``: from the wire form."""
         rendered: list[RenderedPrompt] = []
         for start in range(0, len(prompts), SUBMIT_CHUNK):
             chunk = prompts[start : start + SUBMIT_CHUNK]

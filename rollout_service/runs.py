@@ -18,8 +18,7 @@ from rollout_service.generation.prompts import PromptSource, PromptSpec
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams
 
-# Upper bounds on what sizes the service's memory and work: each protects one machine from a
-# typo (group_size 100000) or a hostile client; raise them here if a real workload needs it.
+# Bounds against a typo (group_size 100000) or a hostile client; raise them if a real workload needs it.
 MAX_GROUP_SIZE = 1024
 MAX_BUFFERED_GROUPS = 10_000
 MAX_RUN_WEIGHT = 1000.0
@@ -268,8 +267,7 @@ class Run:
         return dict(self.spec.rewards)
 
     def stored_state(self) -> dict[str, Any]:
-        """The parts of the run that change, as the state store keeps them (a plain dict, so
-        the store needs no ``Run``)."""
+        """The run's changing parts as the state store keeps them (a plain dict: the store needs no ``Run``)."""
         admission = self.admission
         return {
             "state": self.state,

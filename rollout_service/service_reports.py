@@ -26,8 +26,7 @@ class ServerInfo:
 
 @dataclass(frozen=True)
 class ServiceStats:
-    """The service-wide part of GetStats: slots now, and where the time went since start.
-    Everything the edge reports comes from here, not from the scheduler's internals."""
+    """The service-wide part of GetStats (slots now, where the time went), so the edge reads no internals."""
 
     slots_busy: int
     max_inflight: int

@@ -1,11 +1,9 @@
 """The policy versions of one set of served weights, kept here and nowhere else.
 
-V (``served``) is the version the servers hold: a group started now samples it. T
-(``trainer``) is the trainer's, one ahead of V while a push is in flight. Weight sync moves
-both (``begin``, ``commit``, ``abort``), an adapter push commits, a restart restores V.
-Admission, the scheduler's in-flight abort, evaluations, server recovery and the state store
-read them or watch them, and keep no copy. Runs on the servers' base weights share one
-record; a serve_adapter run, and a run with its own partition of the pool, has its own.
+V (``served``) is the version the servers hold: a group started now samples it. T (``trainer``)
+is the trainer's, one ahead of V while a push is in flight. Weight sync, adapter pushes and a
+restore move them; everyone else watches them and keeps no copy. Runs on the base weights share
+one record; a serve_adapter run, or one with its own partition of the pool, has its own.
 """
 
 from __future__ import annotations

@@ -100,8 +100,7 @@ def serve(
     port: Annotated[int | None, typer.Option(help="gRPC port")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port")] = None,
     state_store: Annotated[
-        str | None,
-        typer.Option(help="SQLite file where runs and unacked groups survive a restart (default: memory)"),
+        str | None, typer.Option(help="SQLite file keeping runs and unacked groups across restarts (default: memory)")
     ] = None,
     openai_port: Annotated[
         int | None, typer.Option(help="Port of the OpenAI-compatible endpoint of external runs (default: off)")
@@ -109,9 +108,7 @@ def serve(
     vllm_url: Annotated[
         list[str] | None, typer.Option(help="A running vLLM server (repeat for several); default: managed")
     ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="A Hub model id or a local folder, for the managed vLLM server")
-    ] = None,
+    model: Annotated[str | None, typer.Option(help="Managed server: a Hub model id or a local folder")] = None,
     max_model_len: Annotated[
         int | None, typer.Option(help="Managed server: context length (prompt + completion tokens)")
     ] = None,
@@ -122,15 +119,11 @@ def serve(
     ] = None,
     kv_cache_gib: Annotated[int | None, typer.Option(help="Managed server on a CPU: KV-cache size in GiB")] = None,
     vllm_arg: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Managed server: one more vLLM argument, passed as is (repeatable: --vllm-arg=--seed --vllm-arg=1)"
-        ),
+        list[str] | None, typer.Option(help="Managed server: a vLLM argument as is (--vllm-arg=--seed --vllm-arg=1)")
     ] = None,
     max_inflight: Annotated[int | None, typer.Option(help="Slots: episodes generating at once")] = None,
     reward_module: Annotated[
-        list[str] | None,
-        typer.Option(help="Python module with a REWARD_FUNCTIONS dict, or module:function for one reward (repeatable)"),
+        list[str] | None, typer.Option(help="Module with a REWARD_FUNCTIONS dict, or module:function (repeatable)")
     ] = None,
     tool_module: Annotated[list[str] | None, typer.Option(help="Python module with tools (repeatable)")] = None,
     environment_module: Annotated[
@@ -199,8 +192,7 @@ def build_tiny_model_command(
 def dev_credentials_command(
     directory: Annotated[Path, typer.Argument(help="Where to write the files")],
     host: Annotated[
-        list[str] | None,
-        typer.Option(help="Name or address clients reach the service at (repeatable) [default: localhost, 127.0.0.1]"),
+        list[str] | None, typer.Option(help="Host clients connect to (repeatable) [default: localhost, 127.0.0.1]")
     ] = None,
     principal: Annotated[
         list[str] | None,
@@ -211,8 +203,7 @@ def dev_credentials_command(
     ] = None,
     days: Annotated[float, typer.Option(min=0.01, help="Validity of the certificates")] = 30,
 ) -> None:
-    """Write a throwaway CA, server certificate, and a token and client certificate per principal.
-    A directory that already has them is kept."""
+    """Write a throwaway CA, server certificate, and per principal a token and client certificate (kept if present)."""
     from rollout_service.edge.dev_credentials import PrincipalSpec, write_dev_credentials
 
     try:

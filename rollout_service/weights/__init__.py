@@ -1,3 +1,2 @@
-"""Weights: the full-weight update control plane (pause, vLLM's handshake, version,
-prefix-cache reset, resume), per-run LoRA adapters, and bringing a restarted server back
-to the runs' policy."""
+"""Weights: the full-weight update control plane, per-run LoRA adapters, pool partitions and
+membership, and bringing a restarted server back to the runs' policy."""

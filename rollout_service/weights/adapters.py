@@ -1,17 +1,10 @@
-"""Per-run LoRA adapters on shared vLLM servers.
+"""Per-run LoRA adapters on shared vLLM servers, loaded from files (vLLM's weight transfer
+updates only the base weights).
 
-Runs that train LoRA adapters on one base model share the servers: each push of a run's
-adapter is written under ``<dir>/<run_id>/v<version>/`` and loaded on every server as
-``<run_id>@v<version>`` (vLLM's runtime ``/v1/load_lora_adapter``). The run's requests then
-name that adapter as their model, so they sample from the new policy from the next request
-on, while requests already running finish on the adapter they started with. That is why
-the previous version stays loaded (and on disk) until the one after replaces it: vLLM may
-have to reload an evicted adapter from its path mid-request. Each run thus holds at most
-two adapter slots of the servers' ``--max-loras``.
-
-Why files and not the weight-transfer group: adapters are small (megabytes), vLLM's
-weight-transfer API updates only the base weights, and loading by path is vLLM's
-supported way to add an adapter at runtime (as prime-rl does).
+Each push is written under ``<dir>/<run_id>/v<version>/`` and loaded on every server as
+``<run_id>@v<version>``, which the run's next requests name. The previous version stays loaded
+and on disk until the next replaces it, since vLLM may reload an evicted adapter from its path
+mid-request: each run takes at most two of the servers' ``--max-loras`` slots.
 """
 
 from __future__ import annotations
@@ -106,11 +99,7 @@ class AdapterPublisher:
         return adapter.name if adapter is not None else None
 
     async def publish(self, run_id: str, files: dict[str, bytes]) -> int:
-        """Load the run's new adapter everywhere; returns the run's new policy version.
-
-        All or nothing: if any server refuses it, it is unloaded from the others and the run
-        keeps serving its previous adapter.
-        """
+        """Load the run's new adapter on every server or on none; returns the run's new policy version."""
         validate_adapter_files(files, self.max_rank)
         async with self._locks.setdefault(run_id, asyncio.Lock()):
             state = self.runs.setdefault(run_id, RunAdapter())
@@ -141,8 +130,7 @@ class AdapterPublisher:
             return version
 
     async def reload(self, url: str) -> None:
-        """A restarted server holds no adapters: load each run's current one on it again (the
-        previous one was only kept for requests in flight, which the restart ended)."""
+        """Load each run's current adapter on a restarted server (the restart ended the previous one's requests)."""
         servers = [server for server in self.servers if server.base_url == url.rstrip("/")]
         for run_id in list(self.runs):
             async with self._locks.setdefault(run_id, asyncio.Lock()):  # not under a publish
@@ -162,9 +150,7 @@ class AdapterPublisher:
         self.servers = [server for server in self.servers if server.base_url != url]
 
     async def restore(self, run_id: str) -> int:
-        """A restarted service: the run's newest adapter on disk (``<dir>/<run_id>/v<N>/``, the
-        record of its versions) becomes its adapter again, loaded on every server (a server
-        that kept it loaded refuses the name, which is fine). Returns its version, 0 if none."""
+        """After a service restart: load the run's newest adapter on disk again; its version, 0 if none."""
         versions = sorted(
             int(path.name[1:])
             for path in (self.root / run_id).glob("v*")
@@ -214,9 +200,7 @@ def _write_files(path: Path, files: dict[str, bytes]) -> None:
 
 
 class AdapterRouting:
-    """An engine that names a run's current adapter in each request (the base model before
-    the run's first push). Resolved per request, so the turns of a multi-turn episode that
-    start after a push sample from the new adapter, like turns after a base-weight update."""
+    """Names the run's current adapter in each request, per request: an episode's later turns follow a push."""
 
     def __init__(self, engine: Engine, current: Callable[[], str | None]) -> None:
         self.engine = engine

@@ -1,28 +1,13 @@
 """Pool partitions: several full-weight runs share one pool, each sampling its own weights.
 
-Why: a vLLM server holds one set of base weights. Two full-weight trainers pushing into the
-same servers would each train on samples of the other's policy, labelled with their own
-versions. With ``weight_sync.partitions`` on, the servers are split among the full-weight
-runs instead, in proportion to their ``weight`` (``plan_partitions``). Each run gets its
-own ``WeightSyncCoordinator`` over its own servers and its own policy version, and its
-groups are routed only to its servers (``PartitionRouting``).
+A vLLM server holds one set of base weights, so with ``weight_sync.partitions`` the servers
+are split among the full-weight runs by ``weight`` (``plan_partitions``): each run pushes
+through its own ``WeightSyncCoordinator`` and policy version, and its groups go only to its
+servers (``PartitionRouting``). Adapter runs share every server; a run with none waits.
 
-A server changes hands only when it is safe:
-
-1. it leaves the old run's routing and its requests in flight finish (a request still
-   running at ``drain_timeout_s`` is failed on it and starts over on another of the run's
-   servers, as when a server leaves the pool);
-2. it leaves the old run's transfer group between two of that run's updates;
-3. it joins the new run's coordinator, whose next update joins a fresh group with it;
-4. it takes the new run's requests only once it holds that run's policy: at once if the
-   server still holds the checkpoint and the run has never pushed, otherwise after the
-   new run's next push commits, which the service asks the trainer for at once
-   (WeightsWanted), as after a server restart.
-
-A run with no server (more full-weight runs than servers) waits: its groups start once a
-server is assigned to it. Runs come and go through ``add_run`` and ``remove_run``; servers
-through ``add_server`` and ``remove_server`` (``PoolMembership``). Adapter runs are not
-partitioned: they share every server, as without partitions.
+A server changes hands only when safe: it drains out of the old run's routing, leaves that run's
+group between two of its updates, and takes the new run's requests only once it holds that run's
+policy (the checkpoint if the run never pushed, else after its next push, asked for at once).
 """
 
 from __future__ import annotations
@@ -50,11 +35,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 60.0
 def plan_partitions(
     servers: Sequence[str], weights: Mapping[str, float], current: Mapping[str, str | None]
 ) -> dict[str, str | None]:
-    """Which run each server serves: shares in proportion to ``weights`` (largest
-    remainder), every run at least one server while there are enough, and as few servers
-    as possible changing hands. With fewer servers than runs, the heaviest runs get one
-    each (the oldest first among equals) and the rest wait with none. ``runs`` are listed
-    oldest first; ``current``: server -> the run it serves now."""
+    """Which run each server serves: shares by ``weights`` (largest remainder, runs oldest first), at
+    least one each while there are enough (else the heaviest, then oldest), and as few moves as
+    possible; ``current``: server -> the run it serves now."""
     runs = list(weights)
     if not runs:
         return dict.fromkeys(servers)
@@ -155,9 +138,8 @@ class PoolPartitions:
 
     # -- runs coming and going --------------------------------------------------------------
     def add_run(self, run_id: str, weight: float, versions: PolicyVersion) -> None:
-        """The run has a coordinator at once (its trainer may begin a push), which moves the
-        run's ``versions``; its servers follow in the background (``settled``), since taking
-        one from another run waits for that server's requests to drain."""
+        """The run's coordinator exists at once (its trainer may push); its servers follow in the
+        background (``settled``), as taking one from another run waits for its requests to drain."""
         coordinator = WeightSyncCoordinator(
             [],
             self.settings,
@@ -186,8 +168,7 @@ class PoolPartitions:
         self._rebalance_soon()
 
     async def remove_server(self, url: str) -> None:
-        """A server leaves the pool, drained by the caller: it leaves its run's transfer group
-        between two of its pushes, and the other servers are shared again."""
+        """A server drained by the caller leaves its run's group between pushes; the rest are shared again."""
         async with self._lock:
             owner = self.owner.pop(url, None)
             if owner is not None:
@@ -199,14 +180,12 @@ class PoolPartitions:
         self._rebalance_soon()
 
     async def settled(self) -> None:
-        """Wait until every rebalance asked for so far is done (a waiter cancelled meanwhile
-        leaves the rebalances running)."""
+        """Wait for every rebalance asked for so far (cancelling the wait leaves them running)."""
         while self._tasks:
             await asyncio.wait(list(self._tasks))
 
     async def await_servers(self, run_id: str, timeout_s: float) -> None:
-        """Before a push: wait (up to ``timeout_s``) for the rebalances in progress, which may
-        be bringing the run its servers; a run that then has none cannot push yet."""
+        """Before a push: wait up to ``timeout_s`` for rebalances that may bring the run its servers."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.settled(), timeout_s)
         if not self.coordinator(run_id).servers:
@@ -278,8 +257,7 @@ class PoolPartitions:
         self._request_weights(partition.run_id, why)
 
     def server_restarted(self, url: str) -> None:
-        """A restarted server holds the checkpoint again, outside its run's transfer group:
-        it serves the run again once it holds the run's policy (``_assign``'s rule)."""
+        """A restarted server holds the checkpoint: it serves its run once it holds the run's policy."""
         self.holds_weights_of[url] = None
         owner = self.owner.get(url)
         if owner is None:
@@ -307,9 +285,8 @@ class PoolPartitions:
 
 
 class PartitionRouting:
-    """An engine that sends a run's requests only to its partition's servers. Their prefix
-    cache salt names the run too: a server that changed runs may hold blocks of another
-    run's weights at the same version number."""
+    """Sends a run's requests only to its partition's servers, with the run in the prefix-cache salt:
+    a server that changed runs may hold another run's blocks at the same version."""
 
     def __init__(self, pool: EnginePool, run_id: str, servers: Callable[[], Collection[str]]) -> None:
         self.pool = pool

@@ -1,31 +1,11 @@
 """vLLM servers join and leave the pool while the service runs (AddEngine, RemoveEngine, DNS).
 
-Why here, beside the weights: a server may take a run's requests only while it holds that
-run's policy, so joining and leaving are steps of the weight plane as much as of routing.
-
-A joining server:
-
-1. is checked (it answers ``/v1/models`` with the pool's model) and added to the pool
-   held, so no request reaches it;
-2. gets every adapter run's current adapter;
-3. becomes one of the weight-sync servers between two updates (never under one), so the
-   next full-weight update joins a fresh transfer group that includes it;
-4. takes requests at once if no full-weight push has committed (the checkpoint it loaded
-   *is* the policy), else after that next push commits, which the base-weights run's
-   trainer is asked for at once (``ServerRecovery``: as for a restarted server).
-
-A leaving server is held (no new requests) and drains: its requests in flight finish,
-within ``drain_timeout_s``; any it then abandons start over on another server
-(``EnginePool``), so no group is lost. It stays in the transfer group while it drains (its
-requests sample from the current policy to the end), then leaves it between updates; the
-next update joins a fresh group without it.
-
-Changes are serialized: one join or leave at a time.
-
-Servers added by AddEngine are the admin's: the state store keeps their URLs, and a
-restarted service adds them again (``rejoin``), retrying one that cannot join yet until it
-does or RemoveEngine names it. Servers that DNS discovery found are not kept: it finds them
-again.
+Beside the weights because a server may take a run's requests only while it holds that run's
+policy: a joining server is added held, gets the adapters, joins the weight-sync servers between
+two updates and takes requests once it holds the base policy (``ServerRecovery``). A leaving
+server drains within ``drain_timeout_s`` (what it abandons starts over elsewhere), then leaves
+the transfer group between updates. One change at a time; AddEngine's servers are kept in the
+state store and added again after a restart (``rejoin``).
 """
 
 from __future__ import annotations
@@ -66,15 +46,13 @@ def check_engine_url(url: str) -> str:
 
 
 class MetaStore(Protocol):
-    """The part of the state store a join or leave writes (``delivery.state_store``, a stage the
-    weights do not import)."""
+    """The part of the state store a join or leave writes (the weights do not import ``delivery``)."""
 
     def set_meta(self, key: str, value: Any) -> None: ...
 
 
 class MembershipHost(Protocol):
-    """What joins and leaves read and change on the service, at each use because a restore
-    replaces the kept servers."""
+    """What joins and leaves use of the service, read at each use: a restore replaces the kept servers."""
 
     weights: PushRoutes
     added_engines: list[str]
@@ -156,9 +134,7 @@ class PoolMembership:
         return self._state(client)
 
     async def rejoin(self, urls: list[str], retry_interval_s: float) -> None:
-        """After a restart: add again the servers AddEngine had added, retrying each that
-        cannot join yet (its vLLM is still starting, say) every ``retry_interval_s`` until it
-        joins or RemoveEngine names it (``pending``)."""
+        """After a restart: add AddEngine's servers, retrying each until it joins or is removed (``pending``)."""
         self.pending.update(urls)
         while self.pending:
             for url in sorted(self.pending):

@@ -1,18 +1,10 @@
 """Who may push weights, and to which servers: the one owner of that decision.
 
-Invariant: a full-weight push reaches one set of servers, from a run that may change what
-they serve.
-- Without partitions the set is the whole pool, and only the run holding the base-weights
-  claim pushes: the servers hold one set of base weights, so a second pushing run would
-  train on the first one's policy under its own version labels. The claim passes on once
-  its owner has no consumer connected (its trainer finished or died) or is deleted.
-- With partitions (``weights.partitions``) each full-weight run pushes to its own servers,
-  and its requests are routed to them alone.
-- Adapter runs push adapters (``weights.adapters``) to every server, never weights;
-  evaluation runs never push.
-
-Server recovery and pool membership read the same routes, so a restarted or joining server
-is brought to the policy of whoever may push to it.
+Invariant: a full-weight push reaches one set of servers, from a run that may change what they
+serve. Without partitions that is the whole pool, and only the run holding the base-weights
+claim pushes (a second run would train on the first's policy under its own versions); the claim
+passes on once its owner has no consumer connected or is deleted. With partitions each
+full-weight run pushes to its own servers. Adapter runs push adapters; evaluation runs never push.
 """
 
 from __future__ import annotations
@@ -108,8 +100,7 @@ class PushRoutes:
         self.base_weights_run = run_id
 
     def use_partitions(self, partitions: PoolPartitions) -> None:
-        """Each full-weight run, those restored from the state store included, gets its own
-        servers and weight sync."""
+        """Give each full-weight run, restored ones included, its own servers and weight sync."""
         self.partitions = partitions
         for run in self._runs.values():
             self.run_started(run)
@@ -125,8 +116,7 @@ class PushRoutes:
             self.partitions.remove_run(run_id)
 
     def engine_for(self, run: Run, engine: Engine) -> Engine:
-        """A serve_adapter run names its adapter in every request; with partitions, a
-        full-weight run's requests go to its own servers only."""
+        """A serve_adapter run names its adapter per request; with partitions a run uses its own servers."""
         if run.spec.serve_adapter:
             return AdapterRouting(engine, lambda: run.adapter)
         if (partitions := self.partitions) is not None:
@@ -135,6 +125,5 @@ class PushRoutes:
 
 
 def _partitioned(run: Run) -> bool:
-    """Runs that get servers of their own under partitions: the full-weight ones that train.
-    Adapter runs share every server; evaluation runs are refused there."""
+    """Full-weight training runs get servers of their own; adapter runs share every server."""
     return not run.spec.serve_adapter and run.spec.eval is None

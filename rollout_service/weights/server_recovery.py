@@ -1,27 +1,12 @@
 """Brings a restarted vLLM server back to the runs' policies before it takes requests.
 
-Why: a managed server that restarts (``engine.supervisor``) loads the checkpoint from disk
-and no adapters. Routed to at once, it would serve every run on base weights the trainer
-left behind long ago, labelled with the run's current policy version: samples trained as
-on-policy that are not. So it stays held out of routing until it holds what the runs sample:
-
-- its adapters are loaded again (adapter runs);
-- if no full-weight push has committed (policy version 0), the checkpoint *is* the base
-  policy, and it takes requests at once;
-- otherwise it waits for the next push, which joins a fresh transfer group that includes
-  it. The run that pushes the base weights is asked for that push at once (a WeightsWanted
-  message on its streams): with one server, the trainer is waiting for groups that no
-  server may generate, and would otherwise never push.
-
-The same rule holds when the service itself restarts on its state store: its servers may
-be fresh (a managed server started anew) or restarted behind its back, and hold the
-checkpoint whatever version the store says. So every server starts held
-(``hold_until_checked``) until its own label of the weights (vLLM's ``/weight_info``, set
-after each commit) says it holds the restored version (``check_restored``).
-
-With pool partitions the same rule holds per run: the server's run asks its own trainer
-(``PoolPartitions.server_restarted``), and a restored partition takes a server only after
-its run's next push.
+A restarted server holds the checkpoint and no adapters: routed to at once, it would serve stale
+base weights labelled with the current policy version. So it stays held until its adapters are
+loaded again and it holds the base policy: at once if no full-weight push has committed (version
+0), else after the next push, which the base-weights run is asked for at once (WeightsWanted:
+with one server its trainer would otherwise wait for groups forever). A restarted service holds
+every server until its ``/weight_info`` label shows the restored version (``check_restored``).
+With partitions each run does the same for its servers (``PoolPartitions.server_restarted``).
 """
 
 from __future__ import annotations
@@ -40,12 +25,7 @@ STARTUP_HOLD = "the service is starting: which policy version this server holds 
 
 
 class ServerRecovery:
-    def __init__(
-        self,
-        weights: PushRoutes,
-        pool: EnginePool,
-        versions: PolicyVersion,
-    ) -> None:
+    def __init__(self, weights: PushRoutes, pool: EnginePool, versions: PolicyVersion) -> None:
         self.weights = weights
         self.pool = pool
         self.versions = versions
@@ -54,15 +34,12 @@ class ServerRecovery:
         """Restarted servers held until the next full-weight push commits."""
 
     def hold_until_checked(self) -> None:
-        """At start-up, before the stored runs start: no server takes a request until
-        ``check_restored`` has seen which weights it holds."""
+        """At start-up, before the stored runs start: hold every server until ``check_restored``."""
         for client in self.pool.clients:
             self.pool.hold(client.base_url, STARTUP_HOLD)
 
     async def check_restored(self, timeout_s: float) -> None:
-        """After the restore and weight sync's start: release the servers that hold the
-        restored policy version by their own label; hold the others until it is pushed, and
-        ask for that push. A server that cannot say counts as not holding it."""
+        """Release the servers labelled with the restored version; hold the rest (unlabelled too), ask for a push."""
         weights, sync = self.weights, self.weights.weight_sync
         version = self.versions.served
         if weights.partitions is not None or sync is None or version == 0:
@@ -98,13 +75,11 @@ class ServerRecovery:
         self._wait_for_policy(url, "restarted with the checkpoint's weights")
 
     def joined(self, url: str) -> None:
-        """A server added to the pool (``PoolMembership``) is now one of the weight-sync
-        servers; called between updates, so no update without it can still commit."""
+        """A joined server is now a weight-sync server, between updates, so the next commit includes it."""
         self._wait_for_policy(url, "joined the pool with the checkpoint's weights")
 
     def _wait_for_policy(self, url: str, why: str) -> None:
-        """Release ``url`` if the checkpoint is the policy (no full-weight push yet), else
-        hold it until the next push commits and ask for that push now."""
+        """Release ``url`` if the checkpoint is the policy, else hold it and ask for the next push now."""
         version = self.versions.served
         if version == 0:
             self.awaiting_weights.discard(url)
@@ -120,8 +95,7 @@ class ServerRecovery:
         owner.admission.request_weights(reason)
 
     def version_committed(self, version: int) -> None:
-        """A full-weight push committed: every weight-sync server holds it, so the servers
-        that waited for it take requests. One not yet among them (joining) waits on."""
+        """Release the waiting servers the committed push reached (one still joining waits on)."""
         sync = self.weights.weight_sync
         synced = {server.base_url for server in sync.servers} if sync is not None else set(self.awaiting_weights)
         for url in self.awaiting_weights & synced:

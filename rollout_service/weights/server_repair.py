@@ -1,11 +1,9 @@
 """Servers back to generating after a weight update went wrong, or a service died mid-update.
 
-A paused server is resumed, with retries, then in the background until it works: a server left
-paused would never generate again. vLLM cannot cancel a weight-transfer call, so a server
-whose engine still runs an aborted update's join or receive is held out of routing until a
-leave queued behind that call answers (``free``), and the next begin waits for it
-(``await_freed``) instead of queueing another join behind it. At start-up, what a dead
-service left (paused servers, an open transfer group) is undone.
+A paused server is resumed until it works: left paused, it would never generate again. vLLM
+cannot cancel a weight-transfer call, so a server still running an aborted update's join or
+receive is held out of routing until a leave queued behind that call answers (``free``), and the
+next begin waits for that (``await_freed``). At start-up, what a dead service left is undone.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from rollout_service.weights.update_messages import leave_info
 logger = logging.getLogger(__name__)
 
 RESUME_RETRY_S = 1.0
-"""A failed /resume is retried after this, doubling, 3 times; then every 8x this in the
-background until it works: a server left paused would never generate again."""
+"""The first delay between /resume attempts (doubling; 8x this in the background)."""
 
 
 class ServerRepair:
@@ -35,9 +32,8 @@ class ServerRepair:
         on_stuck: Callable[[str, str | None], None],
         spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
     ) -> None:
-        """``servers``: the coordinator's own list (servers join and leave it); ``on_stuck``:
-        told a server held for an aborted call, and why, then None once it is free;
-        ``spawn``: the coordinator's task owner, which cancels them at its close."""
+        """``servers``: the coordinator's own list; ``on_stuck``: told a server held for an aborted
+        call, and why, then None; ``spawn``: the coordinator's task owner (it cancels them at close)."""
         self.servers = servers
         self.settings = settings
         self._on_stuck = on_stuck
@@ -54,9 +50,8 @@ class ServerRepair:
             self.freeing[url] = self._spawn(self._free(server, update_id, call))
 
     async def _free(self, server: WeightControl, update_id: str, call: str) -> None:
-        """Hold ``server`` out of routing until its engine is done with the aborted update's
-        call: a leave sent now is run after it, so its answer says the engine is free (and
-        the leave drops what the call joined or received)."""
+        """Hold ``server`` out of routing until a leave, run after the aborted call, answers: the
+        engine is then free, and the leave dropped what the call joined or received."""
         bound = "weight_sync.join_timeout_s" if call == "join" else "weight_sync.transfer_timeout_s"
         reason = (
             f"its engine still runs the {call} of aborted weight update {update_id} and generates nothing "
@@ -81,8 +76,7 @@ class ServerRepair:
             self._on_stuck(server.base_url, None)
 
     async def await_freed(self) -> None:
-        """Before a begin: wait (a control timeout at most) for servers still busy with an
-        aborted update's call, so a join is never queued behind another."""
+        """Before a begin: wait a control timeout at most for busy servers, so no join queues behind another."""
         if not self.freeing:
             return
         _, busy = await asyncio.wait(list(self.freeing.values()), timeout=self.settings.control_timeout_s)
@@ -124,8 +118,7 @@ class ServerRepair:
         self._spawn(retry())
 
     async def resume_left_paused(self) -> list[str]:
-        """At start-up: resume servers a previous service left paused (it died mid-update);
-        returns their URLs. A server that cannot say is left alone (it may be down)."""
+        """At start-up: resume what a dead service left paused; their URLs (a server that cannot say is left alone)."""
         resumed = []
         for server in self.servers:
             try:
@@ -141,20 +134,11 @@ class ServerRepair:
         return resumed
 
     async def release_left_transfer(self, skip: frozenset[str] = frozenset()) -> list[str]:
-        """At start-up: drop the servers' side of a transfer group a previous service left
-        open, with any update it left started; returns the URLs of the servers that answered.
-        Servers in ``skip`` (ones this service has just started) are left alone: they hold no
-        group, and on gloo closing the update there would only print vLLM's traceback for a
-        finish without a start into their log.
-
-        Why: a service that dies between a begin and the servers' receive leaves the
-        trainer's broadcast waiting on workers that will never receive, and gloo holds it
-        until the group's timeout (minutes), the trainer with it. Dropping the workers' side
-        fails that broadcast at once; the trainer's push fails, it reconnects, and its next
-        push joins afresh (a new service's first update always joins). On gloo a leave-only
-        init drops the group and whatever the dead update received, so closing the update
-        after it applies nothing; other backends get vLLM's own release, which it refuses
-        mid-update (the next join closes such an update, ``WeightSyncCoordinator._start``)."""
+        """At start-up: drop the servers' side of a transfer group a dead service left open, and any
+        update it started, so a trainer's broadcast fails at once instead of waiting out gloo's group
+        timeout; the URLs that answered. ``skip``: servers this service just started, which hold no
+        group. On gloo a leave-only init drops what was received, so closing the update applies
+        nothing; other backends get vLLM's release (refused mid-update: ``UpdatePipeline._start``)."""
         servers = [server for server in self.servers if server.base_url not in skip]
         answered = await asyncio.gather(*(self.release_transfer(server) for server in servers))
         return [server.base_url for server, ok in zip(servers, answered, strict=True) if ok]

@@ -1,10 +1,6 @@
-"""The messages of one weight update, apart from the coordinator that sequences them.
-
-What ``BeginWeightUpdate`` announces (``TensorSpec``) and how it is checked, what the trainer
-is told back (``UpdateTicket``), where a finished update's seconds went (``UpdateTimes``), and
-the body vLLM's ``/init_weight_transfer_engine`` takes (``init_info``). Plain data: the edge
-converts these to and from the proto, the coordinator (``weight_sync.py``) drives vLLM with them.
-"""
+"""The plain data of one weight update: what ``BeginWeightUpdate`` announces and how it is checked,
+what the trainer is told back, where its seconds went, and vLLM's ``/init_weight_transfer_engine``
+bodies. The edge converts them to and from the proto; ``weight_sync`` drives vLLM with them."""
 
 from __future__ import annotations
 
@@ -14,10 +10,6 @@ from typing import Any
 from rollout_service.errors import InvalidArgument, echo
 
 TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
-PHASES = ("eval_hold", "join", "pause", "transfer", "finish", "resume")
-"""Phases of an update in order; ``transfer`` is /start_weight_update and /update_weights,
-which returns once the trainer's broadcast has arrived. ``eval_hold`` is the wait for
-evaluation runs holding the current version (at begin, or before finish with pause_mode none)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +40,7 @@ class UpdateTimes:
     update_id: str
     committed: bool
     phases: dict[str, float]
-    """Phase name (``PHASES``) -> wall-clock seconds; phases the update did not reach are absent."""
+    """Phase (eval_hold, join, pause, transfer, finish, resume) -> wall-clock seconds; unreached: absent."""
     paused_seconds: float
     """From the first pause call to the end of resume (0 if it never paused)."""
 
@@ -80,14 +72,8 @@ def init_info(
     epoch: int,
     join_timeout_s: float,
 ) -> dict[str, Any]:
-    """The ``/init_weight_transfer_engine`` body for one server.
-
-    vLLM builds the backend's init-info dataclass from these keys and rejects unknown ones,
-    so only this project's gloo engine is sent the extras it understands: the group's
-    timeouts (joining, and each transfer) and the join epoch that keys its rendezvous
-    (vLLM's nccl rendezvous has no epochs; its trainer hosts a fresh store, on a fresh
-    port, per join).
-    """
+    """The ``/init_weight_transfer_engine`` body for one server. vLLM rejects unknown keys, so only
+    this project's gloo engine gets the group's timeouts and the join epoch keying its rendezvous."""
     info: dict[str, Any] = {
         "master_address": address,
         "master_port": port,
@@ -100,7 +86,6 @@ def init_info(
 
 
 def leave_info() -> dict[str, Any]:
-    """The gloo ``/init_weight_transfer_engine`` body that only leaves: the worker drops its
-    group and any update received but not applied (``vllm_gloo_transfer``'s ``leave``). The
-    address fields are placeholders its validation accepts; nothing connects to them."""
+    """The gloo init body that only leaves: the worker drops its group and any update received but not
+    applied. The address fields are placeholders its validation accepts."""
     return {"master_address": "", "master_port": 0, "rank_offset": 1, "world_size": 2, "leave": True}

@@ -1,7 +1,6 @@
-"""One weight update's per-server pipeline: join the trainer's transfer group (once it
-listens), pause, start the update and receive the broadcast; every phase timed over all
-servers at once, and every call that keeps a server's engine busy recorded until it answers
-(vLLM cannot cancel it: ``server_repair``)."""
+"""One weight update's per-server pipeline: join the trainer's group (once it listens), pause,
+start and receive; each phase timed over all servers, and each call that keeps an engine busy
+recorded until it answers (vLLM cannot cancel it: ``server_repair``)."""
 
 from __future__ import annotations
 
@@ -52,12 +51,8 @@ LISTEN_RETRY_S = 0.05
 
 
 async def await_listening(address: str, port: int, timeout_s: float) -> None:
-    """Wait until something accepts connections at the trainer's rendezvous.
-
-    Why: vLLM cannot cancel a join, and its engine generates nothing while in one. Asked only
-    once the trainer listens, a join is never left waiting for a trainer that never came, and
-    an abort before then leaves nothing running in vLLM.
-    """
+    """Wait until the trainer's rendezvous accepts connections: vLLM cannot cancel a join, and its
+    engine generates nothing in one, so a join is asked only once the trainer listens."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
@@ -108,8 +103,7 @@ class UpdatePipeline:
         mode: PauseModeName,
         on_joined: Callable[[], None],
     ) -> None:
-        """Join (when asked), pause, start and receive on every server; ``on_joined``: told
-        once the servers joined the trainer's group."""
+        """Join (when asked), pause, start and receive on every server; ``on_joined``: told once joined."""
         settings = self.settings
         transfer_s, control_s = settings.transfer_timeout_s, settings.control_timeout_s
         if join:
@@ -129,17 +123,7 @@ class UpdatePipeline:
                         server,
                         "join",
                         server.init_weight_transfer(
-                            init_info(
-                                settings.backend,
-                                address,
-                                port,
-                                offset,
-                                world,
-                                transfer_s,
-                                epoch,
-                                join_s,
-                            ),
-                            call_s,
+                            init_info(settings.backend, address, port, offset, world, transfer_s, epoch, join_s), call_s
                         ),
                     )
                     for server, offset in zip(self.servers, offsets, strict=True)
@@ -147,8 +131,7 @@ class UpdatePipeline:
             )
             on_joined()
         if mode != "none":  # none: generation goes on while the weights change (see PauseMode)
-            # The paused window opens with the pause phase's clock, not when its calls get to run
-            # (on a busy loop that is milliseconds later), so it spans every phase it holds.
+            # From the pause phase's clock, not when its calls run, so the window spans every phase it holds.
             update.paused_at = self._clock()
             await self.phase(update, "pause", *(self._pause(update, server, mode) for server in self.servers))
         await self.phase(update, "transfer", self._transfer(update, update_info, control_s, transfer_s, join))
@@ -166,8 +149,7 @@ class UpdatePipeline:
 
     @staticmethod
     async def _in_vllm(update: Update, server: WeightControl, call: str, answer: Awaitable[None]) -> None:
-        """Await a call that keeps the server's engine busy; one not answered (cancelled by
-        an abort, timed out) stays in ``update.in_vllm``: vLLM still runs it."""
+        """Await a call that keeps the engine busy; one not answered stays in ``update.in_vllm``: vLLM runs it."""
         update.in_vllm[server.base_url] = call
         try:
             await answer
@@ -178,17 +160,13 @@ class UpdatePipeline:
         del update.in_vllm[server.base_url]
 
     async def _start(self, server: WeightControl, control_s: float, join: bool) -> None:
-        """``/start_weight_update``. A service that died between a transfer and its commit
-        leaves vLLM in the middle of that update ("already active"); a new service's first
-        update (a join) closes it first with ``/finish_weight_update``, which applies
-        nothing: joining dropped what the dead update had received (``vllm_gloo_transfer``)."""
+        """``/start_weight_update``; on a join, first close an update a dead service left "already active"."""
         try:
             await server.start_weight_update(control_s)
         except WeightSyncError as exc:
             if not join or "already active" not in str(exc):
                 raise
-            # Left by a dead service; the join dropped whatever it had received, so finishing
-            # it applies nothing.
+            # The join dropped what the dead update received, so finishing it applies nothing.
             logger.info("%s has a weight update open; closing it before this one", server.base_url)
             await server.finish_weight_update(str(self._version()), control_s)
             await server.start_weight_update(control_s)

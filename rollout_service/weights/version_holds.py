@@ -1,16 +1,10 @@
 """Holds on the servers' policy version, taken by evaluation runs.
 
-Why: an evaluation is only meaningful at one known policy version, but with the default
-``pause_mode: none`` a weight update lands under requests that are generating, so any
-request can straddle two versions. An evaluation run therefore holds the version it
-evaluates while it generates, and a weight update waits for the holds to be released
-before it changes the weights: at commit for ``pause_mode: none`` (the transfer into vLLM's
-buffer touches no weights), at begin for the modes that pause the servers (a paused server
-would never finish the evaluation, and the update would wait for it for ever).
-
-A hold is bounded: an update that waited ``timeout_s`` hands the holders that overran to
-``on_overrun`` (the service stops those evaluations, keeping what they scored) and goes on,
-so a slow evaluation delays training but can never stop it.
+An evaluation means something only at one policy version, so an evaluation run holds its version
+while it generates, and a weight update waits for the holds before changing the weights: at
+commit with ``pause_mode: none``, at begin for the pausing modes (a paused server would never
+finish the evaluation). A hold is bounded: after ``timeout_s`` the update hands the holders to
+``on_overrun`` (which stops them) and goes on, so a slow evaluation never stops training.
 """
 
 from __future__ import annotations
@@ -45,10 +39,7 @@ class VersionHolds:
         return dict(self._holders)
 
     async def wait_released(self, timeout_s: float) -> float:
-        """Wait until no version is held, or ``timeout_s``; return the seconds waited.
-
-        On timeout the holders are handed to ``on_overrun`` and forgotten, so the update
-        goes on whatever the callback does."""
+        """Wait until no version is held, or ``timeout_s`` (holders then go to ``on_overrun``); seconds waited."""
         if not self._holders:
             return 0.0
         loop = asyncio.get_running_loop()

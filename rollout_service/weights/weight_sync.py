@@ -1,20 +1,12 @@
 """The weight-update control plane: the service drives vLLM's handshake, the trainer sends.
 
-One update at a time, in two RPCs from the trainer:
+One update at a time: ``begin`` starts the per-server pipeline (``update_pipeline``) in the
+background and returns at once, since the trainer broadcasts only after begin returns;
+``commit`` waits for it, applies the weights, moves the policy version and resumes generation.
+Every request is salted with its policy version, so old KV blocks are never reused.
 
-- ``begin`` starts the per-server pipeline (``update_pipeline``: join, pause, start,
-  receive) in the background and returns at once: its join and receive wait on the trainer,
-  which hosts the rendezvous and broadcasts only after begin returns.
-- ``commit`` waits for the pipeline, then finish_weight_update (vLLM applies the weights),
-  moves the policy version and resumes generation. Old KV blocks are never reused: every
-  request is salted with its policy version. vLLM's own label of the weights is set after
-  the commit, off the path admission waits on.
-
-A resend (the current weights again, for a restarted server) commits without a bump.
-
-Invariant: every paused server is resumed, whatever happens. A failed pipeline, a trainer
-that never commits (watchdog) and an explicit abort all end in ``_abort``: servers resume on
-the old weights (``server_repair``) and the next update re-joins the transfer group.
+Invariant: every paused server is resumed, whatever happens: a failed pipeline, the watchdog
+and an explicit abort all end in ``_abort``, and the next update re-joins the transfer group.
 """
 
 from __future__ import annotations
@@ -60,14 +52,12 @@ class WeightSyncCoordinator:
         holds: VersionHolds | None = None,
         on_stuck: Callable[[str, str | None], None] = lambda url, reason: None,
     ) -> None:
-        """``on_stuck``: told a server whose engine still runs a call of an aborted update,
-        and why (its routing holds it), then None once it is free."""
+        """``on_stuck``: told a server still running an aborted update's call, and why; None once free."""
         self.servers = list(servers)
         self.holds = holds or VersionHolds()
         """Evaluations holding the current version: an update waits for them (``version_holds``)."""
         self.pausing_update_pending = False
-        """A begin that pauses the servers is waiting or in progress: no evaluation may start
-        under it (the paused servers would never finish it)."""
+        """A pausing begin waits or runs: no evaluation may start (paused servers would never finish it)."""
         self.settings = settings
         self.versions = versions
         """The versions of the weights this coordinator pushes: it moves them, others watch."""
@@ -76,7 +66,6 @@ class WeightSyncCoordinator:
         self.updates_resent = 0
         self.updates_aborted = 0
         self.last_update: UpdateTimes | None = None
-        """Timing of the last committed or aborted update."""
         self._paused_seconds = 0.0
         self._metrics = metrics
         self._clock = clock
@@ -88,9 +77,8 @@ class WeightSyncCoordinator:
         self._no_update_running.set()
         self._last_aborted: Update | None = None
         self._group: tuple[str, int] | None = None
-        # Numbers the joins: each join's rendezvous keys get their own prefix in the trainer's
-        # store. Started from the clock, so that a restarted service never reuses the epoch of
-        # a join its predecessor made through the same long-lived store (a reconnecting trainer).
+        # Prefixes each join's rendezvous keys; from the clock, so a restarted service never
+        # reuses an epoch of its predecessor in a reconnecting trainer's long-lived store.
         self._epoch = time.time_ns() // 1_000_000 % 2**31
         self._world_sizes: list[int] | None = None
         self._lock = asyncio.Lock()
@@ -99,7 +87,6 @@ class WeightSyncCoordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.repair = ServerRepair(self.servers, settings, on_stuck, self._spawn)
         self._steps = UpdatePipeline(self.servers, settings, clock, lambda: self.version)
-        """Gets servers generating again after an update went wrong, or a service died."""
 
     # -- begin ---------------------------------------------------------------------------
     async def begin(
@@ -112,8 +99,7 @@ class WeightSyncCoordinator:
         resend: bool = False,
         join: bool = False,
     ) -> UpdateTicket:
-        """Start an update; ``resend``: the trainer sends the current version's weights again;
-        ``join``: the trainer holds no group, whatever its address and port."""
+        """Start an update; ``resend``: the current version's weights again; ``join``: the trainer holds no group."""
         validate_begin(trainer_address, trainer_port, tensors)
         if mode == "none" and self.settings.backend not in APPLIES_AT_FINISH:
             raise FailedPrecondition(no_pause_refused(self.settings.backend))
@@ -170,8 +156,7 @@ class WeightSyncCoordinator:
         )
 
     async def prefetch_world_sizes(self) -> None:
-        """Best effort at start-up, while the servers are idle: a server busy with its first
-        batch of generation has been seen to take more than 30 s to answer."""
+        """Best effort at start-up, while the servers are idle: a busy server can be slow to answer."""
         try:
             await self._worker_world_sizes()
         except FailedPrecondition as exc:
@@ -187,9 +172,7 @@ class WeightSyncCoordinator:
         return self._world_sizes
 
     async def _label(self, version: int, after: asyncio.Task[None] | None) -> None:
-        """After a commit, off its path: label the servers' weights with the version, so that
-        vLLM's ``/weight_info`` (and the version it stamps on outputs) says what they serve.
-        ``after``: the previous commit's labelling, which must not land after this one."""
+        """Label the servers' weights (``/weight_info``) off the commit's path, once ``after`` (the last) is done."""
         if after is not None:
             await asyncio.gather(after, return_exceptions=True)
         for server in list(self.servers):
@@ -204,8 +187,7 @@ class WeightSyncCoordinator:
         self._spawn(self._abort(update, f"receiving failed: {task.exception()}"))
 
     async def _watchdog(self, update: Update) -> None:
-        """Abort an update that makes no progress for the limit: measured from its last step,
-        not from begin, so a long but moving transfer of a large model is not cut off."""
+        """Abort an update idle for the limit, from its last step: a long but moving transfer goes on."""
         limit = self.settings.transfer_timeout_s + 2 * self.settings.control_timeout_s
         loop = asyncio.get_running_loop()
         while self._current is update and update.aborted is None:
@@ -219,8 +201,7 @@ class WeightSyncCoordinator:
     async def commit(self, update_id: str) -> tuple[int, float]:
         update = self._get(update_id)
         assert update.pipeline is not None
-        # No progress of its own: a trainer asks for the commit while it still sends (to
-        # hear of an abort at once), so the watchdog keeps timing the receive.
+        # No progress of its own: the trainer commits while still sending, so the watchdog times the receive.
         try:
             await asyncio.shield(update.pipeline)
         except asyncio.CancelledError:
@@ -240,15 +221,12 @@ class WeightSyncCoordinator:
                 update.phases["eval_hold"] = update.phases.get("eval_hold", 0.0) + held_s
                 self._steps.progressed(update, "eval_hold")
             try:
-                # No label here: vLLM sets it in a second engine-core call after the apply, one
-                # engine step or more during which the version, and with it staleness
-                # admission, would wait. ``_label`` sets it after.
+                # No label: vLLM's second engine call would hold up the version (and admission); ``_label`` follows.
                 await self._steps.phase(
                     update, "finish", *(s.finish_weight_update(None, control_s) for s in self.servers)
                 )
             except WeightSyncError as exc:
-                # Some servers may have applied the weights: the group and the versions are
-                # no longer trustworthy, so the next update re-joins and re-sends everything.
+                # Some servers may have applied them: the next update re-joins and re-sends everything.
                 await self._abort_locked(update, f"applying failed: {exc}")
                 raise FailedPrecondition(self._aborted_message(update)) from None
             self.pausing_update_pending = False  # before the news: an evaluation may start on it
@@ -275,16 +253,9 @@ class WeightSyncCoordinator:
         else:
             self._no_update_running.clear()
 
-    @property
-    def update_in_progress(self) -> bool:
-        """Between a begin and its commit or abort (the servers may hold either version)."""
-        return self._current is not None
-
     async def add_server(self, server: WeightControl, joined: Callable[[], None] = lambda: None) -> None:
-        """A server joins the pool (``PoolMembership``): from the next update on it is one of
-        the servers, and that update joins a fresh transfer group that includes it. Its world
-        size is asked now, while it takes no requests (a busy server can take seconds).
-        ``joined`` runs in the same step, before any update can begin with the new server."""
+        """``server`` joins from the next update on, in a fresh group; its world size is asked now,
+        while it is idle. ``joined`` runs before any update can begin with it."""
         world_size = await server.world_size(self.settings.control_timeout_s)
         async with self._between_updates():
             self.servers.append(server)
@@ -294,8 +265,7 @@ class WeightSyncCoordinator:
             joined()
 
     async def remove_server(self, url: str) -> None:
-        """A drained server leaves: the next update joins a fresh group without it (the old
-        group's broadcasts would wait for it forever)."""
+        """A drained server leaves: the next update joins a fresh group (the old one would wait for it)."""
         async with self._between_updates():
             index = next((i for i, server in enumerate(self.servers) if server.base_url == url), None)
             if index is None:
@@ -307,8 +277,7 @@ class WeightSyncCoordinator:
 
     @contextlib.asynccontextmanager
     async def _between_updates(self) -> AsyncIterator[None]:
-        """Hold the lock at a moment no update is in progress: an update's servers must not
-        change between its begin and its commit or abort."""
+        """Hold the lock while no update is in progress: an update's servers must not change under it."""
         while True:
             await self._no_update_running.wait()
             await self._lock.acquire()
@@ -326,8 +295,7 @@ class WeightSyncCoordinator:
         return self.versions.served
 
     def server_restarted(self) -> None:
-        """A server came back as a new process, outside the transfer group: the next update
-        joins a fresh group (an update in flight fails on the old process and aborts)."""
+        """A server came back outside the transfer group: the next update joins a fresh one."""
         self._group = None
 
     async def abort(self, update_id: str, reason: str) -> int:
@@ -346,8 +314,7 @@ class WeightSyncCoordinator:
         self._last_aborted = update
         if update.pipeline is not None and not update.pipeline.done():
             update.pipeline.cancel()
-            # The pipeline's own outcome (cancelled, or failed) is what the abort replaces; a
-            # cancellation of this abort itself still propagates.
+            # The abort replaces the pipeline's outcome; a cancellation of this abort still propagates.
             await asyncio.gather(update.pipeline, return_exceptions=True)
         self._group = None  # a failed transfer group cannot be trusted: re-join next time
         for url, call in update.in_vllm.items():
