@@ -100,7 +100,8 @@ async def run_trl(args: argparse.Namespace, name: str, seed: int, work: Path) ->
     out = work / f"{name}-{seed}.json"
     command = [sys.executable, str(ENTRY), "trl-worker", "--threads", str(threads), "--seed", str(seed)]
     command += ["--out", str(out), *shared_flags(args), *(["--bf16"] if name.endswith("-bf16") else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(BENCHMARKS)}
+    path = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))  # a worktree's own code
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     await run_subprocess(command, env, args.timeout_s, name)
     curve = json.loads(out.read_text())
     steps = min(len(curve["wall_s"]), len(curve["rewards"]))
