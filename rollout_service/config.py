@@ -198,10 +198,6 @@ class SchedulerSettings(Section):
     stall_timeout_s: float = Field(default=300.0, ge=0)
     """A run that makes no progress this long is reported as stalled (``delivery.watchdog``):
     no group scored while its consumers wait, or groups waiting and none acked. 0: never."""
-    group_requests: bool = True
-    """Sample a single-turn group as one request (vLLM's ``n``): the prompt is parsed and
-    prefilled once. Its G slots stay held until its longest completion ends, so completions
-    of very different lengths leave slots idle; off: one request per member."""
 
 
 class AdapterSettings(Section):

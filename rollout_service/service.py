@@ -102,7 +102,6 @@ class RolloutService:
             metrics,
             settings.max_inflight,
             renderer.decode,
-            group_requests=settings.group_requests,
             max_group_bytes=settings.max_group_bytes,
             route=lambda run: self.weights.engine_for(run, engine),
         )

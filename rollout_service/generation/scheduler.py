@@ -63,7 +63,6 @@ class Scheduler:
         metrics: ServiceMetrics,
         max_inflight: int,
         decode: Callable[[list[int]], str],
-        group_requests: bool = True,
         max_group_bytes: int = 4 << 20,
         route: Callable[[Run], Engine] | None = None,
     ) -> None:
@@ -72,8 +71,6 @@ class Scheduler:
         self.engine = engine
         self.route = route or (lambda run: engine)
         self.max_group_bytes = max_group_bytes
-        self.group_requests = group_requests
-        """Single-turn groups as one request when the engine can (``SchedulerSettings``)."""
         self.decode = decode
         self.metrics = metrics
         self.max_inflight = max_inflight
@@ -234,8 +231,7 @@ class Scheduler:
         its G slots at once (a request that needs more slots than the run or the service
         has would wait for them for ever; its members then go one slot at a time)."""
         return (
-            self.group_requests
-            and run.episode is None
+            run.episode is None
             and not run.spec.group_deadline_s  # a deadline keeps the members that finished
             and run.spec.sampling.seed is None
             and run.spec.group_size <= min(run.max_inflight, self.slots.total)
