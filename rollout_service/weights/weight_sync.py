@@ -133,8 +133,8 @@ class WeightSyncCoordinator:
             if join:
                 self._group = None
 
-            def joined(group: tuple[str, int] = (trainer_address, trainer_port)) -> None:
-                self._group = group
+            def joined() -> None:
+                self._group = (trainer_address, trainer_port)
 
             update.pipeline = self._spawn(
                 self._steps.run(update, join, trainer_address, trainer_port, world_sizes, update_info, mode, joined)
