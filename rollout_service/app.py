@@ -20,7 +20,7 @@ from aiohttp import web
 from rollout_common.cpu_budget import available_cores, move_process
 from rollout_common.model_signature import signature_of
 from rollout_service.config import DEFAULT_MODEL_DIR, EngineSettings, ServiceSettings
-from rollout_service.delivery.state_store import open_store
+from rollout_service.delivery.state_store import StateStore, open_store
 from rollout_service.edge.group_wire import WireCodec
 from rollout_service.edge.openai_api import openai_app
 from rollout_service.edge.security import load_token_table
@@ -37,12 +37,16 @@ from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.prompts import PromptRenderer
 from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics, start_metrics_server
+from rollout_service.runs import RunTable
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
+from rollout_service.versions import PolicyVersion
 from rollout_service.weights.adapters import AdapterPublisher
 from rollout_service.weights.partitions import PoolPartitions
 from rollout_service.weights.pool_membership import PoolMembership
+from rollout_service.weights.push_routes import PushRoutes
 from rollout_service.weights.server_recovery import ServerRecovery
+from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 
 logger = logging.getLogger(__name__)
@@ -143,51 +147,60 @@ async def running_service(
 
         store = open_store(settings.state_store, WireCodec())
         stack.callback(store.close)  # after the service stopped: the last acks are written
+        info = ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight, model_signature=signature)
+        runs, versions, holds = RunTable(), PolicyVersion(), VersionHolds()
+        weights = _weight_plane(settings, controls, pool, runs, versions, holds, store, metrics)
+        recovery = ServerRecovery(weights, pool, versions)
+        recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
+        membership = PoolMembership(
+            weights,
+            store,
+            pool,
+            recovery,
+            lambda url: VLLMServerClient(url, model, engine_settings, metrics, max_inflight),
+            model=model,
+            engine_urls=info.engine_urls,
+            metrics=metrics,
+            managed_urls=frozenset([managed.url] if managed is not None else []),
+        )
         service = RolloutService(
             engine=pool,
             renderer=PromptRenderer(tokenizer, max_model_len),
             rewards=rewards,
             metrics=metrics,
             settings=settings.scheduler,
-            info=ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight, model_signature=signature),
+            info=info,
             tools=tools,
             environments=environments,
             store=store,
-            partitioned=settings.weight_sync.partitions,
+            runs=runs,
+            versions=versions,
+            holds=holds,
+            weights=weights,
+            membership=membership,
         )
         stack.push_async_callback(service.close)
-        recovery = ServerRecovery(service.weights, pool, service.versions)
-        recovery.hold_until_checked()  # the restored runs start now; no server holds a version yet
         if restored := await service.restore():
-            logger.info(
-                "restored %d runs from %s (policy version %d)", restored, settings.state_store, service.policy_version
-            )
+            logger.info("restored %d runs from %s (policy version %d)", restored, settings.state_store, versions.served)
         watchdog = asyncio.create_task(service.watch_runs(), name="run-watchdog")
         stack.push_async_callback(_cancelled, watchdog)
-        service.membership = PoolMembership(
-            service,
-            pool,
-            recovery,
-            lambda url: VLLMServerClient(url, model, engine_settings, metrics, max_inflight),
-            model=model,
-            engine_urls=service.info.engine_urls,
-            metrics=metrics,
-            managed_urls=frozenset([managed.url] if managed is not None else []),
-        )
-        stack.push_async_callback(service.membership.close)  # after weight sync's close, which may resume them
+        stack.push_async_callback(membership.close)  # after the weight plane's close, which may resume them
+        stack.push_async_callback(weights.close)
         metrics.engines.set(len(pool.clients))
-        await _attach_weights(service, recovery, controls, settings, managed, stack, fresh_urls)
+        if managed is not None:
+            _supervise(managed, recovery, metrics, stack)
+        if (sync := weights.weight_sync) is not None:
+            await sync.prefetch_world_sizes()
+            await sync.repair.release_left_transfer(skip=fresh_urls)
+            await sync.repair.resume_left_paused()
         await recovery.check_restored(settings.weight_sync.control_timeout_s)
-        membership = service.membership
         if discovery is not None:
             found = functools.partial(membership.add, remember=False)  # discovery finds them again after a restart
             following = asyncio.create_task(discovery.run(found, membership.remove), name="engine-discovery")
             stack.push_async_callback(_cancelled, following)
-        if service.added_engines:
-            logger.info("adding again the servers AddEngine added before the restart: %s", service.added_engines)
-            rejoining = asyncio.create_task(
-                membership.rejoin(service.added_engines, RESOLVE_INTERVAL_S), name="engine-rejoin"
-            )
+        if membership.added_engines:
+            logger.info("adding again the servers AddEngine added before the restart: %s", membership.added_engines)
+            rejoining = asyncio.create_task(membership.rejoin(RESOLVE_INTERVAL_S), name="engine-rejoin")
             stack.push_async_callback(_cancelled, rejoining)
         await service.restore_adapters()  # restored serve_adapter runs get their adapters back
 
@@ -270,61 +283,41 @@ def _user_registries(settings: ServiceSettings) -> tuple[RewardRegistry, ToolReg
     return rewards, tools, environments
 
 
-async def _attach_weights(
-    service: RolloutService,
-    recovery: ServerRecovery,
-    controls: list[VLLMControlClient],
+def _weight_plane(
     settings: ServiceSettings,
-    managed: ManagedVLLMServer | None,
-    stack: contextlib.AsyncExitStack,
-    fresh_urls: frozenset[str] = frozenset(),
-) -> None:
-    """Weight sync, adapters, and a managed server's supervisor (``recovery`` holds a restarted one);
-    ``fresh_urls``: servers started here, where no earlier service can have left a transfer open."""
-    if settings.weight_sync.partitions:
-        _attach_partitions(service, recovery, controls, settings, stack)
-    else:
-        service.weights.weight_sync = WeightSyncCoordinator(
-            controls,
-            settings.weight_sync,
-            service.versions,  # a restarted service goes on from its stored version
-            recovery.version_committed,
-            metrics=service.metrics,
-            holds=service.holds,
-            on_stuck=recovery.pool.set_stuck,
+    controls: list[VLLMControlClient],
+    pool: EnginePool,
+    runs: RunTable,
+    versions: PolicyVersion,
+    holds: VersionHolds,
+    store: StateStore,
+    metrics: ServiceMetrics,
+) -> PushRoutes:
+    """The pool's weight sync, or with ``weight_sync.partitions`` one per full-weight run over its
+    own servers; and the adapter publisher."""
+    sync_settings = settings.weight_sync
+    sync, partitions = None, None
+    if sync_settings.partitions:
+        partitions = PoolPartitions(pool, controls, sync_settings, runs.request_weights, metrics)
+    else:  # from the stored version, which ``restore`` commits: a restarted service goes on from it
+        sync = WeightSyncCoordinator(
+            controls, sync_settings, versions, metrics=metrics, holds=holds, on_stuck=pool.set_stuck
         )
-        stack.push_async_callback(service.weights.weight_sync.close)
-    service.weights.adapters = AdapterPublisher(
-        settings.adapters.dir, controls, settings.weight_sync.control_timeout_s, managed_max_lora_rank(settings.engine)
+    adapters = AdapterPublisher(
+        settings.adapters.dir, controls, sync_settings.control_timeout_s, managed_max_lora_rank(settings.engine)
     )
-    if managed is not None:
-        supervisor = ServerSupervisor(
-            managed,
-            recovery.server_down,
-            recovery.server_restarted,
-            service.metrics.server_restarts.labels(managed.url).inc,
-        )
-        supervisor.start()
-        stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
-    if (sync := service.weights.weight_sync) is not None:
-        await sync.prefetch_world_sizes()
-        await sync.repair.release_left_transfer(skip=fresh_urls)
-        await sync.repair.resume_left_paused()
+    return PushRoutes(runs, store, weight_sync=sync, partitions=partitions, adapters=adapters)
 
 
-def _attach_partitions(
-    service: RolloutService,
-    recovery: ServerRecovery,
-    controls: list[VLLMControlClient],
-    settings: ServiceSettings,
-    stack: contextlib.AsyncExitStack,
+def _supervise(
+    managed: ManagedVLLMServer, recovery: ServerRecovery, metrics: ServiceMetrics, stack: contextlib.AsyncExitStack
 ) -> None:
-    """``weight_sync.partitions``: a weight sync per full-weight run over its own servers."""
-    partitions = PoolPartitions(
-        recovery.pool, controls, settings.weight_sync, service.request_run_weights, service.metrics
+    """Restart the managed server when it dies; ``recovery`` holds it until it serves the policy again."""
+    supervisor = ServerSupervisor(
+        managed, recovery.server_down, recovery.server_restarted, metrics.server_restarts.labels(managed.url).inc
     )
-    stack.push_async_callback(partitions.close)
-    service.weights.use_partitions(partitions)
+    supervisor.start()
+    stack.push_async_callback(supervisor.close)  # runs before the server's stop: no restart at shutdown
 
 
 async def _serve_grpc(

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
-from rollout_service.errors import InvalidArgument, echo
+from rollout_service.errors import InvalidArgument, NotFound, echo
 from rollout_service.eval_tally import EvalSpec, EvalTally
 from rollout_service.generation.episode import MultiTurnConfig
 from rollout_service.generation.prompts import PromptSource, PromptSpec
@@ -33,6 +34,7 @@ MAX_SEED = 1 << 62
 """Member seeds count up from the base seed and must stay within vLLM's int64."""
 MAX_SECONDS = 7 * 86_400
 """Timeouts and deadlines: a week is beyond any real one, and keeps timers finite."""
+DELETED_RUNS_KEPT = 256
 
 PromptSourceKind = Literal["dataset", "prompts", "submitted", "external"]
 RunState = Literal["running", "stopped", "failed", "completed"]
@@ -277,3 +279,33 @@ class Run:
             "version_bumped": admission.version_bumped,
             "lookahead_versions": admission.lookahead.versions if admission.lookahead is not None else None,
         }
+
+
+class RunTable(dict[str, Run]):
+    """The live runs by id (running or failed), shared by the service and the weight plane, and
+    the last ``DELETED_RUNS_KEPT`` deleted ones, so GetRun and a late subscriber can still be told
+    what happened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: OrderedDict[str, Run] = OrderedDict()
+
+    def find(self, run_id: str) -> Run | None:
+        return self.get(run_id) or self.deleted.get(run_id)
+
+    def require(self, run_id: str) -> Run:
+        run = self.find(run_id)
+        if run is None:
+            raise NotFound(f"no run {echo(run_id)}; existing runs: {', '.join(self) or 'none'}")
+        return run
+
+    def retire(self, run_id: str) -> None:
+        """Move a deleted run among the kept records."""
+        self.deleted[run_id] = self.pop(run_id)
+        while len(self.deleted) > DELETED_RUNS_KEPT:
+            self.deleted.popitem(last=False)
+
+    def request_weights(self, run_id: str, reason: str) -> None:
+        """Ask a live run's trainer to push its weights now (WeightsWanted)."""
+        if (run := self.get(run_id)) is not None:
+            run.admission.request_weights(reason)

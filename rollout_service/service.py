@@ -7,7 +7,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.delivery.state_store import MemoryStore, StateStore
 from rollout_service.delivery.watchdog import RunWatchdog
 from rollout_service.engine.protocol import Engine
-from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, echo
+from rollout_service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from rollout_service.evaluation import Evaluations
 from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.external import ExternalEpisodes
@@ -35,7 +34,7 @@ from rollout_service.generation.scheduler import Scheduler
 from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.run_inputs import RunInputs
-from rollout_service.runs import MAX_BUFFERED_GROUPS, Run, RunSpec
+from rollout_service.runs import MAX_BUFFERED_GROUPS, Run, RunSpec, RunTable
 from rollout_service.scoring.advantages import AdvantageComputer
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.scoring.score import GroupScorer
@@ -47,7 +46,6 @@ from rollout_service.weights.version_holds import VersionHolds
 if TYPE_CHECKING:  # it drives this class: imported for the annotation only
     from rollout_service.weights.pool_membership import PoolMembership
 
-DELETED_RUNS_KEPT = 256
 NO_ENGINE_ERROR = "no vLLM server is answering; groups are dropped until one does (see the service's health)"
 
 logger = logging.getLogger(__name__)
@@ -76,11 +74,16 @@ class RolloutService:
         environments: EnvironmentRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         store: StateStore | None = None,
-        partitioned: bool = False,
+        runs: RunTable | None = None,
+        versions: PolicyVersion | None = None,
+        holds: VersionHolds | None = None,
+        weights: PushRoutes | None = None,
+        membership: PoolMembership | None = None,
     ) -> None:
-        """``partitioned``: ``weight_sync.partitions``, each full-weight run on servers of its own."""
+        """The weight plane is built first (``app``) and passed in: ``weights`` routes pushes over
+        ``runs``, its weight syncs move ``versions`` and wait on ``holds``. Without them: a
+        service that syncs no weights, and whose pool (``membership``) never changes."""
         self.clock = clock
-        self.partitioned = partitioned
         self.started = clock()
         self.store: StateStore = store if store is not None else MemoryStore()
         """Runs, unacked groups and acked ids, durable across restarts (``delivery.state_store``)."""
@@ -108,19 +111,15 @@ class RolloutService:
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.watchdog = RunWatchdog(settings.stall_timeout_s, metrics, clock)
         self.pool_usable = True
-        self.runs: dict[str, Run] = {}
-        """Live runs (running or failed): what ListRuns shows and GetStats reports."""
-        self.deleted: OrderedDict[str, Run] = OrderedDict()
-        """The last ``DELETED_RUNS_KEPT`` deleted runs, their groups and metric series freed, so
-        that GetRun and a late subscriber can still be told what happened."""
-        self.versions = PolicyVersion()
+        self.runs = runs if runs is not None else RunTable()
+        self.versions = versions if versions is not None else PolicyVersion()
         """The base weights' versions: the runs on them share it; the state store keeps it."""
-        self.weights = PushRoutes(
-            self.runs, self.get_run, lambda run_id: self.store.set_meta("base_weights_run", run_id)
-        )
+        self.weights = weights if weights is not None else PushRoutes(self.runs, self.store)
         """Who may push weights and adapters, and to which servers."""
-        self.holds = VersionHolds()
+        self.holds = holds if holds is not None else VersionHolds()
         """Evaluation runs holding the servers' version; the weight sync waits on them."""
+        self.membership = membership
+        """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
         self.evaluations = Evaluations(
             self.holds,
             metrics,
@@ -133,14 +132,6 @@ class RolloutService:
         self.versions.watch(self._base_version_changed)
         self.external = ExternalEpisodes(engine, renderer, self.scorer, metrics)
         """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""
-        self.membership: PoolMembership | None = None
-        """Adds and removes vLLM servers while the service runs (AddEngine, RemoveEngine)."""
-        self.added_engines: list[str] = []
-        """Servers AddEngine added and RemoveEngine has not removed, kept across restarts
-        (``PoolMembership.rejoin``)."""
-
-    def _update_pausing(self) -> bool:
-        return (sync := self.weights.weight_sync) is not None and sync.pausing_update_pending
 
     @property
     def policy_version(self) -> int:
@@ -149,9 +140,6 @@ class RolloutService:
 
     def set_policy_version(self, version: int) -> None:
         self.versions.commit(version)
-
-    def set_trainer_version(self, version: int) -> None:
-        self.versions.set_trainer(version)
 
     def _base_version_changed(self, change: VersionChange) -> None:
         """The store keeps the servers' version across restarts; an update that ended may let
@@ -195,7 +183,8 @@ class RolloutService:
         stored, meta = await asyncio.to_thread(self.store.load)
         self.set_policy_version(int(meta.get("policy_version", 0)))
         self.weights.base_weights_run = meta.get("base_weights_run")
-        self.added_engines = list(meta.get("added_engines", []))
+        if self.membership is not None:
+            self.membership.added_engines = list(meta.get("added_engines", []))
         for saved in stored:
             try:
                 run = await self._new_run(saved.spec, saved.owner, saved.run_id)
@@ -280,7 +269,7 @@ class RolloutService:
         trains = spec.eval is None  # an evaluation's groups are never trained: staleness does not apply
         if spec.serve_adapter:  # its versions count its adapter pushes
             versions = PolicyVersion()
-        elif self.partitioned and trains:  # its own servers, pushed by its own trainer
+        elif self.weights.partitions is not None and trains:  # its own servers, pushed by its own trainer
             versions = PolicyVersion(self.versions.served)
         else:
             versions = self.versions
@@ -301,22 +290,11 @@ class RolloutService:
             run_id, max_buffered, self.metrics, lease_timeout_s=lease_timeout_s, admission=admission, store=store
         )
 
-    def find_run(self, run_id: str) -> Run | None:
-        """A live run, or one of the last deleted ones; None if the service has neither."""
-        return self.runs.get(run_id) or self.deleted.get(run_id)
-
-    def get_run(self, run_id: str) -> Run:
-        run = self.find_run(run_id)
-        if run is None:
-            known = ", ".join(self.runs) or "none"
-            raise NotFound(f"no run {echo(run_id)}; existing runs: {known}")
-        return run
-
     async def delete_run(self, run_id: str) -> Run:
         """Stop the run and free what it holds: its buffered and leased groups, ack memory,
         prompt queue and metric series. Its record stays among the last deleted runs."""
-        run = self.get_run(run_id)
-        if run_id in self.deleted:
+        run = self.runs.require(run_id)
+        if run_id in self.runs.deleted:
             return run  # deleting twice is a no-op
         if run.state == "running":
             run.state = "stopped"
@@ -328,16 +306,13 @@ class RolloutService:
         self.store.delete_run(run_id)
         run.source.discard()
         self.metrics.forget_run(run_id)
-        del self.runs[run_id]
-        self.deleted[run_id] = run
-        while len(self.deleted) > DELETED_RUNS_KEPT:
-            self.deleted.popitem(last=False)
+        self.runs.retire(run_id)
         logger.info("deleted run %s (%d unconsumed groups freed)", run_id, freed)
         return run
 
     async def publish_adapter(self, run_id: str, files: dict[str, bytes]) -> tuple[int, str]:
         """Serve a new adapter of a serve_adapter run; returns its policy version and name."""
-        run = self.get_run(run_id)
+        run = self.runs.require(run_id)
         if not run.spec.serve_adapter:
             raise FailedPrecondition(
                 f"run {run_id} samples from the base weights; create the run with serve_adapter to push adapters"
@@ -360,7 +335,7 @@ class RolloutService:
     ) -> tuple[int, int]:
         """Queue prompts for a submitted-prompts run; ``convert``: each prompt from its wire
         form, beside its rendering off the event loop. Returns (accepted, queued now)."""
-        run = self.get_run(run_id)
+        run = self.runs.require(run_id)
         if not isinstance(run.source, SubmittedPromptSource):
             raise FailedPrecondition(
                 f"run {run_id} takes its prompts from its {run.spec.source_kind}; "
@@ -418,10 +393,6 @@ class RolloutService:
         if self.membership is None:
             raise FailedPrecondition("this service's pool cannot change while it runs")
         return self.membership
-
-    def request_run_weights(self, run_id: str, reason: str) -> None:
-        if (run := self.runs.get(run_id)) is not None:
-            run.admission.request_weights(reason)
 
     async def drain(self, grace_s: float) -> None:
         """The first step of a shutdown: runs start no group and hand out none; consumers

@@ -59,7 +59,7 @@ class ConsumerSession:
 
     def __init__(self, service: RolloutService, run_id: str, consumer_id: str, credits: int) -> None:
         self.service = service
-        self.run = service.get_run(run_id)
+        self.run = service.runs.require(run_id)
         self.broker = self.run.broker
         self.consumer_id = consumer_id
         self.credits = credits

@@ -165,7 +165,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def _run(self, run_id: str, caller: Principal) -> Run:
         """The caller's run; NOT_FOUND naming only its own runs if it is another's."""
-        run = self.service.find_run(run_id)
+        run = self.service.runs.find(run_id)
         if run is None or not (caller.admin or run.owner == caller.name):
             yours = ", ".join(r.run_id for r in self._visible(caller)) or "none"
             raise NotFound(f"no run {echo(run_id)}; {'runs' if caller.admin else 'your runs'}: {yours}")

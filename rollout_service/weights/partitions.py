@@ -141,13 +141,9 @@ class PoolPartitions:
         """The run's coordinator exists at once (its trainer may push); its servers follow in the
         background (``settled``), as taking one from another run waits for its requests to drain."""
         coordinator = WeightSyncCoordinator(
-            [],
-            self.settings,
-            versions,
-            lambda v: self._committed(run_id),
-            metrics=self.metrics,
-            on_stuck=self.pool.set_stuck,
+            [], self.settings, versions, metrics=self.metrics, on_stuck=self.pool.set_stuck
         )
+        versions.watch(lambda change: self._committed(run_id) if change.committed else None)
         self.partitions[run_id] = _Partition(run_id, weight, coordinator)
         self._rebalance_soon()
 

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -25,7 +24,7 @@ from rollout_service.engine.vllm_client import VLLMServerClient, served_models
 from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError, echo
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import EngineRemoved, EngineState
-from rollout_service.weights.push_routes import PushRoutes
+from rollout_service.weights.push_routes import MetaStore, PushRoutes
 from rollout_service.weights.server_recovery import ServerRecovery
 
 logger = logging.getLogger(__name__)
@@ -45,27 +44,11 @@ def check_engine_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-class MetaStore(Protocol):
-    """The part of the state store a join or leave writes (the weights do not import ``delivery``)."""
-
-    def set_meta(self, key: str, value: Any) -> None: ...
-
-
-class MembershipHost(Protocol):
-    """What joins and leaves use of the service, read at each use: a restore replaces the kept servers."""
-
-    weights: PushRoutes
-    added_engines: list[str]
-    """Servers AddEngine added, kept across restarts."""
-
-    @property
-    def store(self) -> MetaStore: ...
-
-
 class PoolMembership:
     def __init__(
         self,
-        service: MembershipHost,
+        weights: PushRoutes,
+        store: MetaStore,
         pool: EnginePool,
         recovery: ServerRecovery,
         new_client: Callable[[str], VLLMServerClient],
@@ -74,7 +57,8 @@ class PoolMembership:
         metrics: ServiceMetrics,
         managed_urls: frozenset[str] = frozenset(),
     ) -> None:
-        self.service = service
+        self.weights = weights
+        self.store = store
         self.pool = pool
         self.recovery = recovery
         self.new_client = new_client
@@ -87,6 +71,8 @@ class PoolMembership:
         """Servers the service runs itself: they leave only with it."""
         self.controls: dict[str, VLLMControlClient] = {}
         """Control clients of the servers added here (the service's first ones are the app's)."""
+        self.added_engines: list[str] = []
+        """Servers AddEngine added and RemoveEngine has not removed, kept across restarts (``rejoin``)."""
         self.pending: set[str] = set()
         """Servers added before a restart that have not joined again yet (``rejoin``)."""
         self._lock = asyncio.Lock()
@@ -103,7 +89,7 @@ class PoolMembership:
     def _state(self, client: VLLMServerClient) -> EngineState:
         url = client.base_url
         reason, owner = self.pool.stuck.get(url) or self.pool.held.get(url, ""), ""
-        if (partitions := self.service.weights.partitions) is not None:
+        if (partitions := self.weights.partitions) is not None:
             owner = partitions.owner.get(url) or ""
             reason = reason or partitions.unready_reason(url)
         return EngineState(url, not reason, reason, client.inflight, url in self.managed_urls, owner)
@@ -133,9 +119,9 @@ class PoolMembership:
         logger.info("%s joined the pool (%s)", url, self.pool.held.get(url) or "taking requests")
         return self._state(client)
 
-    async def rejoin(self, urls: list[str], retry_interval_s: float) -> None:
-        """After a restart: add AddEngine's servers, retrying each until it joins or is removed (``pending``)."""
-        self.pending.update(urls)
+    async def rejoin(self, retry_interval_s: float) -> None:
+        """After a restart: add AddEngine's servers again, retrying each until it joins or is removed (``pending``)."""
+        self.pending.update(self.added_engines)
         while self.pending:
             for url in sorted(self.pending):
                 try:
@@ -151,10 +137,10 @@ class PoolMembership:
 
     def _remember(self, url: str, added: bool) -> None:
         """Keep (or stop keeping) ``url`` among the servers a restarted service adds again."""
-        engines = [u for u in self.service.added_engines if u != url] + ([url] if added else [])
-        if engines != self.service.added_engines:
-            self.service.added_engines = engines
-            self.service.store.set_meta("added_engines", engines)
+        engines = [u for u in self.added_engines if u != url] + ([url] if added else [])
+        if engines != self.added_engines:
+            self.added_engines = engines
+            self.store.set_meta("added_engines", engines)
 
     async def _check_model(self, url: str) -> None:
         model = self.model
@@ -168,7 +154,7 @@ class PoolMembership:
             )
 
     async def _join(self, url: str, control: VLLMControlClient) -> None:
-        sync, adapters = self.service.weights.weight_sync, self.service.weights.adapters
+        sync, adapters = self.weights.weight_sync, self.weights.adapters
         self.recovery.awaiting_weights.add(url)  # before it joins: the next commit including it releases it
         if adapters is not None:
             try:
@@ -178,9 +164,9 @@ class PoolMembership:
                     f"{url} could not load the runs' adapters ({exc}); start it with --enable-lora and "
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as the pool's other servers"
                 ) from None
-        if self.service.weights.partitions is not None:  # a run's partition takes it and brings it to its policy
-            self.service.weights.partitions.add_server(control)
-        if self.service.weights.partitions is not None or sync is None:
+        if self.weights.partitions is not None:  # a run's partition takes it and brings it to its policy
+            self.weights.partitions.add_server(control)
+        if self.weights.partitions is not None or sync is None:
             self.recovery.awaiting_weights.discard(url)
             self.pool.release(url)
             return
@@ -228,12 +214,12 @@ class PoolMembership:
 
     async def _forget(self, url: str, client: VLLMServerClient, control: VLLMControlClient | None) -> None:
         """Out of the weight plane (between updates), the adapters and the pool; clients closed."""
-        if self.service.weights.weight_sync is not None:
-            await self.service.weights.weight_sync.remove_server(url)
-        if self.service.weights.partitions is not None:
-            await self.service.weights.partitions.remove_server(url)
-        if self.service.weights.adapters is not None:
-            self.service.weights.adapters.remove_server(url)
+        if self.weights.weight_sync is not None:
+            await self.weights.weight_sync.remove_server(url)
+        if self.weights.partitions is not None:
+            await self.weights.partitions.remove_server(url)
+        if self.weights.adapters is not None:
+            self.weights.adapters.remove_server(url)
         self.recovery.awaiting_weights.discard(url)
         if self.pool.client(url) is client:
             self.pool.remove(url)

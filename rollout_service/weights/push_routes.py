@@ -9,38 +9,49 @@ full-weight run pushes to its own servers. Adapter runs push adapters; evaluatio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import cast
+from typing import Any, Protocol, cast
 
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.protocol import Engine
 from rollout_service.errors import FailedPrecondition
-from rollout_service.runs import Run
+from rollout_service.runs import Run, RunTable
 from rollout_service.weights.adapters import AdapterPublisher, AdapterRouting
 from rollout_service.weights.partitions import PartitionRouting, PoolPartitions
 from rollout_service.weights.weight_sync import WeightSyncCoordinator, not_in_progress
 
 
+class MetaStore(Protocol):
+    """The part of the state store the weight plane writes (the weights do not import ``delivery``)."""
+
+    def set_meta(self, key: str, value: Any) -> None: ...
+
+
 class PushRoutes:
     def __init__(
         self,
-        runs: Mapping[str, Run],
-        get_run: Callable[[str], Run],
-        remember_owner: Callable[[str], None] = lambda run_id: None,
+        runs: RunTable,
+        store: MetaStore | None = None,
+        weight_sync: WeightSyncCoordinator | None = None,
+        partitions: PoolPartitions | None = None,
+        adapters: AdapterPublisher | None = None,
     ) -> None:
-        """``runs``: the live runs, by id; ``get_run``: a run by id, or NotFound;
-        ``remember_owner``: keeps the base-weights claim across restarts (the state store)."""
+        """``store`` keeps the base-weights claim across restarts;
+        ``weight_sync``: the pool's one weight sync, without partitions (None: the service does not
+        sync weights); ``partitions``: a weight sync per full-weight run over its own servers;
+        ``adapters``: when the servers load LoRA adapters at runtime (serve_adapter runs)."""
         self._runs = runs
-        self._get_run = get_run
-        self._remember_owner = remember_owner
-        self.weight_sync: WeightSyncCoordinator | None = None
-        """The pool's one weight sync, without partitions; None: the service does not sync weights."""
-        self.partitions: PoolPartitions | None = None
-        """With ``weight_sync.partitions``: a weight sync per full-weight run, over its own servers."""
-        self.adapters: AdapterPublisher | None = None
-        """Set when the servers load LoRA adapters at runtime (serve_adapter runs)."""
+        self._store = store
+        self.weight_sync = weight_sync
+        self.partitions = partitions
+        self.adapters = adapters
         self.base_weights_run: str | None = None
         """The run whose trainer pushes the pool's base weights (``_claim``)."""
+
+    async def close(self) -> None:
+        if self.weight_sync is not None:
+            await self.weight_sync.close()
+        if self.partitions is not None:
+            await self.partitions.close()
 
     def require(self) -> WeightSyncCoordinator:
         if self.weight_sync is None:
@@ -49,7 +60,7 @@ class PushRoutes:
 
     def for_push(self, run_id: str) -> WeightSyncCoordinator:
         """The weight sync ``run_id`` pushes through, once it is checked that it may push."""
-        run = self._get_run(run_id)
+        run = self._runs.require(run_id)
         if run.state != "running":
             raise FailedPrecondition(f"run {run_id} is {run.state}; push weights for a running run")
         if run.spec.eval is not None:
@@ -95,15 +106,9 @@ class PushRoutes:
                 f"(a serve_adapter run), add this trainer to run {owner.run_id} (rollout-trainer --run-id "
                 f"{owner.run_id} --no-push), use another server pool, or delete run {owner.run_id} first"
             )
-        if self.base_weights_run != run_id:
-            self._remember_owner(run_id)
+        if self.base_weights_run != run_id and self._store is not None:
+            self._store.set_meta("base_weights_run", run_id)
         self.base_weights_run = run_id
-
-    def use_partitions(self, partitions: PoolPartitions) -> None:
-        """Give each full-weight run, restored ones included, its own servers and weight sync."""
-        self.partitions = partitions
-        for run in self._runs.values():
-            self.run_started(run)
 
     def run_started(self, run: Run) -> None:
         if self.partitions is not None and _partitioned(run):

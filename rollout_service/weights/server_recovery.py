@@ -32,6 +32,7 @@ class ServerRecovery:
         """The base weights' versions (served 0: no full-weight push has committed)."""
         self.awaiting_weights: set[str] = set()
         """Restarted servers held until the next full-weight push commits."""
+        versions.watch(lambda change: self.version_committed() if change.committed else None)
 
     def hold_until_checked(self) -> None:
         """At start-up, before the stored runs start: hold every server until ``check_restored``."""
@@ -94,7 +95,7 @@ class ServerRecovery:
         logger.info("asking run %s's trainer to push its weights now: %s", owner.run_id, reason)
         owner.admission.request_weights(reason)
 
-    def version_committed(self, version: int) -> None:
+    def version_committed(self) -> None:
         """Release the waiting servers the committed push reached (one still joining waits on)."""
         sync = self.weights.weight_sync
         synced = {server.base_url for server in sync.servers} if sync is not None else set(self.awaiting_weights)

@@ -46,7 +46,6 @@ class WeightSyncCoordinator:
         servers: Sequence[WeightControl],
         settings: WeightSyncSettings,
         versions: PolicyVersion,
-        on_commit: Callable[[int], None] = lambda version: None,
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         holds: VersionHolds | None = None,
@@ -69,8 +68,6 @@ class WeightSyncCoordinator:
         self._paused_seconds = 0.0
         self._metrics = metrics
         self._clock = clock
-        self._on_commit = on_commit
-        """Told each committed version, after ``versions``: the servers that waited for it may serve."""
         self._current: Update | None = None
         self._no_update_running = asyncio.Event()
         """Set while ``_current`` is None: when the servers may change (``add_server``)."""
@@ -230,8 +227,7 @@ class WeightSyncCoordinator:
                 await self._abort_locked(update, f"applying failed: {exc}")
                 raise FailedPrecondition(self._aborted_message(update)) from None
             self.pausing_update_pending = False  # before the news: an evaluation may start on it
-            self.versions.commit(new_version)
-            self._on_commit(new_version)
+            self.versions.commit(new_version)  # its watchers: the servers that waited for it may serve
             await self._resume(update)
             self._set_current(None)
             self._labelling = self._spawn(self._label(new_version, self._labelling))

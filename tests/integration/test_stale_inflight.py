@@ -32,7 +32,7 @@ async def test_a_stale_group_is_aborted_in_vllm_and_counted(
                      lambda: f"vLLM to run them ({_state(service, vllm_server, run.run_id)})")  # fmt: skip
 
     tokens_at_abort = vllm_gauge(vllm_server.url, "vllm:generation_tokens_total")
-    service.service.set_trainer_version(1)  # the trainer moved on: version-0 groups can only go stale
+    service.service.versions.set_trainer(1)  # the trainer moved on: version-0 groups can only go stale
     await wait_until(lambda: counters.groups_dropped == GROUPS, 30, "the stale groups to be dropped")
     await wait_until(lambda: vllm_gauge(vllm_server.url, "vllm:num_requests_running") == 0, 30, "vLLM to stop them")
     dropped = service.service.metrics.registry.get_sample_value(

@@ -93,8 +93,21 @@ class ScriptedGroupEngine(ScriptedEngine):
 
 
 def make_service(
-    engine: ScriptedEngine, max_inflight: int = 4, max_buffered: int = 64, rewards=None, partitioned=False, **settings
+    engine: ScriptedEngine,
+    max_inflight: int = 4,
+    max_buffered: int = 64,
+    rewards=None,
+    *,
+    store=None,
+    runs=None,
+    versions=None,
+    holds=None,
+    weights=None,
+    membership=None,
+    engine_urls=None,
+    **settings,
 ):
+    """A service on ``engine``; ``weights`` (over ``runs``) and ``membership`` as the app builds them, if given."""
     registry = RewardRegistry()
     for name, fn in (rewards or {}).items():
         registry.register(name, fn)
@@ -104,6 +117,13 @@ def make_service(
         rewards=registry,
         metrics=ServiceMetrics(),
         settings=SchedulerSettings(max_inflight=max_inflight, default_max_buffered_groups=max_buffered, **settings),
-        info=ServiceInfo(model="scripted", engine_urls=[], max_inflight=max_inflight),
-        partitioned=partitioned,
+        info=ServiceInfo(
+            model="scripted", engine_urls=engine_urls if engine_urls is not None else [], max_inflight=max_inflight
+        ),
+        store=store,
+        runs=runs,
+        versions=versions,
+        holds=holds,
+        weights=weights,
+        membership=membership,
     )

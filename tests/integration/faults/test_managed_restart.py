@@ -66,7 +66,7 @@ async def test_a_killed_managed_server_is_restarted_and_the_trainer_finishes(
 
             assert vllm_server.pid not in (None, old_group)
             assert not _alive_in_group(old_group), "the killed server's engine or worker outlived it"
-            run = running.service.get_run(run_id)
+            run = running.service.runs.require(run_id)
             assert run.admission.weights_requests >= 1  # the trainer was asked for its weights ...
             assert "pushing the weights now, as the service asks" in log  # ... and pushed them
             assert not running.service.scheduler.engine.held  # the restarted server takes requests again

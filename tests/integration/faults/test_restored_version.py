@@ -101,7 +101,7 @@ async def test_a_restarted_service_generates_nothing_until_its_server_holds_the_
             assert "policy version 1 is pushed" in service.scheduler.engine.held[url]
             (engine,) = (await client.stats()).engines
             assert not engine.routable and "labelled 'default'" in engine.held_reason  # visible in GetStats
-            assert service.get_run(run_id).admission.weights_wanted  # the trainer is asked for its weights
+            assert service.runs.require(run_id).admission.weights_wanted  # the trainer is asked for its weights
             assert (await client.stats()).tokens_generated == 0  # nothing sampled under a version not held
 
             assert await push(client, run_id, policy, resend=True) == 1  # the trainer's resend

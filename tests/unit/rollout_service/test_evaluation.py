@@ -15,8 +15,10 @@ from rollout_service.edge.convert import run_spec_from_pb, run_spec_to_pb, run_t
 from rollout_service.errors import FailedPrecondition, InvalidArgument
 from rollout_service.eval_tally import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
-from rollout_service.runs import RunSpec
+from rollout_service.runs import RunSpec, RunTable
 from rollout_service.types import SamplingParams
+from rollout_service.versions import PolicyVersion
+from rollout_service.weights.push_routes import PushRoutes
 from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.support import listening_port, wait_until
@@ -39,21 +41,16 @@ def eval_spec(version: int | None = None, source_kind: str = "prompts", **kw) ->
     )
 
 
-def wire(service, metrics=None, timeout_s: float = 60.0) -> tuple[WeightSyncCoordinator, ScriptedControl]:  # type: ignore[no-untyped-def]
-    """A weight sync over one scripted server, wired to the service as the app wires it."""
+def wired_service(engine, metrics=None, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+    """A service with a weight sync over one scripted server, as the app builds it."""
     clock = Clock()
     server = ScriptedControl(clock)
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60, eval_hold_timeout_s=timeout_s)
-    sync = WeightSyncCoordinator(
-        [server],
-        settings,
-        service.versions,
-        metrics=metrics,
-        clock=clock,
-        holds=service.holds,
-    )
-    service.weights.weight_sync = sync
-    return sync, server
+    runs, versions, holds = RunTable(), PolicyVersion(), VersionHolds()
+    sync = WeightSyncCoordinator([server], settings, versions, metrics=metrics, clock=clock, holds=holds)
+    weights = PushRoutes(runs, weight_sync=sync)
+    service = make_service(engine, max_inflight=8, runs=runs, versions=versions, holds=holds, weights=weights)
+    return service, sync, server
 
 
 async def test_an_eval_run_samples_each_prompt_once_at_its_version_and_completes() -> None:
@@ -107,8 +104,7 @@ async def test_an_eval_run_waits_for_its_version_then_holds_it_while_it_generate
 
 async def test_a_weight_update_commits_only_after_the_evaluation_released_its_version() -> None:
     engine = ScriptedEngine(hold=True)
-    service = make_service(engine, max_inflight=8)
-    sync, server = wire(service)
+    service, sync, server = wired_service(engine)
     try:
         run = await service.create_run(eval_spec())
         await engine.wait_for(lambda: engine.active == 2 * len(PROMPTS))
@@ -130,8 +126,7 @@ async def test_a_weight_update_commits_only_after_the_evaluation_released_its_ve
 
 async def test_a_pausing_update_waits_at_begin_and_no_evaluation_starts_under_it() -> None:
     engine = ScriptedEngine(hold=True)
-    service = make_service(engine, max_inflight=8)
-    sync, server = wire(service)
+    service, sync, server = wired_service(engine)
     try:
         first = await service.create_run(eval_spec())
         await engine.wait_for(lambda: engine.active == 2 * len(PROMPTS))
@@ -152,8 +147,7 @@ async def test_a_pausing_update_waits_at_begin_and_no_evaluation_starts_under_it
 
 async def test_an_evaluation_that_overruns_the_hold_is_stopped_and_the_update_goes_on() -> None:
     engine = ScriptedEngine(hold=True)
-    service = make_service(engine, max_inflight=8)
-    sync, _ = wire(service, timeout_s=0.05)
+    service, sync, _ = wired_service(engine, timeout_s=0.05)
     try:
         run = await service.create_run(eval_spec())
         await engine.wait_for(lambda: engine.active == 2 * len(PROMPTS))
@@ -207,8 +201,7 @@ def test_evaluation_specs_that_cannot_work_are_refused(spec: RunSpec, message: s
 
 
 async def test_an_evaluation_run_cannot_push_weights() -> None:
-    service = make_service(ScriptedEngine(hold=True), max_inflight=8)
-    wire(service)
+    service, _, _ = wired_service(ScriptedEngine(hold=True))
     run = await service.create_run(eval_spec())
     with pytest.raises(FailedPrecondition, match="evaluation run, which never trains"):
         service.weights.for_push(run.run_id)

@@ -52,16 +52,10 @@ async def test_runs_on_the_base_weights_share_the_services_record_and_others_kee
     try:
         assert base.admission.versions is service.versions
         assert adapter.admission.versions is not service.versions
-        service.set_trainer_version(1)
+        service.versions.set_trainer(1)
         service.set_policy_version(1)
         assert (base.policy_version, adapter.policy_version) == (1, 0)
         assert meta == {"policy_version": 1}  # the store keeps the servers' version
     finally:
         await service.delete_run(base.run_id)
         await service.delete_run(adapter.run_id)
-    partitioned = make_service(ScriptedEngine(), partitioned=True)
-    own = await partitioned.create_run(spec())
-    try:
-        assert own.admission.versions is not partitioned.versions
-    finally:
-        await partitioned.delete_run(own.run_id)

@@ -178,7 +178,7 @@ async def trained_staleness(admission: str, steps: int = 20) -> tuple[float, flo
     )
     run = await service.create_run(spec)
     run.broker.subscribe("trainer", credits=4)
-    service.set_trainer_version(1)  # the trainer's first push
+    service.versions.set_trainer(1)  # the trainer's first push
     service.set_policy_version(1)
     staleness: list[int] = []
     try:
@@ -187,7 +187,7 @@ async def trained_staleness(admission: str, steps: int = 20) -> tuple[float, flo
             await asyncio.sleep(0.04)  # the trainer's step: its compute, while generation goes on
             run.broker.ack("trainer", [g.group_id for g in groups], ACK_TRAINED, trained_at=version)
             staleness += [version - g.policy_version for g in groups] if version > steps - 10 else []
-            service.set_trainer_version(version + 1)  # the push begins ...
+            service.versions.set_trainer(version + 1)  # the push begins ...
             service.set_policy_version(version + 1)  # ... and commits
         return sum(staleness) / len(staleness), run.admission.lookahead_versions
     finally:

@@ -16,9 +16,10 @@ from rollout_service.delivery.state_store import MemoryStore, SqliteStore, open_
 from rollout_service.edge.group_wire import WireCodec
 from rollout_service.eval_tally import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
-from rollout_service.runs import RunSpec
+from rollout_service.runs import RunSpec, RunTable
 from rollout_service.types import SamplingParams
 from rollout_service.weights.adapters import AdapterPublisher
+from rollout_service.weights.push_routes import PushRoutes
 from tests.support import wait_until
 from tests.unit.rollout_service.builders import scored_group
 from tests.unit.rollout_service.weights.scripted_control import ADAPTER, ScriptedServer
@@ -37,10 +38,10 @@ def spec(**kw) -> RunSpec:  # type: ignore[no-untyped-def]
     )
 
 
-def durable_service(path: Path, max_buffered: int = 4):  # type: ignore[no-untyped-def]
-    service = make_service(ScriptedEngine(), max_buffered=max_buffered)
-    service.store = SqliteStore(path, WireCodec())
-    return service
+def durable_service(path: Path, max_buffered: int = 4, adapters: AdapterPublisher | None = None):  # type: ignore[no-untyped-def]
+    store, runs = SqliteStore(path, WireCodec()), RunTable()
+    weights = PushRoutes(runs, store, adapters=adapters)
+    return make_service(ScriptedEngine(), max_buffered=max_buffered, store=store, runs=runs, weights=weights)
 
 
 async def test_a_restarted_service_gets_its_runs_unacked_groups_and_acked_ids_back(tmp_path: Path) -> None:
@@ -58,11 +59,11 @@ async def test_a_restarted_service_gets_its_runs_unacked_groups_and_acked_ids_ba
     unacked = {g.group_id for g in run.broker.buffered} | {g.group_id for g in taken[1:]}
     for r in list(first.runs.values()):
         await first.scheduler.stop_run(r)  # stop generating before the store is read back
-    first.set_trainer_version(4)  # a push begins and commits
+    first.versions.set_trainer(4)  # a push begins and commits
     first.set_policy_version(4)
     # Staleness admission's estimate and its switch, learned from acks and pushes:
     run.admission.trained_per_version, run.admission.version_bumped = 2.5, True
-    first.set_trainer_version(5)  # the next push begins: the runs' state is written
+    first.versions.set_trainer(5)  # the next push begins: the runs' state is written
     first.store.close()  # the writes still queued are flushed
 
     second = durable_service(path)
@@ -107,8 +108,7 @@ async def test_a_restarted_service_keeps_a_paced_runs_lookahead(tmp_path: Path) 
 
 async def test_a_store_write_is_durable_when_put_group_returns(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "state.db", WireCodec(), flush_interval_s=0.001)
-    service = make_service(ScriptedEngine(), max_buffered=1)
-    service.store = store
+    service = make_service(ScriptedEngine(), max_buffered=1, store=store)
     run = await service.create_run(spec())
     await wait_until(lambda: len(run.broker.buffered) == 1, 5, "a group")
     reader = sqlite3.connect(tmp_path / "state.db")  # another connection sees it committed
@@ -128,17 +128,15 @@ async def test_evaluation_runs_are_not_resumed_and_memory_keeps_nothing(tmp_path
 
 async def test_a_restored_adapter_run_serves_its_newest_adapter_at_its_version(tmp_path: Path) -> None:
     path, adapters = tmp_path / "state.db", tmp_path / "adapters"
-    first = durable_service(path)
-    first.weights.adapters = AdapterPublisher(adapters, [ScriptedServer("http://a")], timeout_s=5)  # type: ignore[list-item]
+    first = durable_service(path, adapters=AdapterPublisher(adapters, [ScriptedServer("http://a")], timeout_s=5))  # type: ignore[list-item]
     run = await first.create_run(spec(serve_adapter=True))
     for _ in range(2):
         await first.publish_adapter(run.run_id, ADAPTER)
     await first.scheduler.stop_run(run)
     first.store.close()
 
-    second = durable_service(path)
     server = ScriptedServer("http://a")
-    second.weights.adapters = AdapterPublisher(adapters, [server], timeout_s=5)  # type: ignore[list-item]
+    second = durable_service(path, adapters=AdapterPublisher(adapters, [server], timeout_s=5))  # type: ignore[list-item]
     await second.restore()
     await second.restore_adapters()
     restored = second.runs[run.run_id]

@@ -266,7 +266,7 @@ async def test_a_push_that_begins_moves_the_trainer_version_of_runs_on_the_base_
     base = await service.create_run(spec([[1]], max_staleness=2))
     adapter = await service.create_run(spec([[1]], max_staleness=2, serve_adapter=True))
     try:
-        service.set_trainer_version(1)
+        service.versions.set_trainer(1)
         assert (base.admission.trainer_version, base.admission.policy_version) == (1, 0)
         assert adapter.admission.trainer_version == 0  # its versions count its own adapter pushes
         service.set_policy_version(1)
@@ -308,10 +308,10 @@ async def test_a_group_the_trainer_moved_past_is_aborted_in_flight_and_counted(e
     try:
         await engine.wait_for(lambda: engine.active == engine.calls == (2 if engine.group_calls else 4))
         generating = 2  # 4 slots, G = 2 (a third group waits for slots, and starts at a later version)
-        service.set_trainer_version(1)  # a push begins: version-0 groups are still trainable
+        service.versions.set_trainer(1)  # a push begins: version-0 groups are still trainable
         service.set_policy_version(1)
         assert run.counters.groups_dropped == 0 and engine.active == engine.calls
-        service.set_trainer_version(2)  # the next push begins: the version-0 groups can only go stale
+        service.versions.set_trainer(2)  # the next push begins: the version-0 groups can only go stale
         await wait_until(lambda: run.counters.groups_dropped == generating, 5, "the stale groups to be dropped")
         dropped = service.metrics.registry.get_sample_value(
             "rollout_groups_dropped_total", {"run": run.run_id, "reason": "stale_inflight"}

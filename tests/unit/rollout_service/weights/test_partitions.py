@@ -15,11 +15,12 @@ from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.errors import FailedPrecondition
 from rollout_service.eval_tally import EvalSpec
 from rollout_service.metrics import ServiceMetrics
-from rollout_service.service import RolloutService
+from rollout_service.runs import RunTable
 from rollout_service.types import SamplingParams
 from rollout_service.versions import PolicyVersion
 from rollout_service.weights.adapters import AdapterRouting
 from rollout_service.weights.partitions import PartitionRouting, PoolPartitions, plan_partitions
+from rollout_service.weights.push_routes import PushRoutes
 from tests.support import listening_port
 from tests.unit.rollout_service.builders import one_prompt_spec as run_spec
 from tests.unit.rollout_service.weights.scripted_control import TENSORS, Clock, ScriptedControl
@@ -66,11 +67,8 @@ class Server(ScriptedControl):
         self.base_url = url
 
 
-def partitions_over(
-    urls: list[str], service: RolloutService | None = None
-) -> tuple[PoolPartitions, dict[str, list[str]]]:
-    """Partitions over ``urls``; their requests for weights are recorded,
-    or go to ``service``'s (as the app wires them)."""
+def partitions_over(urls: list[str], runs: RunTable | None = None) -> tuple[PoolPartitions, dict[str, list[str]]]:
+    """Partitions over ``urls``; their requests for weights are recorded, or go to ``runs`` (as the app wires them)."""
     metrics = ServiceMetrics()
     settings = EngineSettings(urls=urls, model="tiny")
     pool = EnginePool([VLLMServerClient(url, "tiny", settings, metrics, 4) for url in urls])
@@ -79,7 +77,7 @@ def partitions_over(
         pool,
         [Server(url) for url in urls],
         WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60),
-        service.request_run_weights if service else lambda run, why: wanted.setdefault(run, []).append(why),
+        runs.request_weights if runs is not None else lambda run, why: wanted.setdefault(run, []).append(why),
         metrics,
         drain_timeout_s=5,
     )
@@ -159,9 +157,9 @@ async def test_a_restarted_server_waits_for_its_runs_next_push() -> None:
 
 @pytest.mark.timeout(30)
 async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_sync() -> None:
-    service = make_service(ScriptedEngine(), partitioned=True)
-    partitions, _ = partitions_over([A, B], service)
-    service.weights.partitions = partitions
+    runs = RunTable()
+    partitions, _ = partitions_over([A, B], runs)
+    service = make_service(ScriptedEngine(), runs=runs, weights=PushRoutes(runs, partitions=partitions))
     try:
         one = await service.create_run(run_spec())
         two = await service.create_run(run_spec())
@@ -173,6 +171,7 @@ async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_s
         assert service.weights.of_update(ticket.update_id) is sync
         await sync.commit(ticket.update_id)
         assert one.policy_version == 1 and two.policy_version == 0  # its version, not the pool's
+        assert one.admission.versions is not service.versions
         with pytest.raises(FailedPrecondition, match="not in progress"):
             service.weights.of_update(ticket.update_id)
 

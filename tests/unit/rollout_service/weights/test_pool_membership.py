@@ -8,27 +8,32 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 from rollout_service.config import EngineSettings, WeightSyncSettings
-from rollout_service.delivery.state_store import SqliteStore
+from rollout_service.delivery.state_store import MemoryStore, SqliteStore, StateStore
 from rollout_service.edge.group_wire import WireCodec
 from rollout_service.engine.control import VLLMControlClient
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import COMPLETIONS_PATH, VLLMServerClient
 from rollout_service.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.runs import RunTable
 from rollout_service.types import SamplingParams
+from rollout_service.versions import PolicyVersion
 from rollout_service.weights.adapters import AdapterPublisher, RunAdapter
 from rollout_service.weights.partitions import PoolPartitions
 from rollout_service.weights.pool_membership import PoolMembership, check_engine_url
+from rollout_service.weights.push_routes import PushRoutes
+from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.support import wait_until
 from tests.unit.rollout_service.builders import one_prompt_spec as spec
 from tests.unit.rollout_service.engine.vllm_http import OK_BODY, serving
-from tests.unit.rollout_service.weights.recovery_setup import commit, recovery_of
+from tests.unit.rollout_service.weights.recovery_setup import commit
 from tests.unit.scripted import ScriptedEngine, make_service
 
 
@@ -71,35 +76,56 @@ def engine_settings(url: str) -> EngineSettings:
 
 
 class Pool:
-    """A service with a pool of one fake server, its weight sync and membership."""
+    """A service with a pool of one fake server, its weight plane and membership, as the app builds them."""
 
-    def __init__(self, stack: AsyncExitStack, first: str) -> None:
+    def __init__(
+        self,
+        stack: AsyncExitStack,
+        first: str,
+        store: StateStore | None = None,
+        partitioned: bool = False,
+        adapters_dir: Path | None = None,
+    ) -> None:
         self.stack = stack
-        self.service = make_service(ScriptedEngine())
-        metrics = ServiceMetrics()
         self.first = first
+        metrics = ServiceMetrics()
 
         def new_client(url: str) -> VLLMServerClient:
             return VLLMServerClient(url, "m", engine_settings(url), metrics, max_connections=4)
 
         self.pool = EnginePool([new_client(first)])
-        self.recovery = recovery_of(self.service, self.pool)
-        control = VLLMControlClient(first)
-        self.service.weights.weight_sync = WeightSyncCoordinator(
-            [control], WeightSyncSettings(), self.service.versions, self.recovery.version_committed
-        )
-        info = self.service.info
+        self.controls = [VLLMControlClient(first)]
+        store = store if store is not None else MemoryStore()
+        runs, versions, settings = RunTable(), PolicyVersion(), WeightSyncSettings()
+        if partitioned:
+            partitions = PoolPartitions(self.pool, self.controls, settings, runs.request_weights)
+            stack.push_async_callback(partitions.close)
+            weights = PushRoutes(runs, store, partitions=partitions)
+        else:
+            sync = WeightSyncCoordinator(self.controls, settings, versions)
+            adapters = AdapterPublisher(adapters_dir, self.controls, timeout_s=2) if adapters_dir else None
+            weights = PushRoutes(runs, store, weight_sync=sync, adapters=adapters)
+        self.recovery = ServerRecovery(weights, self.pool, versions)
+        engine_urls = [first]
         self.membership = PoolMembership(
-            self.service,
+            weights,
+            store,
             self.pool,
             self.recovery,
             new_client,
-            model=info.model,
-            engine_urls=info.engine_urls,
-            metrics=self.service.metrics,
-            managed_urls=frozenset(),
+            model="scripted",
+            engine_urls=engine_urls,
+            metrics=metrics,
         )
-        self.controls = [control]
+        self.service = make_service(
+            ScriptedEngine(),
+            store=store,
+            runs=runs,
+            versions=versions,
+            weights=weights,
+            membership=self.membership,
+            engine_urls=engine_urls,
+        )
 
     async def start(self) -> Pool:
         await self.pool.start()
@@ -149,7 +175,7 @@ async def test_after_a_push_it_is_held_until_a_push_it_took_part_in_commits(pool
     fakes, urls = servers
     run = await pool.service.create_run(spec())
     pool.service.weights.base_weights_run = run.run_id
-    commit(pool.service, pool.recovery, 3)
+    commit(pool.service, 3)
 
     state = await pool.membership.add(urls[1])
     assert not state.routable and "policy version 3 is pushed" in state.held_reason
@@ -157,7 +183,7 @@ async def test_after_a_push_it_is_held_until_a_push_it_took_part_in_commits(pool
     await asyncio.wait_for(pool.generate(), 5)
     assert (fakes[0].completions, fakes[1].completions) == (1, 0)  # held: nothing reaches it
 
-    commit(pool.service, pool.recovery, 4)  # the push included it (it is a weight-sync server)
+    commit(pool.service, 4)  # the push included it (it is a weight-sync server)
     assert pool.membership.states()[1].routable
 
 
@@ -165,9 +191,9 @@ async def test_a_commit_of_an_update_begun_before_the_join_does_not_release_it(p
     """The server is awaiting weights before it joins the weight-sync servers: a commit in
     between (of an update that did not include it) must leave it held."""
     _, urls = servers
-    commit(pool.service, pool.recovery, 1)
+    commit(pool.service, 1)
     pool.recovery.awaiting_weights.add(urls[1])
-    commit(pool.service, pool.recovery, 2)
+    commit(pool.service, 2)
     assert urls[1] in pool.recovery.awaiting_weights
 
 
@@ -250,16 +276,17 @@ async def test_removals_that_would_lose_the_pool_are_refused(pool, servers) -> N
         await pool.membership.remove(urls[1], drain_timeout_s=-1)
 
 
-async def test_a_server_that_cannot_load_the_runs_adapters_is_refused(pool, servers, tmp_path) -> None:
+async def test_a_server_that_cannot_load_the_runs_adapters_is_refused(servers, tmp_path) -> None:
     """The stand-in has no /v1/load_lora_adapter, as a server started without --enable-lora."""
     _, urls = servers
-    adapters = AdapterPublisher(tmp_path, pool.controls, timeout_s=2)
-    adapters.runs["r"] = RunAdapter(version=1, name="r@v1", paths={"r@v1": tmp_path})
-    pool.service.weights.adapters = adapters
-    with pytest.raises(FailedPrecondition, match="--enable-lora"):
-        await pool.membership.add(urls[1])
-    assert [c.base_url for c in pool.pool.clients] == [urls[0]]
-    assert [s.base_url for s in adapters.servers] == [urls[0]]
+    async with AsyncExitStack() as stack:
+        pool = await Pool(stack, urls[0], adapters_dir=tmp_path).start()
+        adapters = pool.service.weights.adapters
+        adapters.runs["r"] = RunAdapter(version=1, name="r@v1", paths={"r@v1": tmp_path})
+        with pytest.raises(FailedPrecondition, match="--enable-lora"):
+            await pool.membership.add(urls[1])
+        assert [c.base_url for c in pool.pool.clients] == [urls[0]]
+        assert [s.base_url for s in adapters.servers] == [urls[0]]
 
 
 async def test_added_servers_are_added_again_after_a_restart(servers, tmp_path) -> None:
@@ -269,29 +296,27 @@ async def test_added_servers_are_added_again_after_a_restart(servers, tmp_path) 
     _, urls = servers
     down = "http://127.0.0.1:9"  # nothing listens: it cannot join (yet)
     async with AsyncExitStack() as stack:
-        first = await Pool(stack, urls[0]).start()
-        first.service.store = SqliteStore(tmp_path / "state.db", WireCodec())
+        first = await Pool(stack, urls[0], store=SqliteStore(tmp_path / "state.db", WireCodec())).start()
         await first.membership.add(urls[1])
         await first.membership.add(urls[1].replace("127.0.0.1", "localhost"), remember=False)  # as discovery does
-        assert first.service.added_engines == [urls[1]]  # not the one discovery found
+        assert first.membership.added_engines == [urls[1]]  # not the one discovery found
         first.service.store.set_meta("added_engines", [urls[1], down])  # as if `down` had joined then died
         first.service.store.close()
 
     async with AsyncExitStack() as stack:
-        second = await Pool(stack, urls[0]).start()
-        second.service.store = SqliteStore(tmp_path / "state.db", WireCodec())
+        second = await Pool(stack, urls[0], store=SqliteStore(tmp_path / "state.db", WireCodec())).start()
         stack.callback(second.service.store.close)
         await second.service.restore()
-        assert second.service.added_engines == [urls[1], down]
-        rejoining = asyncio.ensure_future(second.membership.rejoin(second.service.added_engines, 0.01))
+        assert second.membership.added_engines == [urls[1], down]
+        rejoining = asyncio.ensure_future(second.membership.rejoin(0.01))
         await wait_until(lambda: second.pool.client(urls[1]) is not None, 10, "the kept server to join again")
         assert second.membership.pending == {down}  # retried meanwhile
         removed = await second.membership.remove(down)
         assert (removed.url, removed.sequences_drained, removed.sequences_moved) == (down, 0, 0)
         await asyncio.wait_for(rejoining, 10)  # nothing left to add: done
-        assert second.service.added_engines == [urls[1]]
+        assert second.membership.added_engines == [urls[1]]
         await second.membership.remove(urls[1])
-        assert second.service.added_engines == []
+        assert second.membership.added_engines == []
     assert SqliteStore(tmp_path / "state.db", WireCodec()).load()[1]["added_engines"] == []
 
 
@@ -300,16 +325,8 @@ async def test_with_partitions_a_joining_server_goes_to_the_run_that_has_none(se
     takes it from its run's transfer group and shares the rest again."""
     _, urls = servers
     async with AsyncExitStack() as stack:
-        pool = await Pool(stack, urls[0]).start()
+        pool = await Pool(stack, urls[0], partitioned=True).start()
         service = pool.service
-        service.weights.weight_sync = None
-        service.weights.partitions = PoolPartitions(
-            pool.pool,
-            pool.controls,
-            WeightSyncSettings(),
-            service.request_run_weights,
-        )
-        stack.push_async_callback(service.weights.partitions.close)
         first, second = await service.create_run(spec()), await service.create_run(spec())
         await service.weights.partitions.settled()
         assert service.weights.partitions.assignment() == {urls[0]: first.run_id}

@@ -4,28 +4,37 @@ trainer is asked for its weights over its stream (once per request)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
 from rollout_service.config import EngineSettings, WeightSyncSettings
 from rollout_service.delivery.consumer import ConsumerSession, WeightsWanted
-from rollout_service.engine.control import WeightSyncError
+from rollout_service.engine.control import WeightControl, WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient
 from rollout_service.metrics import ServiceMetrics
+from rollout_service.runs import RunTable
+from rollout_service.versions import PolicyVersion
+from rollout_service.weights.push_routes import PushRoutes
+from rollout_service.weights.server_recovery import ServerRecovery
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.unit.rollout_service.builders import one_prompt_spec as spec
-from tests.unit.rollout_service.weights.recovery_setup import commit, recovery_of
+from tests.unit.rollout_service.weights.recovery_setup import commit
 from tests.unit.scripted import ScriptedEngine, make_service
 
 URL = "http://s0"
 
 
-def recovery_on_one_server():  # type: ignore[no-untyped-def]
-    service = make_service(ScriptedEngine())
+def recovery_on_one_server(sync_servers: Sequence[WeightControl] = ()):  # type: ignore[no-untyped-def]
+    """As the app builds it; with a weight sync over ``sync_servers``, if any."""
+    runs, versions = RunTable(), PolicyVersion()
+    sync = WeightSyncCoordinator(sync_servers, WeightSyncSettings(), versions) if sync_servers else None
+    weights = PushRoutes(runs, weight_sync=sync)
+    service = make_service(ScriptedEngine(), runs=runs, versions=versions, weights=weights)
     client = VLLMServerClient(URL, "m", EngineSettings(urls=[URL]), ServiceMetrics(), max_connections=1)
     pool = EnginePool([client])
-    return service, pool, recovery_of(service, pool)
+    return service, pool, ServerRecovery(weights, pool, versions)
 
 
 async def next_message(session: ConsumerSession):  # type: ignore[no-untyped-def]
@@ -45,7 +54,7 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
     service, pool, recovery = recovery_on_one_server()
     run = await service.create_run(spec())
     service.weights.base_weights_run = run.run_id  # its trainer pushes the base weights
-    commit(service, recovery, 3)
+    commit(service, 3)
     run.broker.subscribe("trainer", 0)  # no credits: only control messages can come
     session = ConsumerSession(service, run.run_id, "trainer", 0)
     run.admission.watch(session.wake)
@@ -65,7 +74,7 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
     done, _ = await asyncio.wait({again}, timeout=0.2)  # bounded: one message per request
     assert not done
 
-    commit(service, recovery, 4)  # the push answered: the restarted server holds version 4
+    commit(service, 4)  # the push answered: the restarted server holds version 4
     assert not pool.held
     assert run.policy_version == 4 and not run.admission.weights_wanted
     after = ConsumerSession(service, run.run_id, "after", 0)
@@ -79,11 +88,11 @@ async def test_after_a_push_it_waits_for_the_next_one_which_the_trainer_is_asked
 
 async def test_without_a_pushing_run_the_server_waits_for_the_next_push() -> None:
     service, pool, recovery = recovery_on_one_server()
-    commit(service, recovery, 2)
+    commit(service, 2)
     recovery.server_down(URL)
     await recovery.server_restarted(URL)
     assert URL in pool.held
-    commit(service, recovery, 3)
+    commit(service, 3)
     assert not pool.held
 
 
@@ -94,12 +103,12 @@ async def test_a_resend_of_the_current_version_brings_the_server_back_at_that_ve
     service, pool, recovery = recovery_on_one_server()
     run = await service.create_run(spec())
     service.weights.base_weights_run = run.run_id
-    commit(service, recovery, 3)
+    commit(service, 3)
     recovery.server_down(URL)
     await recovery.server_restarted(URL)
     assert run.admission.weights_wanted
 
-    commit(service, recovery, 3)  # the resend committed
+    commit(service, 3)  # the resend committed
     assert not pool.held
     assert run.policy_version == 3 and run.admission.trainer_version == 3
     assert not run.admission.weights_wanted
@@ -128,14 +137,11 @@ class LabelledControl:
 async def restarted_at(version: int, label: str | None):  # type: ignore[no-untyped-def]
     """A service restored at policy version ``version`` (a run pushes its base weights) over
     one server whose weights are labelled ``label`` (None: it does not answer)."""
-    service, pool, recovery = recovery_on_one_server()
+    service, pool, recovery = recovery_on_one_server([LabelledControl(label)])
     recovery.hold_until_checked()
     run = await service.create_run(spec())
     service.set_policy_version(version)
     service.weights.base_weights_run = run.run_id
-    service.weights.weight_sync = WeightSyncCoordinator(
-        [LabelledControl(label)], WeightSyncSettings(), service.versions, recovery.version_committed
-    )
     await recovery.check_restored(timeout_s=1)
     return service, pool, recovery, run
 
@@ -144,10 +150,10 @@ async def restarted_at(version: int, label: str | None):  # type: ignore[no-unty
 async def test_a_restored_service_holds_a_server_that_does_not_serve_the_restored_version(label) -> None:
     """A fresh managed server (labelled "default"), one an older commit labelled, or one that
     cannot say: none takes a request under version 12 until version 12 is pushed, asked for now."""
-    service, pool, recovery, run = await restarted_at(12, label)
+    service, pool, _recovery, run = await restarted_at(12, label)
     assert "policy version 12 is pushed" in pool.held[URL]
     assert run.admission.weights_requests == 1 and run.admission.weights_wanted
-    commit(service, recovery, 12)  # the trainer's resend committed
+    commit(service, 12)  # the trainer's resend committed
     assert not pool.held and not run.admission.weights_wanted
     await service.delete_run(run.run_id)
 

@@ -109,7 +109,8 @@ async def test_a_resend_applies_the_weights_and_keeps_the_version() -> None:
     settings = WeightSyncSettings(transfer_timeout_s=60, control_timeout_s=60)
     versions = PolicyVersion(3)
     versions.watch(lambda change: trainer_versions.append(versions.trainer) if not change.committed else None)
-    sync = WeightSyncCoordinator([server], settings, versions, committed.append, metrics=metrics, clock=clock)
+    versions.watch(lambda change: committed.append(versions.served) if change.committed else None)
+    sync = WeightSyncCoordinator([server], settings, versions, metrics=metrics, clock=clock)
     try:
         ticket = await sync.begin("run", "127.0.0.1", listening_port(), TENSORS, "keep", resend=True)
         assert ticket.policy_version == 3
