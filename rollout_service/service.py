@@ -99,16 +99,6 @@ class RolloutService:
         self.scorer = GroupScorer(rewards, settings.reward_timeout_s, self.user_code_executor)
         self.inputs = RunInputs(renderer, self.tools, self.environments, settings, self.user_code_executor)
         """What each run generates from: episode config, prompt source, rendered prompts."""
-        self.scheduler = Scheduler(
-            engine,
-            self.scorer,
-            metrics,
-            settings.max_inflight,
-            renderer.decode,
-            max_group_bytes=settings.max_group_bytes,
-            route=lambda run: self.weights.engine_for(run, engine),
-        )
-        metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.watchdog = RunWatchdog(settings.stall_timeout_s, metrics, clock)
         self.pool_usable = True
         self.runs = runs if runs is not None else RunTable()
@@ -126,9 +116,19 @@ class RolloutService:
             pausing_update_pending=lambda: (
                 (sync := self.weights.weight_sync) is not None and sync.pausing_update_pending
             ),
-            stop_generation=self.scheduler.stop_generation,
+            stop_generation=lambda run: self.scheduler.stop_generation(run),  # built next: it tells them
         )
-        self.scheduler.evaluations = self.evaluations
+        self.scheduler = Scheduler(
+            engine,
+            self.scorer,
+            metrics,
+            settings.max_inflight,
+            renderer.decode,
+            max_group_bytes=settings.max_group_bytes,
+            route=lambda run: self.weights.engine_for(run, engine),
+            evaluations=self.evaluations,
+        )
+        metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.versions.watch(self._base_version_changed)
         self.external = ExternalEpisodes(engine, renderer, self.scorer, metrics)
         """Turns of episodes that outside agent code drives (the OpenAI-compatible endpoint)."""

@@ -1,7 +1,5 @@
-"""vLLM's control endpoints (pause/resume and the weight-transfer handshake) for one server.
-
-vLLM puts no timeout on these calls, so every call carries the service's own deadline and
-fails as ``WeightSyncError`` naming the server and the step.
+"""vLLM's control endpoints for one server. vLLM puts no timeout on them, so every call carries
+the service's own deadline and fails as ``WeightSyncError`` naming the server and the step.
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ class VLLMControlClient:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise WeightSyncError(self.base_url, path, f"HTTP {resp.status}: {text[:500]}", answered=True)
-                return _json_or_text(text)
+                return _json_object(text)
         except TimeoutError:
             raise WeightSyncError(self.base_url, path, f"no answer within {timeout_s:.0f}s") from None
         except aiohttp.ClientError as exc:
@@ -135,12 +133,10 @@ class VLLMControlClient:
         await self._call("POST", "/v1/unload_lora_adapter", timeout_s, {"lora_name": name})
 
 
-def _json_or_text(text: str) -> dict[str, Any]:
-    """vLLM answers most control calls with JSON, but e.g. /v1/load_lora_adapter with plain text."""
-    if not text:
-        return {}
+def _json_object(text: str) -> dict[str, Any]:
+    """The answer's JSON object, else ``{}`` (e.g. /v1/load_lora_adapter answers plain text)."""
     try:
         answer = json.loads(text)
     except ValueError:
-        return {"text": text}
-    return answer if isinstance(answer, dict) else {"value": answer}
+        return {}
+    return answer if isinstance(answer, dict) else {}

@@ -90,7 +90,6 @@ class EngineDiscovery:
             await self.refresh(add, remove)
 
     async def refresh(self, add: Change, remove: Change) -> None:
-        """One resolution: servers that appeared join, those that vanished leave."""
         urls = await self._resolve()
         if urls is None:
             return

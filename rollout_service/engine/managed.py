@@ -42,7 +42,7 @@ PINNED_NICENESS = 10
 
 
 ORPHAN_GRACE_S = 10.0
-
+STOP_TIMEOUT_S = 30.0
 KILL_WAIT_S = 10.0
 
 
@@ -51,7 +51,6 @@ RECORD_KEYS = ("pgid", "started", "service", "service_started")
 
 
 def pid_file(port: int) -> Path:
-    """Where the process group of the managed server on ``port`` is recorded."""
     runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
     return runtime / f"rollout-service-{os.getuid()}" / f"vllm-{port}.pid"
 
@@ -74,17 +73,14 @@ def _cmdline(pid: int) -> bytes:
 def end_group(pgid: int, grace_s: float) -> None:
     """SIGTERM group ``pgid``, SIGKILL what is left after ``grace_s``; return once none of it lives."""
     if grace_s > 0:
-        _signal_group(pgid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
         if _group_gone(pgid, grace_s):
             return
-    _signal_group(pgid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
     if not _group_gone(pgid, KILL_WAIT_S):
         logger.error("processes %s of vLLM's group %d outlived SIGKILL", vllm_guard.group_members(pgid), pgid)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
 
 
 def _group_gone(pgid: int, timeout_s: float) -> bool:
@@ -107,8 +103,6 @@ def served_checkpoint(model: str) -> str:
 
 
 class ManagedVLLMServer:
-    """A vLLM OpenAI-compatible server owned by this process."""
-
     def __init__(
         self,
         settings: ManagedServerSettings,
@@ -137,7 +131,7 @@ class ManagedVLLMServer:
 
     def command(self) -> list[str]:
         s = self.settings
-        return [
+        command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", served_checkpoint(s.model),
             "--served-model-name", self.served_model_name,
@@ -148,45 +142,26 @@ class ManagedVLLMServer:
             # Behaviour logprobs must be those of the distribution actually sampled from.
             "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log",
-            *self._token_endpoint_args(),
-            *self._block_size_args(),
-            *self._weight_transfer_args(),
-            *self._lora_args(),
-            *self._gpu_args(),
-            *s.extra_args,
         ]  # fmt: skip
+        vllm = importlib.util.find_spec("vllm")  # the package's location only: importing vLLM takes seconds
+        locations = (vllm.submodule_search_locations or []) if vllm is not None else []
+        if any((Path(location) / "entrypoints" / "scale_out").is_dir() for location in locations):
+            command.append("--enable-scale-out")  # vLLM's token-in/token-out endpoint
+        if s.device == "cpu":  # ``--block-size`` in ``extra_args`` comes later and wins
+            command += ["--block-size", str(CPU_BLOCK_SIZE)]
+        if self.weight_transfer_backend is not None:
+            command += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
+        if s.max_loras:
+            command += ["--enable-lora", "--max-loras", str(s.max_loras), "--max-lora-rank", str(s.max_lora_rank)]
+        if s.device == "gpu" and s.gpu_memory_utilization:
+            command += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+        return [*command, *s.extra_args]
 
     def dtype(self) -> str:
         """``settings.dtype``, else bfloat16 on a CPU with native bf16, else float32."""
         if self.settings.dtype is not None:
             return self.settings.dtype
         return "bfloat16" if self.settings.device == "cpu" and cpu_features.has_native_bf16() else "float32"
-
-    def _block_size_args(self) -> list[str]:
-        """A CPU server's block size; ``--block-size`` in ``extra_args`` comes later and wins."""
-        return ["--block-size", str(CPU_BLOCK_SIZE)] if self.settings.device == "cpu" else []
-
-    @staticmethod
-    def _token_endpoint_args() -> list[str]:
-        """Serve vLLM's token-in/token-out endpoint where this vLLM has it."""
-        vllm = importlib.util.find_spec("vllm")  # the package's location only: importing vLLM takes seconds
-        locations = (vllm.submodule_search_locations or []) if vllm is not None else []
-        has_endpoint = any((Path(location) / "entrypoints" / "scale_out").is_dir() for location in locations)
-        return ["--enable-scale-out"] if has_endpoint else []
-
-    def _weight_transfer_args(self) -> list[str]:
-        backend = self.weight_transfer_backend
-        return [] if backend is None else ["--weight-transfer-config", json.dumps({"backend": backend})]
-
-    def _gpu_args(self) -> list[str]:
-        share = self.settings.gpu_memory_utilization
-        return ["--gpu-memory-utilization", str(share)] if self.settings.device == "gpu" and share else []
-
-    def _lora_args(self) -> list[str]:
-        s = self.settings
-        if not s.max_loras:
-            return []
-        return ["--enable-lora", "--max-loras", str(s.max_loras), "--max-lora-rank", str(s.max_lora_rank)]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -212,24 +187,18 @@ class ManagedVLLMServer:
         s = self.settings
         if s.device != "cpu" or s.cpu_placement == "off" or VLLM_BIND_ENV in os.environ:
             return None
-        if not hasattr(os, "sched_setaffinity"):  # not on macOS
-            return None
-        return self.budget.vllm_cores
+        return self.budget.vllm_cores if hasattr(os, "sched_setaffinity") else None  # none on macOS
 
     def niceness(self) -> int:
         return PINNED_NICENESS if self.pinned_cores() is not None else 0
 
     def front_end_cores(self) -> tuple[int, ...] | None:
         """Cores the API server process moves to once healthy; None when not pinned."""
-        if self.pinned_cores() is None:
-            return None
-        return self.budget.front_end_cores
+        return None if self.pinned_cores() is None else self.budget.front_end_cores
 
     def service_cores(self) -> tuple[int, ...] | None:
         """Cores the service's own process moves to while this server runs; None: it stays."""
-        if self.pinned_cores() is None:
-            return None
-        return self.budget.service_cores
+        return None if self.pinned_cores() is None else self.budget.service_cores
 
     @functools.cached_property
     def budget(self) -> CpuBudget:
@@ -275,7 +244,7 @@ class ManagedVLLMServer:
             raise
 
     def _stop_orphan(self) -> None:
-        """Stop a server that a dead service left running on this port."""
+        """Stop a server that a dead service left running on this port (``_record_group``)."""
         path = pid_file(self.port)
         try:
             record = json.loads(path.read_text())
@@ -304,7 +273,6 @@ class ManagedVLLMServer:
                 ) from None
 
     def _record_group(self, pgid: int) -> None:
-        """Record the server's process group where a later service looks for orphans."""
         path = pid_file(self.port)
         path.parent.mkdir(parents=True, exist_ok=True)
         service = os.getpid()
@@ -340,22 +308,22 @@ class ManagedVLLMServer:
             f"vLLM was not healthy within {self.settings.startup_timeout_s:.0f}s; see {self.log_path}"
         )
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_tail(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self) -> None:
         """Stop the server and reap its whole process group; remove the temporary log folder
         unless the server had failed or died (the error named its log)."""
         running = self._process is not None and self._process.poll() is None
-        self._halt(timeout_s)
+        self._halt()
         if running and self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             self._log_dir = None
 
-    def _halt(self, timeout_s: float = 30.0) -> None:
+    def _halt(self) -> None:
         process, self._process = self._process, None
         if process is None:
             return
@@ -363,9 +331,9 @@ class ManagedVLLMServer:
         if process.poll() is None:
             os.kill(pgid, signal.SIGTERM)  # the guard passes it on to the group, once
             try:
-                process.wait(timeout=timeout_s)
+                process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                logger.warning("vLLM did not stop within %.0fs; killing it", timeout_s)
+                logger.warning("vLLM did not stop within %.0fs; killing it", STOP_TIMEOUT_S)
                 os.killpg(pgid, signal.SIGKILL)
                 process.wait(timeout=10)
         end_group(pgid, grace_s=0)  # what outlived the guard, if it was killed itself
@@ -373,7 +341,6 @@ class ManagedVLLMServer:
         logger.info("vLLM on %s stopped", self.url)
 
     def restart(self) -> None:
-        """Reap what is left of the server and start it again on the same port."""
         self._halt()
         self.start()
 

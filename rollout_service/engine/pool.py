@@ -3,16 +3,15 @@
 A request's affinity key (a group's id, or an episode's) sticks to the server it was first
 sent to (its prefix cache holds the prompt) while that server holds at most ``sticky_slack``
 more sequences than the least loaded one; an episode's first turn follows its group's server.
-Failed servers are tried only when no healthy one is left and are probed until they answer;
-busy servers that miss ``health_timeout_s`` count as hung. A held or stuck server
-takes no requests; with every server held, requests wait instead of failing. A request a
-leaving server abandons is sent to another server.
+Failed servers are tried only when no healthy one is left (``probe`` brings them back), held
+and stuck servers never; with every server held, requests wait instead of failing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Collection
 
@@ -35,22 +34,18 @@ class EnginePool:
         probe_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
         *,
-        sticky_slack: int = STICKY_SLACK,
         monitor: LoadMonitor | None = None,
     ) -> None:
-        if not clients:
-            raise ValueError("an engine pool needs at least one server")
         self.clients = list(clients)
         self.probe_interval_s = probe_interval_s
         self.health_timeout_s = health_timeout_s
-        self.sticky_slack = sticky_slack
+        self.sticky_slack = STICKY_SLACK
         self.monitor = monitor
-        """Reads the servers' /metrics; None: never."""
         self._monitor_task: asyncio.Task[None] | None = None
         self.on_usable: Callable[[bool], None] = lambda usable: None
         self.usable = True
         self._affinity: dict[str, VLLMServerClient] = {}
-        self._picks = 0
+        self._picks = itertools.count()
         self._last_pick: dict[str, int] = {}
         """Pick count at each server's last pick: ties go to the least recently picked."""
         self._prober: asyncio.Task[None] | None = None
@@ -124,8 +119,6 @@ class EnginePool:
 
     def add(self, client: VLLMServerClient, hold_reason: str | None = None) -> None:
         """A started client's server joins, held out of routing at once with ``hold_reason`` if given."""
-        if self.client(client.base_url) is not None:
-            raise ValueError(f"{client.base_url} is already in the pool")
         self.clients.append(client)
         if hold_reason is not None:
             self.hold(client.base_url, hold_reason)
@@ -133,13 +126,10 @@ class EnginePool:
             self.monitor.add(client)
         self.notify_changed()
 
-    def remove(self, url: str) -> VLLMServerClient:
-        """Take a drained server out; its client is the caller's to close."""
+    def remove(self, url: str) -> None:
+        """Take a drained server out (``PoolMembership`` keeps the last one); the caller closes its client."""
         client = self.client(url)
-        if client is None:
-            raise ValueError(f"{url} is not in the pool")
-        if len(self.clients) == 1:
-            raise ValueError(f"{url} is the pool's only server")
+        assert client is not None, f"{url} is not in the pool"
         self.clients.remove(client)
         self.held.pop(client.base_url, None)
         self.stuck.pop(client.base_url, None)
@@ -147,7 +137,6 @@ class EnginePool:
         self._last_pick.pop(client.base_url, None)
         if self.monitor is not None:
             self.monitor.remove(client.base_url)
-        return client
 
     def hold(self, url: str, reason: str) -> None:
         url = url.rstrip("/")
@@ -181,8 +170,7 @@ class EnginePool:
         while True:
             names = allowed() if allowed is not None else None
             out = self.held.keys() | self.stuck.keys()
-            free = [c for c in self.clients if c.base_url not in out and (names is None or c.base_url in names)]
-            if free:
+            if free := [c for c in self.clients if c.base_url not in out and (names is None or c.base_url in names)]:
                 return free
             await self._changed.wait()
 
@@ -205,8 +193,7 @@ class EnginePool:
         return self._picked(chosen)
 
     def _picked(self, client: VLLMServerClient) -> VLLMServerClient:
-        self._picks += 1
-        self._last_pick[client.base_url] = self._picks
+        self._last_pick[client.base_url] = next(self._picks)
         return client
 
     def forget(self, affinity: str) -> None:

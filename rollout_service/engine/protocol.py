@@ -25,8 +25,7 @@ class Engine(Protocol):
 
 
 class GroupEngine(Engine, Protocol):
-    """An engine that can also sample ``n`` completions of one prompt in one request, so the
-    server prefills the prompt once per group."""
+    """An engine that also samples ``n`` completions of one prompt in one request (one prefill per group)."""
 
     async def generate_many(
         self, prompt_ids: list[int], params: SamplingParams, n: int, *, affinity: str | None = None

@@ -47,11 +47,5 @@ def parse_server_load(text: str) -> ServerLoad:
         except (IndexError, ValueError):
             continue  # a malformed line is not worth failing a reading
         values[field] = values.get(field, 0.0) + value
-    return ServerLoad(
-        kv_cache_usage=values.get("kv_cache_usage", 0.0),
-        running=int(values.get("running", 0)),
-        waiting=int(values.get("waiting", 0)),
-        preemptions=values.get("preemptions", 0.0),
-        prefix_cache_queries=values.get("prefix_cache_queries", 0.0),
-        prefix_cache_hits=values.get("prefix_cache_hits", 0.0),
-    )
+    running, waiting = (int(values.pop(field, 0)) for field in ("running", "waiting"))
+    return ServerLoad(running=running, waiting=waiting, **values)

@@ -1,9 +1,6 @@
-"""Restarts a managed vLLM server whose API process died, a bounded number of times.
-
-It waits on the guard's pidfd, tells ``on_down`` at once (routing stops), restarts the
-server on the same port and tells ``on_restarted``, which brings it back to the runs'
-policies (a restarted server holds the checkpoint's weights). After ``max_restarts`` it
-leaves the server down and logs vLLM's log tail.
+"""Restarts a managed vLLM server whose API process died, at most ``max_restarts`` times;
+``on_restarted`` brings it back to the runs' policies (a restarted server holds the
+checkpoint's weights).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ class Supervisable(Protocol):
     def restart(self) -> None:
         """Reap the old process group and start again (blocking)."""
 
-    def log_tail(self, lines: int = 20) -> str: ...
+    def log_tail(self) -> str: ...
 
 
 class ServerSupervisor:
@@ -63,8 +60,7 @@ class ServerSupervisor:
 
     async def _supervise(self) -> None:
         while True:
-            pid = self.server.pid
-            if pid is None:
+            if (pid := self.server.pid) is None:
                 return
             await wait_for_exit(pid)
             self.on_down(self.server.url)

@@ -35,7 +35,6 @@ _JSON = {"Content-Type": "application/json"}
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
 BACKOFF_BASE_S = 0.2
-"""First retry delay; it doubles each retry, up to ``BACKOFF_MAX_S``."""
 BACKOFF_MAX_S = 5.0
 
 
@@ -55,67 +54,55 @@ async def served_models(url: str, timeout_s: float = 10.0) -> list[dict[str, Any
         return list((await resp.json())["data"])
 
 
-def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
-    """The /v1/completions request for one completion with behaviour logprobs."""
-    body: dict[str, Any] = {
-        "model": params.model or model,
-        "prompt": prompt_ids,
+def _sampling(params: SamplingParams, top_k_off: int) -> dict[str, Any]:
+    """The sampling fields of both endpoints, behaviour logprobs included; ``top_k_off``: the endpoint's "no top-k"."""
+    sampling: dict[str, Any] = {
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
+        "top_k": params.top_k if params.top_k > 0 else top_k_off,
         "logprobs": 0,
+    }
+    if params.seed is not None:
+        sampling["seed"] = params.seed
+    return sampling
+
+
+def completion_body(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": params.model or model,
+        "prompt": prompt_ids,
+        **_sampling(params, top_k_off=-1),
         "return_token_ids": True,
         "skip_special_tokens": False,
     }
     if params.stop:
         body["stop"] = list(params.stop)
-    if params.seed is not None:
-        body["seed"] = params.seed
     if params.cache_salt is not None:
         body["cache_salt"] = params.cache_salt
     return body
 
 
 def generate_body(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
-    """The ``GENERATE_PATH`` request for ``n`` completions, as ``completion_body`` but without detokenization."""
-    sampling: dict[str, Any] = {
-        "n": n,
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": max(params.top_k, 0),  # 0: off
-        "logprobs": 0,
-        "detokenize": False,
-    }
-    if params.seed is not None:
-        sampling["seed"] = params.seed
+    """The ``GENERATE_PATH`` request for ``n`` completions, without detokenization."""
+    sampling = {"n": n, **_sampling(params, top_k_off=0), "detokenize": False}
     body: dict[str, Any] = {"token_ids": prompt_ids, "model": params.model or model, "sampling_params": sampling}
     if params.cache_salt is not None:
         body["cache_salt"] = params.cache_salt
     return body
 
 
-def parse_generated(payload: dict[str, Any], server: str, n: int) -> list[Completion]:
-    """The ``n`` choices of a ``GENERATE_PATH`` answer, in index order."""
-    completions = []
-    for choice in _choices(payload, server, n):
-        token_ids = list(choice["token_ids"] or [])
-        logprobs = [float(entry["logprob"]) for entry in (choice.get("logprobs") or {}).get("content") or []]
-        completions.append(_completion(token_ids, logprobs, choice.get("finish_reason"), server))
-    return completions
+def _parse_generated(choice: dict[str, Any], server: str) -> Completion:
+    logprobs = [float(entry["logprob"]) for entry in (choice.get("logprobs") or {}).get("content") or []]
+    return _completion(list(choice["token_ids"] or []), logprobs, choice.get("finish_reason"), server)
 
 
 def parse_completion(payload: dict[str, Any], server: str) -> Completion:
     return _parse_choice(payload["choices"][0], server)
 
 
-def parse_completions(payload: dict[str, Any], server: str, n: int) -> list[Completion]:
-    """The ``n`` choices of one request, in index order."""
-    return [_parse_choice(choice, server) for choice in _choices(payload, server, n)]
-
-
 def _choices(payload: dict[str, Any], server: str, n: int) -> list[dict[str, Any]]:
+    """The ``n`` choices of one answer, in index order."""
     choices = sorted(payload["choices"], key=lambda choice: choice.get("index", 0))
     if len(choices) != n:
         raise EngineError(server, f"{len(choices)} choices for n={n}")
@@ -130,7 +117,6 @@ def _parse_choice(choice: dict[str, Any], server: str) -> Completion:
 def _completion(token_ids: list[int], logprobs: list[float], reason: str | None, server: str) -> Completion:
     if len(logprobs) != len(token_ids):
         raise EngineError(server, f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
-    reason = reason or "stop"
     finish: FinishReason = reason if reason in ("stop", "length", "abort") else "stop"  # type: ignore[assignment]
     return Completion(token_ids, logprobs, finish, server)
 
@@ -156,7 +142,6 @@ class VLLMServerClient:
         """Sequences this service has running on the server."""
         self.consecutive_failures = 0
         self.token_endpoint = True
-        """Whether to use ``GENERATE_PATH``; False once the server refused it."""
         # aiohttp's default cap of 100 connections would silently throttle large runs.
         self._connector_limit = max(max_connections, 1) + 8
         self._session: aiohttp.ClientSession | None = None
@@ -164,7 +149,6 @@ class VLLMServerClient:
         """Set (then replaced) when the server is found hung: the requests in flight fail at once."""
         self._given_up_reason = ""
         self._idle = asyncio.Event()
-        """Set while nothing is in flight."""
         self._idle.set()
         self.leaving = False
         """Removed from the pool: a request it abandons is sent to another server."""
@@ -183,24 +167,18 @@ class VLLMServerClient:
         return (await self.generate_many(prompt_ids, params, 1))[0]
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
-        """Whether the server answers /health within ``timeout_s``."""
-        if self._session is None:
-            return False
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        try:
-            async with self._session.get(self.base_url + "/health", timeout=timeout) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+        return await self._get_ok("/health", timeout_s) is not None
 
     async def server_load(self, timeout_s: float = 2.0) -> ServerLoad | None:
-        """The server's load from its ``/metrics``; None when it does not answer."""
+        text = await self._get_ok("/metrics", timeout_s)
+        return None if text is None else parse_server_load(text)
+
+    async def _get_ok(self, path: str, timeout_s: float) -> str | None:
         if self._session is None:
             return None
         try:
-            timeout = aiohttp.ClientTimeout(total=timeout_s)
-            async with self._session.get(self.base_url + "/metrics", timeout=timeout) as resp:
-                return parse_server_load(await resp.text()) if resp.status == 200 else None
+            async with self._session.get(self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return await resp.text() if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError):
             return None
 
@@ -212,12 +190,10 @@ class VLLMServerClient:
         start = time.perf_counter()
         try:
             completions = await self._request(prompt_ids, params, n)
-        except RequestRejected:
+        except EngineError as exc:
             self.metrics.request_failures.labels(self.base_url).inc()
-            raise  # the request's fault, not the server's: its health stands
-        except EngineError:
-            self.consecutive_failures += 1
-            self.metrics.request_failures.labels(self.base_url).inc()
+            if not isinstance(exc, RequestRejected):  # a refusal is the request's fault: the server's health stands
+                self.consecutive_failures += 1
             raise
         finally:
             self.inflight -= n
@@ -231,38 +207,32 @@ class VLLMServerClient:
     async def _request(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
         if n > 1 and params.temperature == 0:  # vLLM refuses n > 1 when greedy: its n samples would be one
             [one] = await self._request(prompt_ids, params, 1)
-            return [
-                Completion(list(one.token_ids), list(one.logprobs), one.finish_reason, one.server) for _ in range(n)
-            ]
+            return [replace(one, token_ids=list(one.token_ids), logprobs=list(one.logprobs)) for _ in range(n)]
         if params.cache_salt is not None:
             params = replace(params, cache_salt=f"{self.salt_prefix}-{params.cache_salt}")
         if self.token_endpoint and not params.stop:
             body = generate_body(self.model, prompt_ids, params, n)
             try:
-                return parse_generated(await self._post_within_deadline(GENERATE_PATH, body), self.base_url, n)
+                payload = await self._post_within_deadline(GENERATE_PATH, body)
+                return [_parse_generated(choice, self.base_url) for choice in _choices(payload, self.base_url, n)]
             except _NoTokenEndpoint as exc:
                 self.token_endpoint = False
                 logger.info("%s does not serve %s (%s); using %s", self.base_url, GENERATE_PATH, exc, COMPLETIONS_PATH)
         body = completion_body(self.model, prompt_ids, params)
         if n > 1:
             body["n"] = n
-        return parse_completions(await self._post_within_deadline(COMPLETIONS_PATH, body), self.base_url, n)
-
-    async def drained(self, timeout_s: float) -> bool:
-        """Whether the requests in flight all end within ``timeout_s`` (none: True at once)."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        payload = await self._post_within_deadline(COMPLETIONS_PATH, body)
+        return [_parse_choice(choice, self.base_url) for choice in _choices(payload, self.base_url, n)]
 
     async def drain_or_give_up(self, timeout_s: float, reason: str) -> int:
         """Let requests in flight finish within ``timeout_s``, then give up on the rest; returns how many."""
-        if await self.drained(timeout_s):
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
             return 0
-        abandoned = self.inflight
-        self.give_up(reason)
-        return abandoned
+        except TimeoutError:
+            abandoned = self.inflight
+            self.give_up(reason)
+            return abandoned
 
     def give_up(self, reason: str) -> None:
         """Treat the server as hung: fail the requests in flight now and route nothing to it until a probe."""

@@ -8,16 +8,13 @@ Step rewards are summed per episode and reach reward functions as ``env_reward``
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import re
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from rollout_service.errors import EnvironmentFailure, InvalidArgument, echo
-from rollout_service.generation.user_code import call_user_function
+from rollout_service.errors import InvalidArgument, echo
 from rollout_service.types import PromptItem
 
 
@@ -42,20 +39,6 @@ class Environment(Protocol):
 
 
 EnvironmentFactory = Callable[[], Environment]
-
-
-async def call_environment(
-    what: str, method: Callable[..., Any], *args: Any, executor: Executor | None, timeout_s: float
-) -> Any:
-    """``method(*args)`` bounded by ``timeout_s``; any failure is an ``EnvironmentFailure``."""
-    try:
-        return await asyncio.wait_for(call_user_function(method, executor, *args), timeout_s)
-    except TimeoutError:
-        raise EnvironmentFailure(
-            f"environment {what} took longer than {timeout_s:g}s (scheduler.environment_timeout_s)"
-        ) from None
-    except Exception as exc:
-        raise EnvironmentFailure(f"environment {what} raised {type(exc).__name__}: {exc}") from exc
 
 
 class GuessNumber:

@@ -10,6 +10,7 @@ parsers read them); ``reward_text`` / ``reward_messages`` are decoded without th
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -17,8 +18,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from rollout_service.engine.protocol import Engine, GroupEngine
-from rollout_service.generation.environments import EnvironmentFactory, call_environment
+from rollout_service.errors import EnvironmentFailure
+from rollout_service.generation.environments import EnvironmentFactory
 from rollout_service.generation.tools import ParsedCall, ToolCall, ToolResult, ToolSet
+from rollout_service.generation.user_code import call_user_function
 from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams
 
 DEFAULT_MAX_TURNS = 8
@@ -40,14 +43,9 @@ def trl_tool_calls(calls: Sequence[ParsedCall]) -> list[dict[str, Any]]:
     ]
 
 
-def salt(version: int) -> str:
-    """vLLM's prefix-cache salt for requests made at a policy version."""
-    return f"policy-v{version}"
-
-
 def salted(params: SamplingParams, version: int) -> SamplingParams:
     """``params`` sharing vLLM's cached prompt blocks only with requests at the same policy version."""
-    return replace(params, cache_salt=salt(version))
+    return replace(params, cache_salt=f"policy-v{version}")
 
 
 async def run_single_turn(
@@ -72,7 +70,6 @@ async def run_single_turn_group(
     decode: Decode,
     affinity: str | None = None,
 ) -> list[EpisodeResult]:
-    """A whole single-turn group from one request (see ``GroupEngine``)."""
     version_first = policy_version()
     completions = await engine.generate_many(prompt.token_ids, salted(params, version_first), size, affinity=affinity)
     version_last = policy_version()
@@ -161,13 +158,20 @@ class MultiTurnConfig:
     environment_executor: Executor | None = None
     """Threads for sync environment methods; None: asyncio's default pool."""
 
-    def environment_call(self) -> dict[str, Any]:
-        return {"executor": self.environment_executor, "timeout_s": self.environment_timeout_s}
+    async def call_environment(self, what: str, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(*args)`` bounded by ``environment_timeout_s``; any failure is an ``EnvironmentFailure``."""
+        timeout_s = self.environment_timeout_s
+        try:
+            return await asyncio.wait_for(call_user_function(method, self.environment_executor, *args), timeout_s)
+        except TimeoutError:
+            raise EnvironmentFailure(
+                f"environment {what} took longer than {timeout_s:g}s (scheduler.environment_timeout_s)"
+            ) from None
+        except Exception as exc:
+            raise EnvironmentFailure(f"environment {what} raised {type(exc).__name__}: {exc}") from exc
 
 
 class Transcript:
-    """The growing completion: ids, behaviour logprobs, mask and the conversation as messages."""
-
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
@@ -175,10 +179,15 @@ class Transcript:
         self.messages: list[dict[str, str]] = []
         self.reward_messages: list[dict[str, Any]] = []
 
-    def add_generated(self, ids: list[int], logprobs: list[float]) -> None:
-        self.ids += ids
-        self.logprobs += logprobs
-        self.mask += [1] * len(ids)
+    def add_turn(self, completion: Completion, content: str, decode: Decode) -> dict[str, Any]:
+        """Add a model turn whose message has ``content``; returns its message as reward functions see it."""
+        self.ids += completion.token_ids
+        self.logprobs += completion.logprobs
+        self.mask += [1] * len(completion.token_ids)
+        self.messages.append({"role": "assistant", "content": content})
+        reward_message = {"role": "assistant", "content": decode(completion.token_ids, skip_special_tokens=True)}
+        self.reward_messages.append(reward_message)
+        return reward_message
 
     def add_template(self, ids: list[int], messages: Sequence[dict[str, str]]) -> None:
         self.ids += ids
@@ -187,97 +196,20 @@ class Transcript:
         self.messages += messages
         self.reward_messages += [dict(m) for m in messages]
 
-
-class _Episode:
-    """One multi-turn episode while ``run_episode`` drives it."""
-
-    def __init__(
-        self,
-        prompt: PromptItem,
-        config: MultiTurnConfig,
-        decode: Decode,
-        on_tool_result: Callable[[ToolResult], None] | None,
-    ) -> None:
-        self.prompt, self.config, self.decode = prompt, config, decode
-        self.on_tool_result = on_tool_result
-        self.environment = config.environment() if config.environment is not None else None
-        self.env_reward: float | None = 0.0 if self.environment is not None else None
-        self.transcript = Transcript()
-        self.turns = self.tool_calls = self.tool_failures = 0
-
-    def room(self) -> tuple[float, FinishReason]:
-        """Tokens the episode may still add, and the guard that bounds them."""
-        used = len(self.transcript.ids)
-        budget_left = (self.config.max_episode_tokens or math.inf) - used
-        context_left = self.config.max_model_len - len(self.prompt.token_ids) - used
-        if budget_left <= context_left:
-            return budget_left, "max_episode_tokens"
-        return context_left, "max_model_len"
-
-    def record_turn(self, completion: Completion) -> dict[str, Any]:
-        """Add the model's turn; returns its message as reward functions see it."""
-        turn_ids, transcript, decode = completion.token_ids, self.transcript, self.decode
-        self.turns += 1
-        transcript.add_generated(turn_ids, completion.logprobs)
-        transcript.messages.append({"role": "assistant", "content": decode(self.config.template.content(turn_ids))})
-        turn_message: dict[str, Any] = {"role": "assistant", "content": decode(turn_ids, skip_special_tokens=True)}
-        transcript.reward_messages.append(turn_message)
-        return turn_message
-
-    async def answer(self, turn_ids: list[int], turn_message: dict[str, Any]) -> list[dict[str, str]] | FinishReason:
-        """Tool results or the environment's observation answering a turn, or the finish reason."""
-        text = self.decode(turn_ids)
-        tools = self.config.tools
-        calls = tools.parse(text) if tools is not None else []
-        if calls:
-            assert tools is not None
-            if readable := trl_tool_calls(calls):
-                turn_message["tool_calls"] = readable
-            if self.turns >= self.config.max_turns:
-                return "max_turns"  # its results could never be shown to the model
-            results = await tools.execute_all(calls)
-            for result in results:
-                self.tool_calls += 1
-                self.tool_failures += not result.ok
-                if self.on_tool_result is not None:
-                    self.on_tool_result(result)
-            return [r.message() for r in results]
-        if self.environment is None:
-            return "stop"
-        step = await call_environment("step", self.environment.step, text, **self.config.environment_call())
-        self.env_reward = (self.env_reward or 0.0) + float(step.reward)
-        if step.done or step.observation is None:
-            return "stop"
-        if self.turns >= self.config.max_turns:
-            return "max_turns"
-        return [{"role": "user", "content": step.observation}]
-
-    def append_answer(self, turn_ids: list[int], messages: list[dict[str, str]]) -> FinishReason | None:
-        """Append the answer's template ids; a finish reason if they leave no room to generate."""
-        bridge = self.config.template.bridge(turn_ids, messages)
-        left, limit = self.room()
-        if len(bridge) >= left:  # the appended messages must leave room for a generated token
-            return limit
-        self.transcript.add_template(bridge, messages)
-        return None
-
-    def result(self, finish: FinishReason, version_first: int, version_last: int) -> EpisodeResult:
-        transcript, decode = self.transcript, self.decode
+    def result(self, decode: Decode, finish: FinishReason, first: int, last: int, **counts: Any) -> EpisodeResult:
+        """``counts``: the turn, tool and environment tallies of ``EpisodeResult``."""
         return EpisodeResult(
-            completion_ids=transcript.ids,
-            logprobs=transcript.logprobs,
-            mask=transcript.mask,
+            completion_ids=self.ids,
+            logprobs=self.logprobs,
+            mask=self.mask,
             finish_reason=finish,
-            text=decode(transcript.ids),
-            policy_version_first=version_first,
-            policy_version_last=version_last,
-            num_turns=self.turns,
-            num_tool_calls=self.tool_calls,
-            num_tool_failures=self.tool_failures,
-            messages=tuple(transcript.messages),
-            env_reward=self.env_reward,
-            reward_text=decode(transcript.ids, skip_special_tokens=True),
-            reward_messages=tuple(transcript.reward_messages),
+            text=decode(self.ids),
+            policy_version_first=first,
+            policy_version_last=last,
+            messages=tuple(self.messages),
+            reward_text=decode(self.ids, skip_special_tokens=True),
+            reward_messages=tuple(self.reward_messages),
+            **counts,
         )
 
 
@@ -289,29 +221,77 @@ async def run_episode(
     policy_version: Callable[[], int],
     decode: Decode,
     affinity: str | None = None,
-    on_tool_result: Callable[[ToolResult], None] | None = None,
+    on_tool_result: Callable[[ToolResult], None] = lambda _: None,
 ) -> EpisodeResult:
     """Turns until the model stops, the environment is done or a guard ends the episode; a
     failed tool call is a message to the model, never an exception."""
-    episode = _Episode(prompt, config, decode, on_tool_result)
-    if episode.environment is not None:
-        await call_environment("reset", episode.environment.reset, prompt, **config.environment_call())
+    tools, transcript = config.tools, Transcript()
+    environment = config.environment() if config.environment is not None else None
+    env_reward: float | None = 0.0 if environment is not None else None
+    if environment is not None:
+        await config.call_environment("reset", environment.reset, prompt)
+    turns = tool_calls = tool_failures = 0
     version_first = version_last = policy_version()
+
+    def room() -> tuple[float, FinishReason]:
+        """Tokens the episode may still add, and the guard that bounds them."""
+        used = len(transcript.ids)
+        budget_left = (config.max_episode_tokens or math.inf) - used
+        context_left = config.max_model_len - len(prompt.token_ids) - used
+        if budget_left <= context_left:
+            return budget_left, "max_episode_tokens"
+        return context_left, "max_model_len"
+
+    def result(finish: FinishReason) -> EpisodeResult:
+        return transcript.result(
+            decode,
+            finish,
+            version_first,
+            version_last,
+            num_turns=turns,
+            num_tool_calls=tool_calls,
+            num_tool_failures=tool_failures,
+            env_reward=env_reward,
+        )
+
     while True:
-        left, limit = episode.room()
+        left, limit = room()
         cap = int(min(params.max_tokens, left))
         if cap <= 0:
-            return episode.result(limit, version_first, version_last)
+            return result(limit)
         turn_params = salted(replace(params, max_tokens=cap), version_last)  # the version read last
-        completion = await engine.generate(prompt.token_ids + episode.transcript.ids, turn_params, affinity=affinity)
+        completion = await engine.generate(prompt.token_ids + transcript.ids, turn_params, affinity=affinity)
         version_last = policy_version()
-        turn_message = episode.record_turn(completion)
+        turns += 1
+        turn_ids = completion.token_ids
+        turn_message = transcript.add_turn(completion, decode(config.template.content(turn_ids)), decode)
         if completion.finish_reason != "stop":
             lowered = completion.finish_reason == "length" and cap < params.max_tokens
-            finish = limit if lowered else completion.finish_reason  # the budget, not max_tokens, cut the turn
-            return episode.result(finish, version_first, version_last)
-        answer = await episode.answer(completion.token_ids, turn_message)
-        if isinstance(answer, str):
-            return episode.result(answer, version_first, version_last)
-        if (ended := episode.append_answer(completion.token_ids, answer)) is not None:
-            return episode.result(ended, version_first, version_last)
+            return result(limit if lowered else completion.finish_reason)  # the budget, not max_tokens, cut the turn
+        text = decode(turn_ids)
+        if tools is not None and (calls := tools.parser(text)):
+            if readable := trl_tool_calls(calls):
+                turn_message["tool_calls"] = readable
+            if turns >= config.max_turns:
+                return result("max_turns")  # its results could never be shown to the model
+            results = await tools.execute_all(calls)
+            for tool_result in results:
+                tool_calls += 1
+                tool_failures += tool_result.error_kind is not None
+                on_tool_result(tool_result)
+            messages = [r.message() for r in results]
+        elif environment is None:
+            return result("stop")
+        else:
+            step = await config.call_environment("step", environment.step, text)
+            env_reward = (env_reward or 0.0) + float(step.reward)
+            if step.done or step.observation is None:
+                return result("stop")
+            if turns >= config.max_turns:
+                return result("max_turns")
+            messages = [{"role": "user", "content": step.observation}]
+        bridge = config.template.bridge(turn_ids, messages)
+        left, limit = room()
+        if len(bridge) >= left:  # the appended messages must leave room for a generated token
+            return result(limit)
+        transcript.add_template(bridge, messages)

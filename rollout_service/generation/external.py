@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RewardError, echo
 from rollout_service.generation.episode import TurnTemplate, salted, trl_tool_calls
 from rollout_service.generation.external_conversation import (
+    EpisodeRequest,
     OpenEpisode,
     TextRequest,
     TurnReply,
@@ -29,7 +30,6 @@ from rollout_service.generation.external_conversation import (
     check_messages,
     not_busy,
     reply,
-    result,
     same_message,
 )
 from rollout_service.generation.tools import ToolCall, parse_hermes
@@ -75,8 +75,6 @@ class ExternalSource:
 
 
 class ExternalEpisodes:
-    """Runs each turn of an outside episode on the engine, and groups closed episodes."""
-
     def __init__(self, engine: Engine, renderer: PromptRenderer, scorer: GroupScoring, metrics: ServiceMetrics) -> None:
         self.engine = engine
         self.renderer = renderer
@@ -93,11 +91,27 @@ class ExternalEpisodes:
         else:
             not_busy(episode)
             self._extend(run, episode, request)
-        episode.busy = True
-        try:
-            return await self._generate(run, episode, request)
-        finally:
-            episode.busy = False
+        assert episode.template is not None
+        completion = await self._sample(run, episode, request)
+        decode = self.renderer.decode
+        raw = decode(episode.template.content(completion.token_ids))
+        calls = [call for call in parse_hermes(raw) if isinstance(call, ToolCall)]
+        tool_calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:12]}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+            }
+            for call in calls
+        ]
+        content = raw.split("<tool_call>")[0].strip() if tool_calls else raw
+        reply_message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        reward_message = episode.transcript.add_turn(completion, raw, decode)
+        if calls:
+            reply_message["tool_calls"] = tool_calls
+            reward_message["tool_calls"] = trl_tool_calls(calls)
+        episode.known.append(reply_message)
+        return reply(episode, completion, content or None, tool_calls)
 
     async def complete(self, run: Run, request: TextRequest) -> TurnReply:
         """One completion of a text episode (``/completions``): what the prompt adds is tokenized and masked."""
@@ -130,18 +144,10 @@ class ExternalEpisodes:
                 ids = await asyncio.to_thread(self.renderer.tokenizer.encode, added, add_special_tokens=False)
                 episode.transcript.add_template(list(ids), [{"role": "user", "content": added}])
             episode.text = request.prompt
-        episode.busy = True
-        try:
-            completion = await self._sample(
-                run, episode, request.max_tokens, request.temperature, request.top_p, request.stop
-            )
-        finally:
-            episode.busy = False
+        completion = await self._sample(run, episode, request)
         text = self.renderer.decode(completion.token_ids)
         episode.text += text
-        episode.transcript.messages.append({"role": "assistant", "content": text})
-        reward_text = self.renderer.decode(completion.token_ids, skip_special_tokens=True)
-        episode.transcript.reward_messages.append({"role": "assistant", "content": reward_text})
+        episode.transcript.add_turn(completion, text, self.renderer.decode)
         return reply(episode, completion, text, [])
 
     async def _open(self, run: Run, source: ExternalSource, request: TurnRequest) -> OpenEpisode:
@@ -162,14 +168,8 @@ class ExternalEpisodes:
             raise InvalidArgument(f"the model's chat template cannot render these messages: {exc}") from None
         text = self.renderer.decode(list(ids))
         prompt = PromptItem(source.groups, list(ids), text, {}, tuple(dict(m) for m in request.messages))
-        episode = OpenEpisode(
-            request.episode_id,
-            request.task_id,
-            prompt,
-            template,
-            version_first=run.policy_version,
-            known=[dict(m) for m in request.messages],
-        )
+        known = [dict(m) for m in request.messages]
+        episode = OpenEpisode(request.episode_id, request.task_id, prompt, template, run.policy_version, known)
         source.open[request.episode_id] = episode
         return episode
 
@@ -209,16 +209,8 @@ class ExternalEpisodes:
         episode.transcript.add_template(bridge, added)
         episode.known.extend(added)
 
-    async def _sample(
-        self,
-        run: Run,
-        episode: OpenEpisode,
-        max_tokens: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        stop: tuple[str, ...],
-    ) -> Completion:
-        """Generate the episode's next turn from all its ids, and record it as generated."""
+    async def _sample(self, run: Run, episode: OpenEpisode, request: EpisodeRequest) -> Completion:
+        """Generate the episode's next turn from all its ids (the caller records it)."""
         base = run.spec.sampling
         context = len(episode.prompt.token_ids) + len(episode.transcript.ids)
         room = self.renderer.max_model_len - context
@@ -228,52 +220,26 @@ class ExternalEpisodes:
                 f"({self.renderer.max_model_len}); close it"
             )
         params = SamplingParams(
-            max_tokens=min(max_tokens or base.max_tokens, room),
-            temperature=base.temperature if temperature is None else temperature,
-            top_p=base.top_p if top_p is None else top_p,
+            max_tokens=min(request.max_tokens or base.max_tokens, room),
+            temperature=base.temperature if request.temperature is None else request.temperature,
+            top_p=base.top_p if request.top_p is None else request.top_p,
             top_k=base.top_k,
-            stop=stop or base.stop,
+            stop=request.stop or base.stop,
             model=run.adapter,
         )
-        version = run.policy_version
-        completion = await self.engine.generate(
-            episode.prompt.token_ids + episode.transcript.ids, salted(params, version), affinity=episode.episode_id
-        )
+        ids = episode.prompt.token_ids + episode.transcript.ids
+        episode.busy = True
+        try:
+            completion = await self.engine.generate(
+                ids, salted(params, run.policy_version), affinity=episode.episode_id
+            )
+        finally:
+            episode.busy = False
         episode.version_last = run.policy_version
-        episode.transcript.add_generated(completion.token_ids, completion.logprobs)
         episode.last_turn_ids = list(completion.token_ids)
         episode.turns += 1
         episode.finish = completion.finish_reason
         return completion
-
-    async def _generate(self, run: Run, episode: OpenEpisode, request: TurnRequest) -> TurnReply:
-        assert episode.template is not None
-        completion = await self._sample(
-            run, episode, request.max_tokens, request.temperature, request.top_p, request.stop
-        )
-        turn_ids = completion.token_ids
-        decode = self.renderer.decode
-        raw = decode(episode.template.content(turn_ids))
-        calls = [call for call in parse_hermes(raw) if isinstance(call, ToolCall)]
-        tool_calls = [
-            {
-                "id": f"call_{uuid.uuid4().hex[:12]}",
-                "type": "function",
-                "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
-            }
-            for call in calls
-        ]
-        content = raw.split("<tool_call>")[0].strip() if tool_calls else raw
-        reply_message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if tool_calls:
-            reply_message["tool_calls"] = tool_calls
-        episode.known.append(reply_message)
-        episode.transcript.messages.append({"role": "assistant", "content": raw})
-        reward_message: dict[str, Any] = {"role": "assistant", "content": decode(turn_ids, skip_special_tokens=True)}
-        if calls:
-            reward_message["tool_calls"] = trl_tool_calls(calls)
-        episode.transcript.reward_messages.append(reward_message)
-        return reply(episode, completion, content or None, tool_calls)
 
     async def close(self, run: Run, episode_id: str, reward: float | None) -> int:
         """End an episode; returns how many of its task wait for their group (0: the group was just put)."""
@@ -299,7 +265,10 @@ class ExternalEpisodes:
                 "distinct prompt its own task id"
             )
         del source.open[episode_id]
-        waiting.append(_Closed(episode.prompt, result(episode, self.renderer), reward, episode.started))
+        result = episode.transcript.result(
+            self.renderer.decode, episode.finish, episode.version_first, episode.version_last, num_turns=episode.turns
+        )
+        waiting.append(_Closed(episode.prompt, result, reward, episode.started))
         if len(waiting) < run.spec.group_size:
             return len(waiting)
         members = source.closed.pop(episode.task_id)
@@ -332,8 +301,10 @@ class ExternalEpisodes:
                 )
             else:
                 scored = await self.scorer.score(run, members[0].prompt, group_id, episodes, seconds)
-        except RewardError as exc:
+        except BaseException as exc:
             await run.broker.unreserve()
+            if not isinstance(exc, RewardError):
+                raise
             run.counters.groups_dropped += 1
             self.metrics.groups_dropped.labels(run.run_id, "reward").inc()
             logger.warning("external group %s of run %s could not be scored: %s", group_id, run.run_id, exc)
@@ -341,9 +312,6 @@ class ExternalEpisodes:
                 f"the group of task {echo(task_id)} could not be scored by the run's reward functions ({exc}); it is "
                 'dropped and counted (dropped{reason="reward"})'
             ) from None
-        except BaseException:
-            await run.broker.unreserve()
-            raise
         run.counters.groups_scored += 1
         self.metrics.groups_scored.labels(run.run_id).inc()
         run.counters.tokens_generated += sum(sum(e.mask) for e in episodes)

@@ -6,40 +6,38 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
 
 from rollout_service.errors import FailedPrecondition, InvalidArgument, echo
 from rollout_service.generation.episode import Transcript, TurnTemplate
-from rollout_service.types import CHAT_ROLES, Completion, EpisodeResult, FinishReason, PromptItem
-
-if TYPE_CHECKING:
-    from rollout_service.generation.prompts import PromptRenderer
+from rollout_service.types import CHAT_ROLES, Completion, FinishReason, PromptItem
 
 
 @dataclass(frozen=True)
-class TurnRequest:
+class EpisodeRequest:
+    """The sampling fields a client left out (None, empty) are the run's."""
+
     episode_id: str
     task_id: str
+    _: KW_ONLY
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TurnRequest(EpisodeRequest):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
-class TextRequest:
+class TextRequest(EpisodeRequest):
     """``prompt``: the episode's text so far plus what the client adds."""
 
-    episode_id: str
-    task_id: str
     prompt: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,23 +93,6 @@ def not_busy(episode: OpenEpisode) -> None:
         raise FailedPrecondition(
             f"a request of episode {echo(episode.episode_id)} is still running; send its turns one after another"
         )
-
-
-def result(episode: OpenEpisode, renderer: PromptRenderer) -> EpisodeResult:
-    transcript = episode.transcript
-    return EpisodeResult(
-        completion_ids=list(transcript.ids),
-        logprobs=list(transcript.logprobs),
-        mask=list(transcript.mask),
-        finish_reason=episode.finish,
-        text=renderer.decode(transcript.ids),
-        policy_version_first=episode.version_first,
-        policy_version_last=episode.version_last,
-        num_turns=episode.turns,
-        messages=tuple(transcript.messages),
-        reward_text=renderer.decode(transcript.ids, skip_special_tokens=True),
-        reward_messages=tuple(transcript.reward_messages),
-    )
 
 
 def check_messages(messages: list[dict[str, Any]], first: bool) -> None:

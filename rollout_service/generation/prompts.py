@@ -35,36 +35,21 @@ _BYTES_PER_TOKEN_ID = 36
 """A token id in a Python list: an 8-byte slot and a 28-byte int object."""
 
 
+def _user(content: str, **metadata: str) -> PromptSpec:
+    return PromptSpec(messages=[{"role": "user", "content": content}], metadata=metadata)
+
+
 def _letters() -> list[PromptSpec]:
-    return [
-        PromptSpec(
-            messages=[{"role": "user", "content": f"Write the letter {c} as many times as you can."}],
-            metadata={"target_char": c},
-        )
-        for c in "abcdefghij"
-    ]
+    return [_user(f"Write the letter {c} as many times as you can.", target_char=c) for c in "abcdefghij"]
 
 
 def _repeat_a() -> list[PromptSpec]:
     """The demo's task: one target letter, so a tiny random model learns it within minutes."""
-    return [
-        PromptSpec(
-            messages=[{"role": "user", "content": f"Write the letter a as many times as you can. ({i})"}],
-            metadata={"target_char": "a"},
-        )
-        for i in range(8)
-    ]
+    return [_user(f"Write the letter a as many times as you can. ({i})", target_char="a") for i in range(8)]
 
 
 def _sums(question: str, left: range, right: range) -> list[PromptSpec]:
-    return [
-        PromptSpec(
-            messages=[{"role": "user", "content": question.format(a=a, b=b)}],
-            metadata={"answer": str(a + b)},
-        )
-        for a in left
-        for b in right
-    ]
+    return [_user(question.format(a=a, b=b), answer=str(a + b)) for a in left for b in right]
 
 
 def _arithmetic() -> list[PromptSpec]:
@@ -78,13 +63,8 @@ def _tool_arithmetic() -> list[PromptSpec]:
 
 def _guess_number() -> list[PromptSpec]:
     """For the ``guess_number`` environment: the secret is in the metadata, never the prompt."""
-    return [
-        PromptSpec(
-            messages=[{"role": "user", "content": "Guess my number between 1 and 20. Answer with one number."}],
-            metadata={"secret": str(secret)},
-        )
-        for secret in (3, 7, 11, 14, 18)
-    ]
+    question = "Guess my number between 1 and 20. Answer with one number."
+    return [_user(question, secret=str(secret)) for secret in (3, 7, 11, 14, 18)]
 
 
 BUILTIN_DATASETS = {
@@ -108,8 +88,6 @@ def builtin_dataset(name: str) -> list[PromptSpec]:
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    """A prompt as token ids, its decoded text, metadata and (for chat prompts) its messages."""
-
     token_ids: list[int]
     text: str
     metadata: dict[str, str] = field(default_factory=dict)
@@ -119,15 +97,12 @@ class RenderedPrompt:
         return PromptItem(index, self.token_ids, self.text, self.metadata, self.messages)
 
     def approx_bytes(self) -> int:
-        """Its rough size in memory."""
         strings = [self.text, *self.metadata, *self.metadata.values()]
         strings += [value for message in self.messages for value in message.values()]
         return _BYTES_PER_TOKEN_ID * len(self.token_ids) + sum(len(value.encode()) for value in strings)
 
 
 class PromptRenderer:
-    """Turns PromptSpecs into token ids with the served model's tokenizer and chat template."""
-
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -158,8 +133,7 @@ class PromptRenderer:
             ids = list(spec.token_ids or [])
             if not ids:
                 raise InvalidArgument("a token-id prompt must not be empty")
-            bad = [i for i in ids if i >= self.vocab_size]
-            if bad:
+            if bad := [i for i in ids if i >= self.vocab_size]:
                 raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         if len(ids) + max_tokens > self.max_model_len:
             raise InvalidArgument(
@@ -215,8 +189,6 @@ class PromptSource(Protocol):
 
 
 class CyclingPromptSource:
-    """A fixed list of rendered prompts, cycled forever."""
-
     def __init__(self, rendered: list[RenderedPrompt]) -> None:
         if not rendered:
             raise InvalidArgument("a prompt list must not be empty")
@@ -245,8 +217,6 @@ class OncePromptSource:
         return self._next >= len(self._rendered)
 
     async def next(self) -> PromptItem:
-        if self.exhausted:
-            raise RuntimeError("every prompt of the set was handed out; check exhausted first")
         self._next += 1
         return self._rendered[self._next - 1].item(self._next - 1)
 
@@ -255,7 +225,6 @@ class OncePromptSource:
 
 
 def _pack(prompt: RenderedPrompt) -> tuple[bytes, int]:
-    """A prompt as one bytes object, and its ``approx_bytes``."""
     fields = (prompt.token_ids, prompt.text, prompt.metadata, prompt.messages)
     return pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL), prompt.approx_bytes()
 
@@ -267,8 +236,7 @@ def _pack_all(rendered: list[RenderedPrompt]) -> list[tuple[bytes, int]]:
 
 
 def _unpack(index: int, blob: bytes) -> PromptItem:
-    token_ids, text, metadata, messages = pickle.loads(blob)
-    return PromptItem(index, token_ids, text, metadata, messages)
+    return PromptItem(index, *pickle.loads(blob))  # the fields ``_pack`` pickled, in PromptItem's order
 
 
 SUBMIT_CHUNK = 1024

@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinity, samples_groups_at_once
@@ -45,12 +45,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class InflightGroup:
-    """A group whose members are generating, and the version it counts as started at."""
-
     start_version: int
-    """The run's policy version once every member was sent: its first tokens come from this
-    version or a later one, so a group is never judged older than it is."""
-    members: list[asyncio.Task[Any]] = field(default_factory=list)
+    """The run's policy version once every member was sent, so a group is never judged older than it is."""
+    members: list[asyncio.Task[Any]]
     stale: bool = False
     """Set when the trainer moved past it: its members are being cancelled."""
 
@@ -63,63 +60,54 @@ class Scheduler:
         metrics: ServiceMetrics,
         max_inflight: int,
         decode: Callable[[list[int]], str],
-        max_group_bytes: int = 4 << 20,
-        route: Callable[[Run], Engine] | None = None,
+        max_group_bytes: int,
+        route: Callable[[Run], Engine],
+        evaluations: Evaluations,
     ) -> None:
         """``route``: the engine a run's requests go to (its adapter, its partition's servers);
-        default ``engine``."""
+        ``evaluations``: told of evaluation runs' scored groups and of their end."""
         self.engine = engine
-        self.route = route or (lambda run: engine)
+        self.route = route
         self.max_group_bytes = max_group_bytes
         self.decode = decode
         self.metrics = metrics
         self.max_inflight = max_inflight
         self.scorer = scorer
-        """Scores each group as its last member finishes."""
         self.slots_busy = 0
         self.max_slots_busy_seen = 0
         self.engine_failures = 0
         self.slots = WeightedSlots(max_inflight)
-        """The shared slots (their time accounting is read: busy and free slot-seconds)."""
         self.tokens = RecentRate()
-        """Tokens generated over all runs, and their recent rate (counted as episodes finish)."""
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
-        """Per run, its groups whose members are generating."""
         self._fed: set[str] = set()
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
-        self.evaluations: Evaluations | None = None
-        """Told of evaluation runs' scored groups and of their end (set by the service)."""
+        self.evaluations = evaluations
         metrics.slots_total.set(max_inflight)
 
-    # -- lifecycle -----------------------------------------------------------------------
     def start_run(self, run: Run) -> None:
-        self._tasks[run.run_id] = set()
-        self._inflight[run.run_id] = {}
         run.admission.on_change(lambda: self._abort_stale(run))
         if isinstance(run.source, ExternalSource):
             return  # its episodes come from outside (``generation.external``): nothing to feed
         feeder = self._spawn(run, self._feed(run), f"feed-{run.run_id}")
         feeder.add_done_callback(lambda task: self._feeder_ended(run, task))
 
-    async def stop_run(self, run: Run, timeout_s: float = 10.0) -> None:
-        """Cancel the run's feeder and in-flight groups and close its broker."""
+    async def stop_run(self, run: Run) -> None:
         tasks = self._tasks.pop(run.run_id, set())
         for task in tasks:
             task.cancel()
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            _, pending = await asyncio.wait(tasks, timeout=10.0)
             if pending:
-                logger.warning("run %s: %d tasks did not stop within %.0fs", run.run_id, len(pending), timeout_s)
+                logger.warning("run %s: %d tasks did not stop within 10s", run.run_id, len(pending))
         await run.broker.close()
         self.slots.forget(run.run_id)
         self._inflight.pop(run.run_id, None)
         self._fed.discard(run.run_id)
 
     def stop_generation(self, run: Run) -> None:
-        """Cancel the run's feeder and in-flight groups now, and end its consumers' streams
-        once they have its scored groups (an evaluation stopped by a weight update that will
-        not wait longer: no request of it may run on the next weights)."""
+        """Cancel the run's feeder and groups now, and end its streams after its scored groups: an
+        evaluation a weight update stops may run no request on the next weights."""
         self._fed.discard(run.run_id)  # its set is not done: it never completes
         for task in self._tasks.get(run.run_id, set()):
             task.cancel()
@@ -133,18 +121,13 @@ class Scheduler:
         return task
 
     def _feeder_ended(self, run: Run, task: asyncio.Task[Any]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
             run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
             logger.error("run %s stopped generating: %s", run.run_id, run.error, exc_info=exc)
 
-    # -- slots ---------------------------------------------------------------------------
     async def _acquire_slots(self, run: Run, count: int = 1) -> None:
-        """``count`` slots at once (a group request's G): the run's own limit first (only its
-        feeder takes them), then the service's, granted together so that two runs' requests
-        never each hold part of what they need."""
+        """``count`` slots (a group request's G): the run's own first, then the service's, granted
+        together so that two runs' requests never each hold part of what they need."""
         taken = 0
         try:
             while taken < count:
@@ -174,7 +157,6 @@ class Scheduler:
         self.metrics.slot_seconds.labels(run.run_id).inc(total - run.counters.slot_seconds)
         run.counters.slot_seconds = total
 
-    # -- generation ----------------------------------------------------------------------
     async def _feed(self, run: Run) -> None:
         """Start groups for the run while its broker has room, one slot at a time; an
         evaluation run only once it holds its version, and only until its set is done."""
@@ -199,7 +181,7 @@ class Scheduler:
         if run.run_id in self._fed and not self._inflight.get(run.run_id):
             self._fed.discard(run.run_id)
             run.broker.finish()
-            if self.evaluations is not None and run.eval is not None:
+            if run.eval is not None:
                 self.evaluations.generation_done(run)
 
     async def _start_group(self, run: Run, prompt: PromptItem) -> None:
@@ -217,9 +199,7 @@ class Scheduler:
         self._spawn(run, finish, f"score-{group_id}")
 
     def _abort_stale(self, run: Run) -> None:
-        """On a version change: cancel the in-flight groups the trainer would drop as stale
-        (``RunAdmission.outdated``: started more than ``max_staleness`` versions before the
-        trainer's version)."""
+        """On a version change: cancel the in-flight groups the trainer would drop as stale."""
         for inflight in self._inflight.get(run.run_id, {}).values():
             if not inflight.stale and run.admission.outdated(inflight.start_version):
                 inflight.stale = True
@@ -227,9 +207,8 @@ class Scheduler:
                     member.cancel()
 
     def _samples_group_at_once(self, run: Run) -> bool:
-        """One request per group: single-turn, no per-member seeds to honour, and room for
-        its G slots at once (a request that needs more slots than the run or the service
-        has would wait for them for ever; its members then go one slot at a time)."""
+        """One request per group: single-turn, no per-member seeds, and room for its G slots (more
+        than the run or the service has would wait for ever; its members go one at a time)."""
         return (
             run.episode is None
             and not run.spec.group_deadline_s  # a deadline keeps the members that finished
@@ -239,7 +218,6 @@ class Scheduler:
         )
 
     async def _start_members(self, run: Run, prompt: PromptItem, group_id: str) -> list[asyncio.Task[Any]]:
-        """One task per member, each in its own slot, started as slots free up."""
         members: list[asyncio.Task[Any]] = []
         for index in range(run.spec.group_size):
             if any(m.done() and not m.cancelled() and m.exception() for m in members):
@@ -252,7 +230,6 @@ class Scheduler:
         return members
 
     async def _start_group_request(self, run: Run, prompt: PromptItem, group_id: str) -> list[asyncio.Task[Any]]:
-        """One task for the whole group; it holds G slots, as G members would."""
         size = run.spec.group_size
         await self._acquire_slots(run, size)
         request = self._spawn(run, self._run_group_request(run, prompt, group_id), group_id)
@@ -260,10 +237,8 @@ class Scheduler:
         return [request]
 
     def _member_done(self, run: Run, task: asyncio.Task[Any], slots: int) -> None:
-        """Free a finished member's slots: a done-callback, not a finally, so that it also runs
-        for a task cancelled before it started. Its failure is ``_finish_group``'s to handle;
-        observing it here too keeps asyncio from logging it as never retrieved when the run
-        stops before ``_finish_group`` looked."""
+        """A done-callback, not a finally, so that a task cancelled before it started frees its slots
+        too; it observes the failure so that asyncio does not log it as never retrieved."""
         for _ in range(slots):
             self._release_slot(run)
         if not task.cancelled():
@@ -271,7 +246,7 @@ class Scheduler:
 
     async def _run_member(
         self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str, index: int
-    ) -> EpisodeResult:
+    ) -> list[EpisodeResult]:
         engine = self.route(run)
         if run.episode is None:
             result = await run_single_turn(
@@ -294,7 +269,7 @@ class Scheduler:
             finally:
                 self._forget_affinity(affinity)
         self._count_episode(run, result)
-        return result
+        return [result]
 
     def _forget_affinity(self, key: str) -> None:
         forget = getattr(self.engine, "forget", None)
@@ -340,17 +315,18 @@ class Scheduler:
         expected: int,
         started: float,
     ) -> None:
-        """``inflight.members``: ``expected`` tasks, each an ``EpisodeResult`` or a list of
-        them (a group request); fewer when a member failed before the others could start."""
+        """``inflight.members``: ``expected`` tasks, each the episodes of a member (one) or of a group
+        request (G); fewer when a member failed before the others could start."""
         members = inflight.members
         deadline = run.spec.group_deadline_s
         wait_s = max(0.0, started + deadline - time.monotonic()) if deadline else None
         try:
             done, pending = await asyncio.wait(members, timeout=wait_s, return_when=asyncio.FIRST_EXCEPTION)
-            if inflight.stale:
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*members, return_exceptions=True)
+            stale = inflight.stale
+            for task in pending:  # a stale or failed group's members, or the stragglers past its deadline
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if stale:
                 why = (
                     f"started at policy version {inflight.start_version}, and the trainer is at version "
                     f"{run.admission.trainer_version}, more than max_staleness {run.spec.max_staleness} later"
@@ -359,9 +335,6 @@ class Scheduler:
                 return
             failed = [t for t in done if t.exception() is not None]
             if failed or len(members) < expected:
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
                 error = failed[0].exception() if failed else None
                 reason = _failure_reason(error)
                 await self._drop(run, prompt, group_id, reason, error)
@@ -370,10 +343,7 @@ class Scheduler:
                 elif error is not None and not isinstance(error, EnvironmentFailure):
                     logger.error("group %s failed unexpectedly", group_id, exc_info=error)
                 return
-            if pending:  # past the deadline: the stragglers are cancelled
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
+            if pending:  # past the deadline
                 members = [task for task in members if task in done]  # member order
                 if len(members) < run.spec.fewest_members:
                     why = (
@@ -384,7 +354,7 @@ class Scheduler:
                     return
                 run.counters.groups_partial += 1
                 self.metrics.groups_partial.labels(run.run_id).inc()
-            episodes = [episode for task in members for episode in _episodes(task.result())]
+            episodes = [episode for task in members for episode in task.result()]
             if any(episode.finish_reason == "abort" for episode in episodes):
                 # A weight update with pause_mode abort cut a member off: the proto promises
                 # such groups are dropped, not trained on a truncated sample.
@@ -409,7 +379,7 @@ class Scheduler:
                 return
             run.counters.groups_scored += 1
             self.metrics.groups_scored.labels(run.run_id).inc()
-            if self.evaluations is not None and run.eval is not None:
+            if run.eval is not None:
                 self.evaluations.record(run, scored)
             await run.broker.put(scored)
         finally:
@@ -428,16 +398,10 @@ class Scheduler:
 
 
 def _failure_reason(error: BaseException | None) -> str:
-    """The drop reason of a failed member: vLLM refusing the request (its parameters, not
-    the server, are at fault), an environment, or the engine."""
+    """A failed member's drop reason: ``rejected`` (vLLM refused the request itself), ``environment`` or ``engine``."""
     if isinstance(error, RequestRejected):
         return "rejected"
     return "environment" if isinstance(error, EnvironmentFailure) else "engine"
-
-
-def _episodes(result: EpisodeResult | list[EpisodeResult]) -> list[EpisodeResult]:
-    """A member's episode, or a group request's episodes."""
-    return result if isinstance(result, list) else [result]
 
 
 def _member_params(base: SamplingParams, prompt_index: int, member: int, group_size: int) -> SamplingParams:

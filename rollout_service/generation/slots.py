@@ -29,11 +29,7 @@ class _Holder:
 
 
 class WeightedSlots:
-    """``total`` slots; ``acquire(key, weight)`` / ``release(key)``."""
-
     def __init__(self, total: int, clock: Callable[[], float] = time.monotonic) -> None:
-        if total < 1:
-            raise ValueError(f"total slots must be >= 1, got {total}")
         self.total = total
         self.busy = 0
         self.clock = clock
@@ -85,10 +81,6 @@ class WeightedSlots:
         self.busy -= 1
         self._schedule_hand_out()
 
-    def busy_of(self, key: str) -> int:
-        holder = self._holders.get(key)
-        return holder.busy if holder is not None else 0
-
     def slot_seconds(self, key: str) -> float:
         """Slot-seconds the key has held so far, its current slots included."""
         holder = self._holders.get(key)
@@ -102,7 +94,6 @@ class WeightedSlots:
         return self._busy_seconds + self.busy * (self.clock() - self._changed_at)
 
     def busy_time_average(self) -> float:
-        """Slots busy on average since start."""
         elapsed = self.clock() - self.started
         return self.busy_seconds() / elapsed if elapsed > 0 else float(self.busy)
 
@@ -151,7 +142,7 @@ class WeightedSlots:
                 self._schedule_hand_out()
             return
 
-    def _grant(self, holder: _Holder, count: int = 1) -> None:
+    def _grant(self, holder: _Holder, count: int) -> None:
         self._account(holder)
         holder.busy += count
         self._integrate()

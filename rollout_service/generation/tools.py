@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import importlib
 import inspect
 import json
@@ -36,23 +37,9 @@ TOOL_THREADS = 32
 
 @dataclass(frozen=True)
 class Tool:
-    """A callable and the schema the model sees for it."""
-
     name: str
     function: ToolFunction
     schema: dict[str, Any]
-
-    @classmethod
-    def from_function(cls, function: ToolFunction, name: str | None = None) -> Tool:
-        """Derive the schema from the signature and docstring; fails at registration, not mid-episode."""
-        from transformers.utils import get_json_schema
-
-        if not callable(function):
-            raise TypeError(f"tool {name or function!r} is not callable")
-        schema = get_json_schema(function)
-        if name is not None:
-            schema["function"]["name"] = name
-        return cls(schema["function"]["name"], function, schema)
 
 
 @dataclass(frozen=True)
@@ -85,10 +72,7 @@ _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 def parse_hermes(text: str) -> list[ParsedCall]:
     """Hermes / Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
     (``arguments`` may be a JSON string); an unclosed call is read to the end of the turn."""
-    calls: list[ParsedCall] = []
-    for match in _HERMES_CALL.finditer(text):
-        calls.append(_read_call_json(match.group(1).strip()))
-    return calls
+    return [_read_call_json(match.group(1).strip()) for match in _HERMES_CALL.finditer(text)]
 
 
 def _read_call_json(raw: str) -> ParsedCall:
@@ -122,12 +106,7 @@ class ToolResult:
     error_kind: ToolErrorKind | None
     seconds: float
 
-    @property
-    def ok(self) -> bool:
-        return self.error_kind is None
-
     def message(self) -> dict[str, str]:
-        """The tool message appended to the conversation."""
         return {"role": "tool", "name": self.name, "content": self.content}
 
 
@@ -228,10 +207,8 @@ def format_result(value: Any) -> str:
         return value
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return str(int(value))
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         return json.dumps(value)
-    except (TypeError, ValueError):
-        pass
     try:
         return str(value)[:MAX_RESULT_CHARS]
     except ValueError:  # an int over Python's 4300-digit str limit
@@ -239,8 +216,6 @@ def format_result(value: Any) -> str:
 
 
 class ToolRegistry:
-    """Named tools and parsers a run may ask for (built-ins plus what users register)."""
-
     def __init__(self) -> None:
         self._tools: dict[str, Tool] = {}
         self._parsers: dict[str, ToolCallParser] = dict(BUILTIN_PARSERS)
@@ -248,10 +223,17 @@ class ToolRegistry:
         for name, function in BUILTIN_TOOLS.items():
             self.register(function, name)
 
-    def register(self, function: ToolFunction, name: str | None = None) -> Tool:
-        tool = Tool.from_function(function, name)
-        self._tools[tool.name] = tool
-        return tool
+    def register(self, function: ToolFunction, name: str | None = None) -> None:
+        """The schema comes from the signature and docstring: a bad tool fails here, not mid-episode."""
+        from transformers.utils import get_json_schema
+
+        if not callable(function):
+            raise TypeError(f"tool {name or function!r} is not callable")
+        schema = get_json_schema(function)
+        if name is not None:
+            schema["function"]["name"] = name
+        tool_name = schema["function"]["name"]
+        self._tools[tool_name] = Tool(tool_name, function, schema)
 
     def register_parser(self, name: str, parser: ToolCallParser) -> None:
         if not callable(parser):
@@ -278,8 +260,7 @@ class ToolRegistry:
 
     def toolset(self, names: Sequence[str], parser: str, timeout_s: float) -> ToolSet:
         """The tools of one run; unknown names are the client's error and say what exists."""
-        unknown = [n for n in names if n not in self._tools]
-        if unknown:
+        if unknown := [n for n in names if n not in self._tools]:
             raise InvalidArgument(f"unknown tool {echo(unknown[0])}; registered tools: {', '.join(self.names())}")
         if parser not in self._parsers:
             known = ", ".join(self.parser_names())
@@ -308,9 +289,6 @@ class ToolSet:
 
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.tools.values()]
-
-    def parse(self, text: str) -> list[ParsedCall]:
-        return self.parser(text)
 
     async def execute_all(self, calls: Sequence[ParsedCall]) -> list[ToolResult]:
         """Run one turn's calls concurrently; results in call order."""

@@ -16,9 +16,9 @@ EPS = 1e-4
 class AdvantageComputer:
     """Stateful only for batch scaling, which needs the spread of recent rewards."""
 
-    def __init__(self, scaling: AdvantageScaling, batch_window: int = 1024) -> None:
+    def __init__(self, scaling: AdvantageScaling) -> None:
         self.scaling = scaling
-        self._recent: deque[float] = deque(maxlen=batch_window)
+        self._recent: deque[float] = deque(maxlen=1024)
 
     def __call__(self, rewards: list[float]) -> list[float]:
         if len(rewards) < 2:

@@ -101,8 +101,7 @@ def char_fraction(prompts: list[Any], completions: list[Completion], completion_
 
 
 def exact_answer(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs: Any):
-    """1.0 when the first number in the model's last message equals the prompt's ``answer``, else
-    0.0; None for prompts without an answer."""
+    """1.0 when the first number in the model's last message is the prompt's ``answer``, else 0.0 (None without one)."""
     answers = kwargs.get("answer") or [None] * len(completions)
     out: list[float | None] = []
     for completion, answer in zip(completions, answers, strict=True):
@@ -183,8 +182,7 @@ async def call_reward(
         if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(type(function).__call__):
             pending = function(**arguments)
         else:
-            loop = asyncio.get_running_loop()
-            pending = loop.run_in_executor(executor, functools.partial(function, **arguments))
+            pending = asyncio.get_running_loop().run_in_executor(executor, functools.partial(function, **arguments))
         values = await asyncio.wait_for(pending, timeout_s)
     except TimeoutError:
         raise RewardError(f"reward {name!r} took longer than {timeout_s:.0f}s") from None

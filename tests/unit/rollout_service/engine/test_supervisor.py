@@ -36,7 +36,7 @@ class SleepServer:
         self.process = subprocess.Popen(["sleep", "600"])
         self.starts += 1
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_tail(self) -> str:
         return "(sleep has no log)"
 
     def kill(self) -> None:
