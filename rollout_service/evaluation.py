@@ -64,14 +64,12 @@ def eval_result(run: Run) -> EvalResult:
 
 
 class Evaluations:
-    """Starts evaluation runs when their version is live, holds it while they generate, keeps results."""
-
     def __init__(
         self,
         holds: VersionHolds,
         metrics: ServiceMetrics,
-        pausing_update_pending: Callable[[], bool] = lambda: False,
-        stop_generation: Callable[[Run], None] = lambda run: None,
+        pausing_update_pending: Callable[[], bool],
+        stop_generation: Callable[[Run], None],
     ) -> None:
         self.holds = holds
         self.holds.on_overrun = self._overrun

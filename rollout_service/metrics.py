@@ -15,8 +15,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 
 class ServiceMetrics:
-    """Every metric the service exports; names follow Prometheus conventions."""
-
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         counter = functools.partial(Counter, registry=self.registry)
@@ -154,9 +152,6 @@ class ServiceMetrics:
             for labels in [labels for labels in list(metric._metrics) if labels[index] == run_id]:
                 metric.remove(*labels)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
 
 class RecentRate:
     """A running total and its rate over the last ``window_s`` seconds, O(1) per ``add`` (bucketed)."""
@@ -200,7 +195,7 @@ async def start_metrics_server(metrics: ServiceMetrics, host: str, port: int) ->
     """Serve /metrics on the service's event loop; returns the runner and the bound port."""
 
     async def handle(_: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_get("/metrics", handle)

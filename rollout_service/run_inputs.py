@@ -89,27 +89,20 @@ class RunInputs:
         convert: Callable[[T], PromptSpec] | None = None,
     ) -> list[RenderedPrompt]:
         """In a thread (a dataset takes seconds), ``SUBMIT_CHUNK`` at a time; ``convert``: from the wire form."""
+
+        def render_chunk(first: int) -> list[RenderedPrompt]:
+            rendered = []
+            for i, raw in enumerate(prompts[first : first + SUBMIT_CHUNK], first):
+                prompt = cast(PromptSpec, raw) if convert is None else convert(raw)
+                try:
+                    ids, text = self.renderer.render(prompt, max_tokens, tools)
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"prompt {i}: {exc}") from None
+                messages = tuple(dict(m) for m in prompt.messages or ())
+                rendered.append(RenderedPrompt(ids, text, dict(prompt.metadata), messages))
+            return rendered
+
         rendered: list[RenderedPrompt] = []
         for start in range(0, len(prompts), SUBMIT_CHUNK):
-            chunk = prompts[start : start + SUBMIT_CHUNK]
-            rendered += await asyncio.to_thread(self._render_now, chunk, start, max_tokens, tools, convert)
-        return rendered
-
-    def _render_now(
-        self,
-        prompts: Sequence[T],
-        first: int,
-        max_tokens: int,
-        tools: list[dict[str, Any]] | None,
-        convert: Callable[[T], PromptSpec] | None,
-    ) -> list[RenderedPrompt]:
-        rendered = []
-        for i, raw in enumerate(prompts, first):
-            prompt = cast(PromptSpec, raw) if convert is None else convert(raw)
-            try:
-                ids, text = self.renderer.render(prompt, max_tokens, tools)
-            except InvalidArgument as exc:
-                raise InvalidArgument(f"prompt {i}: {exc}") from None
-            messages = tuple(dict(m) for m in prompt.messages or ())
-            rendered.append(RenderedPrompt(ids, text, dict(prompt.metadata), messages))
+            rendered += await asyncio.to_thread(render_chunk, start)
         return rendered

@@ -125,10 +125,6 @@ class ScoredGroup:
         """The oldest policy any member started under: what staleness is judged by."""
         return min(e.policy_version_first for e in self.episodes)
 
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(sum(e.mask) for e in self.episodes)
-
     def wire_bytes_upper_bound(self) -> int:
         """An upper bound of this group's encoded size, without building the message."""
         prompt = 5 * len(self.prompt.token_ids) + len(self.prompt.text.encode())

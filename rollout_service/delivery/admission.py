@@ -23,8 +23,6 @@ from rollout_service.versions import PolicyVersion, VersionChange
 
 
 class RunAdmission:
-    """The versions of one run, and whether they let one more group start."""
-
     def __init__(
         self,
         run_id: str,
@@ -134,7 +132,8 @@ class RunAdmission:
             self.version_bumped = True
         if self.trainer_version > change.previous_trainer:
             self._version_ended(change.previous_trainer)
-        self._changed()
+        for callback in self._on_change:
+            callback()
 
     def _version_ended(self, ended: int) -> None:
         """Learn C from the trainer version that just ended (one with nothing trained teaches nothing)."""
@@ -150,23 +149,12 @@ class RunAdmission:
         for old in [v for v in self.trained_by_version if v < ended]:
             del self.trained_by_version[old]
 
-    def _changed(self) -> None:
-        for callback in self._on_change:
-            callback()
-
-    def consumer_joined(self, consumer_id: str, credits: int) -> None:
-        self.credits[consumer_id] = credits
-
-    def consumer_left(self, consumer_id: str) -> None:
-        self.credits.pop(consumer_id, None)
-
     def trained(self, trained_at: int | None) -> None:
         """One group was acked as trained at this version (None: the current T)."""
         version = self.trainer_version if trained_at is None else trained_at
         self.trained_by_version[version] = self.trained_by_version.get(version, 0) + 1
 
     def forget(self) -> None:
-        """The run was deleted: stop watching versions, drop what consumers reported."""
         self._stop_watching()
         self.credits.clear()
         self.trained_by_version.clear()

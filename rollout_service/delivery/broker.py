@@ -11,13 +11,14 @@ starts a group, so at most ``max_buffered`` groups are ever reserved or buffered
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from rollout_service.delivery.admission import RunAdmission
-from rollout_service.delivery.state_store import MemoryStore, StateStore
+from rollout_service.delivery.state_store import ACKED_KEPT, MemoryStore, StateStore
 from rollout_service.errors import AlreadyExists, FailedPrecondition, echo
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.types import ScoredGroup
@@ -26,12 +27,9 @@ logger = logging.getLogger(__name__)
 
 ACK_TRAINED = "trained"
 ACK_DROPPED_STALE = "dropped_stale"
-_ACK_MEMORY = 100_000
 
 
 class RunBroker:
-    """The buffer and leases of one run."""
-
     def __init__(
         self,
         run_id: str,
@@ -77,7 +75,6 @@ class RunBroker:
         self.draining = False
         """Set at shutdown: no group is started or handed out any more."""
         self.closed_event = asyncio.Event()
-        self.finished = False
         self.finished_event = asyncio.Event()
         self._changed = asyncio.Condition()
 
@@ -122,13 +119,12 @@ class RunBroker:
 
     def finish(self) -> None:
         """No group will be added: streams end once the rest are acked (``exhausted``)."""
-        self.finished = True
         self.finished_event.set()
         self._wake_soon()
 
     @property
     def exhausted(self) -> bool:
-        return self.finished and not self.buffered and not self.num_leased
+        return self.finished_event.is_set() and not self.buffered and not self.num_leased
 
     async def unreserve(self) -> None:
         async with self._changed:
@@ -158,7 +154,7 @@ class RunBroker:
                 "use a unique consumer_id per trainer process"
             )
         self.leases[consumer_id] = {}
-        self.admission.consumer_joined(consumer_id, credits)
+        self.admission.credits[consumer_id] = credits
 
     async def take(self, consumer_id: str) -> ScoredGroup | None:
         """Wait for a group and lease it; None once closed. Cancellation-safe: no await after the lease."""
@@ -178,11 +174,9 @@ class RunBroker:
                     if lookahead is not None and not starving:
                         lookahead.consumer_waits()
                         starving = True
-                    try:
+                    with contextlib.suppress(TimeoutError):  # a lease expired: loop to return it to the buffer
                         async with asyncio.timeout(self._seconds_to_next_expiry()):
                             await self._changed.wait()
-                    except TimeoutError:
-                        pass  # a lease expired: loop to return it to the buffer
             finally:
                 if starving and lookahead is not None:
                     lookahead.consumer_served()
@@ -276,10 +270,9 @@ class RunBroker:
         """The consumer left: its unacked groups go back to the front, oldest first."""
         async with self._changed:
             leased = self.leases.pop(consumer_id, {})
-            self.admission.consumer_left(consumer_id)
+            self.admission.credits.pop(consumer_id, None)
             # Its stream is gone, so it holds no first copy: its expired groups may go to anyone.
-            for group_id in [g for g, holder in self.expired_holder.items() if holder == consumer_id]:
-                del self.expired_holder[group_id]
+            self.expired_holder = {g: holder for g, holder in self.expired_holder.items() if holder != consumer_id}
             for group_id in leased:
                 self.lease_deadlines.pop(group_id, None)
             self.buffered.extendleft(reversed(list(leased.values())))
@@ -305,7 +298,6 @@ class RunBroker:
         for index, group in enumerate(self.buffered):
             if group.group_id == group_id:
                 del self.buffered[index]
-                self.restored.discard(group_id)
                 return True
         return False
 
@@ -343,7 +335,7 @@ class RunBroker:
     def _remember(memory: OrderedDict[str, str], key: str, value: str) -> None:
         """Bounded memory of group ids (acks, expiries), forgetting the oldest."""
         memory[key] = value
-        if len(memory) > _ACK_MEMORY:
+        if len(memory) > ACKED_KEPT:
             memory.popitem(last=False)
 
     @property

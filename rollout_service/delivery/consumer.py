@@ -128,7 +128,7 @@ class ConsumerSession:
                 return None
             self._changed.clear()
             if self.credits <= 0:  # wait for a credit, or for the run to end (or to finish its set)
-                ends = [self.broker.closed_event] + ([] if self.broker.finished else [self.broker.finished_event])
+                ends = [end for end in (self.broker.closed_event, self.broker.finished_event) if not end.is_set()]
                 waits = {asyncio.ensure_future(self._changed.wait()), *(asyncio.ensure_future(e.wait()) for e in ends)}
                 try:
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -21,8 +21,6 @@ TARGET_SLACK = 0.1
 
 
 class Lookahead:
-    """The lookahead of one run, in trainer versions, learned from its consumers' waits."""
-
     def __init__(self, max_versions: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_versions = max_versions
         self.clock = clock
@@ -30,43 +28,36 @@ class Lookahead:
         self.versions = float(max_versions)
         self._version_started = now
         self._starved = 0.0
-        self._waiting = 0
+        self.consumers_waiting = 0
         """Consumers waiting in ``take`` with nothing to take; starved time runs while > 0."""
         self._waiting_since = now
         self._slack: float | None = None
         self._previous_slack = 0.0
         """0 at the start, so the first version cannot lower the lookahead."""
-        self.updates = 0
 
     def consumer_waits(self) -> None:
-        if self._waiting == 0:
+        if self.consumers_waiting == 0:
             self._waiting_since = self.clock()
-        self._waiting += 1
+        self.consumers_waiting += 1
 
     def consumer_served(self) -> None:
-        self._waiting -= 1
-        if self._waiting == 0:
+        self.consumers_waiting -= 1
+        if self.consumers_waiting == 0:
             self._starved += self.clock() - self._waiting_since
 
     def group_taken(self, seconds_buffered: float) -> None:
         self._slack = seconds_buffered if self._slack is None else min(self._slack, seconds_buffered)
 
     def restore(self, versions: float) -> None:
-        self._set(versions)
-
-    def _set(self, versions: float) -> None:
+        """Set the lookahead, within 0 and ``max_versions``."""
         self.versions = min(float(self.max_versions), max(0.0, versions))
-
-    @property
-    def consumers_waiting(self) -> int:
-        return self._waiting
 
     def version_ended(self) -> None:
         """The trainer moved on a version: correct the lookahead by what this one showed."""
         now = self.clock()
         step = now - self._version_started
         starved = self._starved
-        if self._waiting:
+        if self.consumers_waiting:
             starved += now - self._waiting_since
             self._waiting_since = now
         slack = self._slack
@@ -77,5 +68,4 @@ class Lookahead:
         steady_slack = min(slack, self._previous_slack)
         self._previous_slack = slack
         error = (TARGET_SLACK * step - steady_slack + starved) / step
-        self._set(self.versions + GAIN * error)
-        self.updates += 1
+        self.restore(self.versions + GAIN * error)

@@ -1,10 +1,7 @@
-"""Durable service state: runs, their unacked scored groups and the acked ids, in SQLite (WAL),
-so that a restarted service loses nothing.
-
-Writes are batched on the event loop, a transaction per flush. ``put_group`` returns once the
-group is on disk, so a group handed out is never one a restart forgets; it is stored as its
-wire message (``GroupCodec``), the encoding delivery reuses. Leases are not stored: after a
-restart every unacked group is buffered again, as if its consumer had left.
+"""Durable service state, so that a restarted service loses nothing: runs, their unacked scored
+groups (as their wire message, the encoding delivery reuses) and the acked ids, in SQLite (WAL).
+Leases are not stored: after a restart every unacked group is buffered again, as if its
+consumer had left.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ CHECKPOINT_INTERVAL_S = 1.0
 """How often the maintenance thread deletes acked groups and checkpoints the WAL."""
 
 ACKED_KEPT = 100_000
-"""Acked ids kept, as many as a run's broker remembers (``broker._ACK_MEMORY``)."""
+"""Acked ids kept, in the file and in each run's broker (late acks of those are no-ops)."""
 
 DELETE_CHUNK = 512
 """Acked groups deleted per maintenance transaction: bounds how long a flush waits for the write lock."""
@@ -70,21 +67,9 @@ class GroupCodec(Protocol):
     def decode(self, body: bytes) -> ScoredGroup: ...
 
 
-class StateStore(Protocol):
-    def load(self) -> tuple[list[StoredRun], dict[str, Any]]: ...
-    def save_run(self, run_id: str, owner: str, spec: Any, state: dict[str, Any]) -> None: ...
-    def save_run_state(self, run_id: str, state: dict[str, Any]) -> None: ...
-    def delete_run(self, run_id: str) -> None: ...
-    async def put_group(self, group: ScoredGroup) -> None: ...
-    async def put_prompts(self, run_id: str, prompts: list[PromptItem]) -> None: ...
-    def prompt_done(self, run_id: str, prompt_index: int) -> None: ...
-    def ack(self, run_id: str, group_ids: list[str], status: str) -> None: ...
-    def set_meta(self, key: str, value: Any) -> None: ...
-    def close(self) -> None: ...
-
-
-class MemoryStore:
-    """Nothing is kept: a restarted service starts empty (``state_store: memory``)."""
+class StateStore:
+    """Where the service's state survives a restart. This base keeps nothing: a restarted
+    service starts empty (``state_store: memory``)."""
 
     def load(self) -> tuple[list[StoredRun], dict[str, Any]]:
         return [], {}
@@ -100,11 +85,10 @@ class MemoryStore:
     def close(self) -> None: ...
 
 
-_Write = tuple[str, tuple[Any, ...]]
-"""A statement and its arguments, queued for the next flush."""
+MemoryStore = StateStore
 
 
-class SqliteStore:
+class SqliteStore(StateStore):
     """The state in one SQLite file, written on the event loop in batched transactions.
 
     Writes stay on the loop because a writer thread stalls on the GIL switch interval while
@@ -125,7 +109,7 @@ class SqliteStore:
         self._db = _connect(path)
         self._db.execute("PRAGMA wal_autocheckpoint=0")  # the maintenance thread does it, off the loop
         self._db.executescript(_SCHEMA)
-        self._pending: list[_Write] = []
+        self._pending: list[tuple[str, tuple[Any, ...]]] = []  # statements and their arguments
         self._waiters: list[asyncio.Future[None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -221,7 +205,6 @@ class SqliteStore:
         self._enqueue("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, pickle.dumps(value)))
 
     def close(self) -> None:
-        """Write what is queued, checkpoint, and close the file."""
         if self._closed:
             return
         self.flush()
@@ -252,7 +235,6 @@ class SqliteStore:
         self._timer = loop.call_later(self.flush_interval_s, self.flush)
 
     def flush(self) -> None:
-        """One transaction for everything queued, then wake the puts awaiting it."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

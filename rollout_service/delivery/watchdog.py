@@ -2,9 +2,8 @@
 
 A **generation** stall: no group scored for ``stall_timeout_s`` while none was buffered or
 leased; a **consumers** stall: groups wait or are leased and none was acked for that long.
-A stall is set on the run, exported, logged, reflected in gRPC health and sent to the run's
-consumer streams; it clears as soon as the run progresses. Progress is read from counters
-the run keeps anyway, so no hot path carries a hook.
+It clears as soon as the run progresses. Progress is read from counters the run keeps anyway,
+so no hot path carries a hook.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ class _Progress:
 
     scored: int
     acked: int
-    dropped: int
     scored_at: float
     acked_at: float
     dropped_at_last_score: int
@@ -48,19 +46,16 @@ class RunWatchdog:
 
     @property
     def interval_s(self) -> float:
-        """How often to check: a quarter of the timeout, at most 5 s."""
         return min(5.0, max(0.05, self.stall_timeout_s / 4))
 
     def check(self, runs: Iterable[Run], engines_usable: bool) -> None:
         now = self.clock()
-        live = set()
-        runs_seen = [run for run in runs if run.state == "running"]
-        for run in runs_seen:
-            live.add(run.run_id)
+        running = [run for run in runs if run.state == "running"]
+        for run in running:
             self._report(run, self._find_stall(run, self._seen(run, now), now, engines_usable))
-        for run_id in set(self._progress) - live:
+        for run_id in set(self._progress) - {run.run_id for run in running}:
             del self._progress[run_id]
-        any_stalled = any(run.stall is not None for run in runs_seen)
+        any_stalled = any(run.stall is not None for run in running)
         if any_stalled != self.any_stalled:
             self.any_stalled = any_stalled
             self.on_stalled(any_stalled)
@@ -69,13 +64,10 @@ class RunWatchdog:
         scored, dropped = run.counters.groups_scored, run.counters.groups_dropped
         acked = sum(run.broker.ack_counts.values())
         pending = bool(run.broker.buffered or run.broker.num_leased)
-        progress = self._progress.get(run.run_id)
-        if progress is None:
-            progress = _Progress(
-                scored, acked, dropped, scored_at=now, acked_at=now, dropped_at_last_score=dropped,
-                pending=pending, pending_changed_at=now,
-            )  # fmt: skip
-            self._progress[run.run_id] = progress
+        progress = self._progress.setdefault(run.run_id, _Progress(
+            scored, acked, scored_at=now, acked_at=now, dropped_at_last_score=dropped,
+            pending=pending, pending_changed_at=now,
+        ))  # fmt: skip
         if pending != progress.pending:
             progress.pending, progress.pending_changed_at = pending, now
         if scored != progress.scored:
@@ -83,7 +75,6 @@ class RunWatchdog:
             progress.dropped_at_last_score = dropped
         if acked != progress.acked:
             progress.acked, progress.acked_at = acked, now
-        progress.dropped = dropped
         return progress
 
     def _find_stall(self, run: Run, progress: _Progress, now: float, engines_usable: bool) -> RunStall | None:
@@ -111,7 +102,7 @@ class RunWatchdog:
     def _why_not(run: Run, progress: _Progress, engines_usable: bool) -> str:
         if not engines_usable:
             return "no vLLM server is answering (see the service's health and the servers' logs)"
-        dropped = progress.dropped - progress.dropped_at_last_score
+        dropped = run.counters.groups_dropped - progress.dropped_at_last_score
         if dropped:
             return f"{dropped} groups were dropped since the last one scored (the service's log says why)"
         if run.counters.slots_busy:

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -31,7 +31,7 @@ def setup_logging(level: str) -> None:
     )
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
@@ -62,7 +62,6 @@ def settings_from_cli(config: Path | None, overrides: dict[str, Any]) -> Service
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         _fail(f"invalid configuration: {problems}")
-    raise AssertionError("unreachable")
 
 
 async def serve_until_signalled(settings: ServiceSettings) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from google.protobuf.descriptor import Descriptor
 
@@ -19,12 +19,13 @@ from rollout_service.errors import InvalidArgument
 from rollout_service.eval_tally import EvalSpec
 from rollout_service.evaluation import EvalResult, eval_result
 from rollout_service.generation.prompts import PromptSpec
-from rollout_service.runs import AdmissionMode, Run, RunSpec
+from rollout_service.runs import AdmissionMode, Run, RunSpec, RunState
 from rollout_service.types import (
     AdvantageScaling,
     EngineRemoved,
     EngineState,
     EpisodeSpec,
+    PauseModeName,
     RunStall,
     SamplingParams,
 )
@@ -39,38 +40,21 @@ _SCALING_FROM_PB = {
     pb.ADVANTAGE_SCALING_BATCH: AdvantageScaling.BATCH,
     pb.ADVANTAGE_SCALING_NONE: AdvantageScaling.NONE,
 }
-_SCALING_TO_PB = {
-    AdvantageScaling.GROUP: pb.ADVANTAGE_SCALING_GROUP,
-    AdvantageScaling.BATCH: pb.ADVANTAGE_SCALING_BATCH,
-    AdvantageScaling.NONE: pb.ADVANTAGE_SCALING_NONE,
-}
+_SCALING_TO_PB = {scaling: number for number, scaling in _SCALING_FROM_PB.items() if number}  # not UNSPECIFIED
 _ADMISSION_FROM_PB: dict[int, AdmissionMode] = {
     pb.ADMISSION_MODE_UNSPECIFIED: "paced",
     pb.ADMISSION_MODE_STALENESS: "staleness",
     pb.ADMISSION_MODE_PACED: "paced",
 }
-_ADMISSION_TO_PB = {
-    "staleness": pb.ADMISSION_MODE_STALENESS,
-    "paced": pb.ADMISSION_MODE_PACED,
-}
-_STATE_TO_PB = {
-    "running": pb.RUN_STATE_RUNNING,
-    "stopped": pb.RUN_STATE_STOPPED,
-    "failed": pb.RUN_STATE_FAILED,
-    "completed": pb.RUN_STATE_COMPLETED,
-}
+_ADMISSION_TO_PB = {mode: number for number, mode in _ADMISSION_FROM_PB.items() if number}  # not UNSPECIFIED
+_STATE_TO_PB = {state: getattr(pb, f"RUN_STATE_{state.upper()}") for state in get_args(RunState)}
+_STALL_KIND_TO_PB = {"generation": pb.STALL_KIND_GENERATION, "consumers": pb.STALL_KIND_CONSUMERS}
 ACK_FROM_PB = {
     pb.ACK_STATUS_UNSPECIFIED: ACK_TRAINED,
     pb.ACK_STATUS_TRAINED: ACK_TRAINED,
     pb.ACK_STATUS_DROPPED_STALE: ACK_DROPPED_STALE,
 }
-
-PAUSE_MODE_FROM_PB = {
-    pb.PAUSE_MODE_KEEP: "keep",
-    pb.PAUSE_MODE_ABORT: "abort",
-    pb.PAUSE_MODE_WAIT: "wait",
-    pb.PAUSE_MODE_NONE: "none",
-}
+PAUSE_MODE_FROM_PB = {getattr(pb, f"PAUSE_MODE_{mode.upper()}"): mode for mode in get_args(PauseModeName)}
 
 
 def undecodable(data: bytes, message: Descriptor) -> str:
@@ -162,14 +146,9 @@ def episode_from_pb(e: pb.EpisodeSpec) -> EpisodeSpec:
 
 
 def episode_to_pb(e: EpisodeSpec) -> pb.EpisodeSpec:
-    return pb.EpisodeSpec(
-        tools=list(e.tools),
-        tool_parser=e.tool_parser,
-        tool_timeout_seconds=e.tool_timeout_s,
-        max_turns=e.max_turns,
-        max_episode_tokens=e.max_episode_tokens,
-        environment=e.environment,
-    )
+    fields = asdict(e)
+    fields["tool_timeout_seconds"] = fields.pop("tool_timeout_s")  # the others are named as in the message
+    return pb.EpisodeSpec(**fields)
 
 
 def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
@@ -209,18 +188,9 @@ def eval_spec_from_pb(spec: pb.EvalSpec) -> EvalSpec:
 
 
 def eval_result_to_pb(result: EvalResult) -> pb.EvalResult:
-    return pb.EvalResult(
-        run_id=result.run_id,
-        display_name=result.display_name,
-        policy_version=result.policy_version,
-        prompts=result.prompts,
-        groups_scored=result.groups_scored,
-        groups_dropped=result.groups_dropped,
-        samples=result.samples,
-        reward_mean=result.reward_mean,
-        reward_means=result.reward_means,
-        complete=result.complete,
-    )
+    fields = asdict(result)
+    del fields["owner"]  # what GetStats filters by, not sent
+    return pb.EvalResult(**fields)
 
 
 def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
@@ -232,6 +202,7 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
             top_p=s.top_p,
             top_k=s.top_k,
             stop=list(s.stop),
+            seed=s.seed,
         ),
         group_size=spec.group_size,
         reward_functions=[pb.RewardFunctionSpec(name=n, weight=w) for n, w in spec.rewards],
@@ -247,75 +218,45 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         serve_adapter=spec.serve_adapter,
         group_deadline_seconds=spec.group_deadline_s,
         min_group_size=spec.min_group_size,
+        episode=episode_to_pb(spec.episode) if spec.episode.multi_turn else None,
+        eval=pb.EvalSpec(policy_version=spec.eval.policy_version) if spec.eval is not None else None,
     )
-    if spec.episode.multi_turn:
-        out.episode.CopyFrom(episode_to_pb(spec.episode))
-    if spec.eval is not None:
-        out.eval.SetInParent()
-        if spec.eval.policy_version is not None:
-            out.eval.policy_version = spec.eval.policy_version
-    if s.seed is not None:
-        out.sampling.seed = s.seed
     if spec.source_kind == "dataset":
         out.prompt_source.dataset = spec.dataset
-    elif spec.source_kind == "submitted":
-        out.prompt_source.submitted.SetInParent()
-    elif spec.source_kind == "external":
-        out.prompt_source.external.SetInParent()
-    else:
-        out.prompt_source.prompts.SetInParent()  # the prompts themselves are not echoed back
+    else:  # the source's oneof field; prompts themselves are not echoed back
+        getattr(out.prompt_source, spec.source_kind).SetInParent()
     return out
 
 
 def run_stats_to_pb(run: Run) -> pb.RunStats:
-    c, b, a = run.counters, run.broker, run.admission
+    b, a = run.broker, run.admission
     return pb.RunStats(
-        groups_started=c.groups_started,
-        groups_scored=c.groups_scored,
-        groups_dropped=c.groups_dropped,
+        **asdict(run.counters),  # named as in the message
         groups_trained=b.ack_counts[ACK_TRAINED],
         groups_dropped_stale=b.ack_counts[ACK_DROPPED_STALE],
         groups_buffered=len(b.buffered),
         groups_leased=b.num_leased,
-        tokens_generated=c.tokens_generated,
-        slots_busy=c.slots_busy,
-        turns=c.turns,
-        tool_calls=c.tool_calls,
-        tool_failures=c.tool_failures,
         groups_returned=b.groups_returned,
         leases_expired=b.leases_expired,
         admission_waits=a.admission_waits,
         groups_per_version=a.groups_per_version or 0.0,
-        slot_seconds=c.slot_seconds,
         admission_wait_seconds=a.admission_wait_seconds,
         lookahead_versions=a.lookahead_versions,
-        groups_partial=c.groups_partial,
     )
 
 
 def stats_to_pb(stats: ServiceStats, runs: Iterable[Run]) -> pb.GetStatsResponse:
-    out = pb.GetStatsResponse(
-        slots_busy=stats.slots_busy,
-        max_inflight=stats.max_inflight,
-        max_slots_busy_seen=stats.max_slots_busy_seen,
-        runs={run.run_id: run_stats_to_pb(run) for run in runs},
-        engine_request_failures=stats.engine_request_failures,
-        uptime_seconds=stats.uptime_seconds,
-        tokens_generated=stats.tokens_generated,
-        recent_tokens_per_second=stats.recent_tokens_per_second,
-        recent_window_seconds=stats.recent_window_seconds,
+    """``stats``' fields are named as in the message, but for those converted here."""
+    converted = ("slot_seconds", "evals", "engines", "last_weight_update")
+    last_update = stats.last_weight_update
+    return pb.GetStatsResponse(
+        **{name: value for name, value in vars(stats).items() if name not in converted},
         slot_seconds_total=stats.slot_seconds,
-        slots_busy_time_average=stats.slots_busy_time_average,
-        weight_updates_committed=stats.weight_updates_committed,
-        weight_updates_aborted=stats.weight_updates_aborted,
-        weight_updates_resent=stats.weight_updates_resent,
-        weight_update_paused_seconds=stats.weight_update_paused_seconds,
         evals=[eval_result_to_pb(result) for result in stats.evals],
         engines=[engine_state_to_pb(engine) for engine in stats.engines],
+        last_weight_update=update_times_to_pb(last_update) if last_update is not None else None,
+        runs={run.run_id: run_stats_to_pb(run) for run in runs},
     )
-    if stats.last_weight_update is not None:
-        out.last_weight_update.CopyFrom(update_times_to_pb(stats.last_weight_update))
-    return out
 
 
 def engine_state_to_pb(engine: EngineState) -> pb.EngineState:
@@ -354,9 +295,6 @@ def run_to_pb(run: Run) -> pb.Run:
         stall=stall_to_pb(run.stall) if run.stall is not None else None,
         eval_result=eval_result_to_pb(eval_result(run)) if run.eval is not None else None,
     )
-
-
-_STALL_KIND_TO_PB = {"generation": pb.STALL_KIND_GENERATION, "consumers": pb.STALL_KIND_CONSUMERS}
 
 
 def stall_to_pb(stall: RunStall) -> pb.RunStall:

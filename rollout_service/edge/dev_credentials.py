@@ -78,7 +78,7 @@ def _subject_alternative_name(host: str) -> x509.GeneralName:
 class CertificateAuthority:
     """A self-signed CA (P-256) that signs server and client certificates into ``directory``."""
 
-    def __init__(self, directory: Path, name: str = "rollout-dev-ca", days: float = 30) -> None:
+    def __init__(self, directory: Path, name: str, days: float) -> None:
         self.directory = directory
         self.days = days
         self.key = ec.generate_private_key(ec.SECP256R1())
@@ -113,8 +113,6 @@ class CertificateAuthority:
     def issue_server(self, stem: str, hosts: Iterable[str]) -> Pem:
         """A server certificate valid for ``hosts`` (DNS names or IP addresses)."""
         names = [_subject_alternative_name(host) for host in hosts]
-        if not names:
-            raise ValueError("a server certificate needs at least one host name or address")
         return self._issue(stem, [x509.SubjectAlternativeName(names)])
 
     def issue_client(self, stem: str) -> Pem:
@@ -153,7 +151,7 @@ def write_dev_credentials(
     if credentials.tokens_file.exists():
         return credentials
     principals = list(principals)
-    if not principals:
+    if not principals:  # an empty tokens.yaml would turn authentication off
         raise ValueError("name at least one principal (e.g. trainer:push_base_weights)")
     ca = CertificateAuthority(directory, "ca", days)  # ca.crt, ca.key
     ca.issue_server("server", hosts)

@@ -8,19 +8,13 @@ scalar field that appears again override the earlier value.
 from __future__ import annotations
 
 import weakref
+from typing import get_args
 
 from rollout_api import rollout_pb2 as pb
 from rollout_service.types import EpisodeResult, FinishReason, PromptItem, ScoredGroup
 
-_FINISH_TO_PB: dict[str, int] = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "max_turns": pb.FINISH_REASON_MAX_TURNS,
-    "max_episode_tokens": pb.FINISH_REASON_MAX_EPISODE_TOKENS,
-    "max_model_len": pb.FINISH_REASON_MAX_MODEL_LEN,
-}
-_FINISH_FROM_PB: dict[int, FinishReason] = {number: name for name, number in _FINISH_TO_PB.items()}  # type: ignore[misc]
+_FINISH_TO_PB = {name: getattr(pb, f"FINISH_REASON_{name.upper()}") for name in get_args(FinishReason)}
+_FINISH_FROM_PB: dict[int, FinishReason] = {number: name for name, number in _FINISH_TO_PB.items()}
 
 _LENGTH_DELIMITED, _VARINT = 2, 0
 _GROUP_IN_RESPONSE = pb.StreamSamplesResponse.DESCRIPTOR.fields_by_name["group"].number
@@ -41,28 +35,27 @@ _ATTEMPT_TAG = _varint(_ATTEMPT_IN_GROUP << 3 | _VARINT)
 
 
 def group_to_pb(group: ScoredGroup) -> pb.Group:
-    samples = []
-    for i, episode in enumerate(group.episodes):
-        samples.append(
-            pb.Sample(
-                completion_token_ids=episode.completion_ids,
-                completion_logprobs=episode.logprobs,
-                completion_mask=episode.mask,
-                reward=group.rewards[i],
-                reward_components=[
-                    pb.RewardComponent(name=name, value=values[i], weight=group.reward_weights[name])
-                    for name, values in group.reward_components.items()
-                ],
-                advantage=group.advantages[i],
-                policy_version_first=episode.policy_version_first,
-                policy_version_last=episode.policy_version_last,
-                finish_reason=_FINISH_TO_PB[episode.finish_reason],
-                completion_text=episode.text,
-                num_turns=episode.num_turns,
-                num_tool_calls=episode.num_tool_calls,
-                num_tool_failures=episode.num_tool_failures,
-            )
+    samples = [
+        pb.Sample(
+            completion_token_ids=episode.completion_ids,
+            completion_logprobs=episode.logprobs,
+            completion_mask=episode.mask,
+            reward=group.rewards[i],
+            reward_components=[
+                pb.RewardComponent(name=name, value=values[i], weight=group.reward_weights[name])
+                for name, values in group.reward_components.items()
+            ],
+            advantage=group.advantages[i],
+            policy_version_first=episode.policy_version_first,
+            policy_version_last=episode.policy_version_last,
+            finish_reason=_FINISH_TO_PB[episode.finish_reason],
+            completion_text=episode.text,
+            num_turns=episode.num_turns,
+            num_tool_calls=episode.num_tool_calls,
+            num_tool_failures=episode.num_tool_failures,
         )
+        for i, episode in enumerate(group.episodes)
+    ]
     return pb.Group(
         group_id=group.group_id,
         run_id=group.run_id,
@@ -115,7 +108,6 @@ def group_from_pb(message: pb.Group) -> ScoredGroup:
 
 
 _ENCODED: weakref.WeakKeyDictionary[ScoredGroup, bytes] = weakref.WeakKeyDictionary()
-"""Each live group's encoded bytes, gone with the group."""
 
 
 class WireCodec:

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout_service.edge.security import Principal, TokenTable
+from rollout_service.edge.security import TokenTable
 from rollout_service.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -82,14 +82,10 @@ class _Endpoint:
         self.service = service
         self.tokens = tokens
 
-    def _caller(self, request: web.Request) -> Principal:
-        principal = self.tokens.authenticate([("authorization", request.headers.get("Authorization", ""))])
-        if principal is None:
-            raise Unauthenticated("missing or unknown bearer token: send Authorization: Bearer <your token>")
-        return principal
-
     def _run(self, request: web.Request) -> Run:
-        caller = self._caller(request)
+        caller = self.tokens.authenticate([("authorization", request.headers.get("Authorization", ""))])
+        if caller is None:
+            raise Unauthenticated("missing or unknown bearer token: send Authorization: Bearer <your token>")
         run_id = request.match_info["run_id"]
         run = self.service.runs.get(run_id)
         if run is None or not (caller.admin or run.owner == caller.name):

@@ -6,6 +6,7 @@ servicer is registered under the v1 name with a copy of the descriptor in the v1
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import grpc
@@ -18,19 +19,17 @@ V1_FILE = "grpc/reflection/v1/reflection.proto"
 
 
 def _register_v1_descriptor(pool: descriptor_pool.DescriptorPool) -> None:
-    try:
+    with contextlib.suppress(KeyError):  # registered already
         pool.FindFileByName(V1_FILE)
         return
-    except KeyError:
-        pass
     file = descriptor_pb2.FileDescriptorProto()
     v1alpha.DESCRIPTOR.CopyToProto(file)
     file.name, file.package = V1_FILE, "grpc.reflection.v1"
     pool.Add(file)
 
 
-def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> list[str]:
-    """Serve reflection (v1 and v1alpha) listing ``service_names`` and itself; returns the list."""
+def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+    """Serve reflection (v1 and v1alpha) listing ``service_names`` and itself."""
     _register_v1_descriptor(descriptor_pool.Default())
     names = [*service_names, V1_SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)  # v1alpha
@@ -46,4 +45,3 @@ def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> 
         },
     )
     server.add_generic_rpc_handlers((v1,))
-    return names

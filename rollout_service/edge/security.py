@@ -61,11 +61,9 @@ class TokenTable:
         presented = _bearer_token(metadata)
         if presented is None:
             return None
-        found = None
-        for token, principal in self._entries:  # no early exit: every token is compared
-            if hmac.compare_digest(token, presented):
-                found = principal
-        return found
+        # No early exit: every token is compared. Tokens are unique, so one matches at most.
+        matches = [principal for token, principal in self._entries if hmac.compare_digest(token, presented)]
+        return matches[0] if matches else None
 
 
 def _bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
@@ -79,7 +77,6 @@ def _bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
 
 
 def load_token_table(security: SecuritySettings) -> TokenTable:
-    """The principals of the settings plus those of ``security.tokens_file``."""
     principals = dict(security.principals)
     if security.tokens_file is not None:
         principals.update(_read_tokens_file(security.tokens_file))
@@ -161,8 +158,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
-
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
@@ -180,7 +175,6 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
 
 
 def principal_of(tokens: TokenTable, context: grpc.aio.ServicerContext) -> Principal:
-    """The caller of a call the interceptor let through."""
     principal = tokens.authenticate(context.invocation_metadata())
     if principal is None:  # only if the interceptor was bypassed
         raise PermissionError("unauthenticated call reached the servicer")

@@ -52,7 +52,6 @@ class _Undecodable:
 
 
 def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """``handler`` refusing requests that do not parse as INVALID_ARGUMENT naming the field."""
     message = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name[method].input_type
     parse = handler.request_deserializer
 
@@ -140,14 +139,12 @@ async def start_grpc_server(
     return server, bound, health_servicer
 
 
-async def set_serving(health_servicer: Any, serving: bool) -> None:
-    """The gRPC health status of this service, under its own name and the server's ("")."""
+async def set_serving(health_servicer: Any, serving: bool, names: tuple[str, ...] = (SERVICE_NAME, "")) -> None:
+    """The gRPC health status of ``names``, by default this service's own and the server's ("")."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in (SERVICE_NAME, ""):
+    for name in names:
         await health_servicer.set(name, status)
 
 
 async def set_runs_progressing(health_servicer: Any, progressing: bool) -> None:
-    """``RUNS_HEALTH_NAME``'s status: SERVING unless a run is stalled."""
-    status = health_pb2.HealthCheckResponse.SERVING if progressing else health_pb2.HealthCheckResponse.NOT_SERVING
-    await health_servicer.set(RUNS_HEALTH_NAME, status)
+    await set_serving(health_servicer, progressing, (RUNS_HEALTH_NAME,))

@@ -43,4 +43,6 @@ async def test_the_node_example_streams_validates_and_acks_over_tls(
         text = output.decode()
         assert process.returncode == 0, text[-4000:]
         assert "# pass 2" in text and "# fail 0" in text, text[-2000:]
-        assert [run.owner for run in service.service.runs.deleted.values()] == ["node"]  # it created and deleted its run
+        assert [run.owner for run in service.service.runs.deleted.values()] == [
+            "node"
+        ]  # it created and deleted its run

@@ -348,7 +348,7 @@ def test_admission_answers_from_versions_and_pending_counts_alone() -> None:
     assert not gate.allows(0)  # held until the first push lands
     woken: list[int] = []
     gate.on_change(lambda: woken.append(gate.policy_version))
-    gate.consumer_joined("c", 2)
+    gate.credits["c"] = 2
     gate.set_policy_version(1)  # C stands in as the credits: 2
     assert woken == [1] and gate.allows(1) and not gate.allows(2)
     gate.trained(trained_at=1)

@@ -99,6 +99,8 @@ async def test_a_call_without_a_valid_token_is_unauthenticated_but_health_stays_
             async with client(target, pki, token) as anonymous:
                 assert await status_of(anonymous.create_run(run_spec())) == grpc.StatusCode.UNAUTHENTICATED
                 assert await status_of(anonymous.server_info()) == grpc.StatusCode.UNAUTHENTICATED
+                for streaming in PER_RUN_CALLS["StreamSamples"], PER_RUN_CALLS["PushAdapter"]:
+                    assert await status_of(streaming(anonymous, "r-1")) == grpc.StatusCode.UNAUTHENTICATED
         credentials = grpc.ssl_channel_credentials(pki["ca"].cert.read_bytes())
         async with grpc.aio.secure_channel(target, credentials) as channel:
             answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
