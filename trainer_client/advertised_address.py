@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from vllm_gloo_transfer.groups import local_address_towards
 
-AUTO = "auto"
-
 
 class AddressError(ValueError):
     """The address cannot be worked out; the message says which flag to set."""
@@ -26,7 +24,7 @@ def service_host_port(target: str) -> tuple[str, int]:
 
 def advertised_address(trainer_address: str, target: str) -> str:
     """``trainer_address`` as given, or for ``auto`` the local address that reaches ``target``."""
-    if trainer_address != AUTO:
+    if trainer_address != "auto":
         return trainer_address
     host, port = service_host_port(target)
     try:

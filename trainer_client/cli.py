@@ -115,7 +115,9 @@ class TrainerArgumentParser(HfArgumentParser):
 
     def parse(self, argv: Sequence[str]) -> tuple[RunOptions, AsyncGRPOConfig, ModelOptions]:
         argv = list(argv)
-        config_path = _config_path(argv)
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config", type=Path)
+        config_path = pre.parse_known_args(argv)[0].config
         if config_path is not None:
             self.set_defaults(**self._file_settings(config_path))
         try:
@@ -136,11 +138,10 @@ class TrainerArgumentParser(HfArgumentParser):
         if not isinstance(data, dict):
             self.error(f"--config: {path} must be a mapping of settings (key: value), not {type(data).__name__}")
         actions = {action.dest: action for action in self._actions if action.dest not in ("help", "config")}
-        known = set(actions)
         settings: dict[str, Any] = {}
         ignored = []
         for key, value in data.items():
-            if key in known:
+            if key in actions:
                 convert = actions[key].type
                 if isinstance(value, str) and callable(convert) and convert is not str:
                     try:  # YAML left it a string: the flag's own type decides, as on the command line
@@ -153,7 +154,7 @@ class TrainerArgumentParser(HfArgumentParser):
             elif key in IGNORED_TRL_SETTINGS:
                 ignored.append(key)
             else:
-                close = difflib.get_close_matches(key, known | set(IGNORED_TRL_SETTINGS), n=1)
+                close = difflib.get_close_matches(key, [*actions, *IGNORED_TRL_SETTINGS], n=1)
                 self.error(
                     f"--config: {path}: unknown setting {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
                 )
@@ -175,12 +176,6 @@ class TrainerArgumentParser(HfArgumentParser):
         _warn_ignored(ignored, "the command line")
 
 
-def _config_path(argv: list[str]) -> Path | None:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", type=Path)
-    return pre.parse_known_args(argv)[0].config
-
-
 def _warn_ignored(keys: list[str], where: str) -> None:
     if keys:
         reasons = "; ".join(f"{key}: {IGNORED_TRL_SETTINGS[key]}" for key in keys)
@@ -196,10 +191,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     run, config, model = parser.parse(sys.argv[1:] if argv is None else argv)
     if config.log_level != "passive":
         logging.getLogger().setLevel(config.log_level.upper())
-    _train(parser, run, config, model)
-
-
-def _train(parser: TrainerArgumentParser, run: RunOptions, config: AsyncGRPOConfig, model: ModelOptions) -> None:
     from rollout_api.client import ServiceNotServing
     from trainer_client.advertised_address import AddressError
     from trainer_client.local_service import LocalServiceError
@@ -225,10 +216,7 @@ def _train(parser: TrainerArgumentParser, run: RunOptions, config: AsyncGRPOConf
         print(f"time split: {format_split(summary['time_split'])}", file=sys.stderr)
 
 
-def app() -> None:
-    """The ``rollout-trainer`` entry point."""
-    main()
-
+app = main  # the rollout-trainer entry point
 
 if __name__ == "__main__":
     app()

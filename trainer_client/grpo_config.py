@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from transformers import TrainingArguments
 
@@ -109,16 +109,9 @@ class AsyncGRPOConfig(TrainingArguments):
         return max(self.stream_credits, self.groups_per_step)
 
     def loss_config(self) -> LossConfig:
+        """The loss settings: those named alike here, and TRL's ``vllm_importance_sampling_cap``."""
+        shared = {f.name for f in fields(LossConfig)} & {f.name for f in fields(self)}
         return LossConfig(
-            loss_type=self.loss_type,  # type: ignore[arg-type]
-            importance_sampling_level=self.importance_sampling_level,  # type: ignore[arg-type]
-            epsilon=self.epsilon,
-            epsilon_high=self.epsilon_high,
-            delta=self.delta,
-            beta=self.beta,
-            vllm_importance_sampling_correction=self.vllm_importance_sampling_correction,
-            vllm_importance_sampling_mode=self.vllm_importance_sampling_mode,  # type: ignore[arg-type]
+            **{name: getattr(self, name) for name in shared},
             vllm_importance_sampling_clip_max=self.vllm_importance_sampling_cap,
-            off_policy_mask_threshold=self.off_policy_mask_threshold,
-            max_completion_length=self.max_completion_length,
         )

@@ -47,7 +47,6 @@ def local_service(
     model: str | None = None,
     reward_funcs: Sequence[str] = (),
     config: Path | None = None,
-    startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> Iterator[str]:
     """Start the service, wait until it serves, yield its address; stop it (and its vLLM) after."""
     missing = [name for name in ("rollout_service", "vllm") if importlib.util.find_spec(name) is None]
@@ -64,15 +63,21 @@ def local_service(
         command = service_command(port, model, reward_funcs, config)
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_until_serving(target, process, log, startup_timeout_s)
+        wait_until_serving(target, process, log)
         yield target
     finally:
-        _stop(process)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)  # the service stops its managed vLLM itself
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
 
 
-def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path) -> None:
     """Poll the service's gRPC health check until SERVING; fail at once if the process exits."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise LocalServiceError(f"the local rollout service exited with code {process.returncode}; see {log}")
@@ -80,14 +85,4 @@ def wait_until_serving(target: str, process: subprocess.Popen[bytes], log: Path,
             if asyncio.run(health_status(target, timeout_s=2)) == "SERVING":
                 return
         time.sleep(1)  # polling another process's health endpoint
-    raise LocalServiceError(f"the local rollout service was not serving within {timeout_s:.0f}s; see {log}")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)  # the service stops its managed vLLM itself
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+    raise LocalServiceError(f"the local rollout service was not serving within {STARTUP_TIMEOUT_S:.0f}s; see {log}")

@@ -113,7 +113,6 @@ class RunOptions:
 
     @property
     def rewards(self) -> dict[str, float]:
-        """Reward function name -> weight."""
         weights = self.reward_weights or [1.0] * len(self.reward_funcs)
         return dict(zip(self.reward_funcs, weights, strict=True))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,21 +32,13 @@ class PhaseClock:
         self._lock = threading.Lock()
 
     @contextmanager
-    def measure(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
+    def measure(self, phase: str, clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
+        """Seconds of ``clock`` in the block (``time.thread_time``: the calling thread's CPU seconds)."""
+        start = clock()
         try:
             yield
         finally:
-            self.add(phase, time.perf_counter() - start)
-
-    @contextmanager
-    def measure_compute_cpu(self) -> Iterator[None]:
-        """CPU seconds of the calling thread (the training thread) inside the block."""
-        start = time.thread_time()
-        try:
-            yield
-        finally:
-            self.add(COMPUTE_CPU, time.thread_time() - start)
+            self.add(phase, clock() - start)
 
     def add(self, phase: str, seconds: float) -> None:
         with self._lock:
@@ -74,10 +66,10 @@ GENERATION_BOUND_WAIT = 0.10
 """A trainer that waits for groups more than this share of its wall time is generation-bound."""
 
 
-def summarize_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, Any]:
+def summarize_seconds(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Totals and fractions of wall time per phase over the steps, and which side bounds the run;
-    the first ``skip_first`` steps' one-off costs are left out."""
-    timed = [r for r in records[skip_first:] if "seconds" in r] or [r for r in records if "seconds" in r]
+    the first step's one-off costs are left out."""
+    timed = [r for r in records[1:] if "seconds" in r] or [r for r in records if "seconds" in r]
     if not timed:
         return {}
     steady = [r["seconds"] for r in timed]

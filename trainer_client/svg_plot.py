@@ -7,14 +7,7 @@ from pathlib import Path
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 
-def line_plot(
-    series: dict[str, list[tuple[float, float]]],
-    path: Path,
-    title: str,
-    x_label: str,
-    width: int = 720,
-    height: int = 360,
-) -> None:
+def line_plot(series: dict[str, list[tuple[float, float]]], path: Path, title: str, x_label: str) -> None:
     """One polyline per series (NaN points left out), a legend, and the axes' ranges as labels.
 
     Series named alike up to a ``#`` suffix (``trl-2t#1``, ``trl-2t#2``) share a colour.
@@ -25,7 +18,7 @@ def line_plot(
         return
     xs = [x for points in clean.values() for x, _ in points]
     ys = [y for points in clean.values() for _, y in points]
-    pad = 48
+    width, height, pad = 720, 360, 48
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     x1 = x1 if x1 > x0 else x0 + 1
     y1 = y1 if y1 > y0 else y0 + 1e-6

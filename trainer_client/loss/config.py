@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 VllmImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
-VLLM_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+VLLM_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = get_args(VllmImportanceSamplingMode)
 # Loss types that share the PPO-style clipped surrogate (and its clip-ratio metrics).
 CLIPPED_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # Loss types normalised by the number of loss tokens in the global batch (``num_items_in_batch``).
@@ -29,7 +28,7 @@ class LossConfig:
     """Every knob of the policy loss. Names and defaults are those of TRL 1.16's ``GRPOConfig``."""
 
     loss_type: LossType = "dapo"
-    """Per-token loss (``losses.policy_token_loss``) and its normalisation (``losses.aggregate_loss``)."""
+    """Per-token loss and its normalisation (``losses.compute_loss``, ``losses.aggregate_loss``)."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """``"token"``: one ratio pi/pi_old per token. ``"sequence"`` (GSPO): one ratio per sequence, the exp of the
     mean per-token log-ratio over its mask-1 tokens."""
@@ -78,7 +77,7 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"Unknown loss type {self.loss_type!r}; expected one of {LOSS_TYPES}.")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        if self.importance_sampling_level not in get_args(ImportanceSamplingLevel):
             raise ValueError(f"Unknown importance sampling level {self.importance_sampling_level!r}.")
         if self.vllm_importance_sampling_mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
             raise ValueError(
@@ -112,11 +111,5 @@ class LossConfig:
             )
 
     @property
-    def epsilon_low(self) -> float:
-        """Lower clipping epsilon (TRL's name for ``epsilon``)."""
-        return self.epsilon
-
-    @property
     def resolved_epsilon_high(self) -> float:
-        """Upper clipping epsilon after TRL's fallback to ``epsilon``."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -11,10 +11,10 @@ temperature)`` with ``logits = hidden_states @ lm_head_weight.T``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
-
-DEFAULT_CHUNK_SIZE = 1024
 
 
 def _logits(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -24,7 +24,6 @@ def _logits(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, temperatu
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits divided by the sampling temperature (in their dtype), as float32."""
     if temperature != 1.0:
         logits = logits / temperature
     return logits.float()
@@ -43,7 +42,7 @@ def _chunk_logprobs(
     return _selected_logprobs(_logits(hidden_states, lm_head_weight, temperature), token_ids)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature)[token], logits [B, T, V] and ids [B, T] -> float32 [B, T]:
     for logits the model made itself (``fsdp``: the lm_head weight is only whole inside the forward)."""
     if temperature <= 0:
@@ -51,7 +50,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     return _selected_logprobs(_scaled(logits, temperature), token_ids)
 
 
-def _check_inputs(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, token_ids: torch.Tensor) -> None:
+def _check_inputs(
+    hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, temperature: float
+) -> None:
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
     if hidden_states.dim() != 3 or token_ids.shape != hidden_states.shape[:2]:
         raise ValueError(
             f"hidden_states must be [B, T, H] and token_ids [B, T]; got {hidden_states.shape}, {token_ids.shape}."
@@ -64,9 +67,7 @@ def naive_completion_logprobs(
     hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """Reference with the full [B, T, V] logits, for tests and small inputs: hidden [B, T, H] -> [B, T]."""
-    _check_inputs(hidden_states, lm_head_weight, token_ids)
-    if temperature <= 0:
-        raise ValueError("temperature must be positive")
+    _check_inputs(hidden_states, lm_head_weight, token_ids, temperature)
     logits = _logits(hidden_states, lm_head_weight, temperature)
     return torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
 
@@ -75,7 +76,7 @@ def chunked_completion_logprobs(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
     token_ids: torch.Tensor,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = 1024,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Float32 log-probs [B, T] of ``token_ids`` [B, T] from hidden states [B, T, H] and lm_head weight [V, H].
@@ -83,33 +84,18 @@ def chunked_completion_logprobs(
     With autograd on and more than one chunk, each chunk is checkpointed, so neither pass holds more than
     one chunk's logits. Padding ids must still be valid vocabulary indices; the loss masks them.
     """
-    _check_inputs(hidden_states, lm_head_weight, token_ids)
+    _check_inputs(hidden_states, lm_head_weight, token_ids, temperature)
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
-    if temperature <= 0:
-        raise ValueError("temperature must be positive")
     batch, length, hidden = hidden_states.shape
     flat_hidden = hidden_states.reshape(batch * length, hidden)
     flat_ids = token_ids.reshape(batch * length)
     needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or lm_head_weight.requires_grad)
-    recompute = needs_grad and batch * length > chunk_size  # one chunk: the same peak without recompute
-    chunks = []
-    for start in range(0, batch * length, chunk_size):
-        chunk_hidden = flat_hidden[start : start + chunk_size]
-        chunk_ids = flat_ids[start : start + chunk_size]
-        if recompute:
-            chunk = checkpoint(
-                _chunk_logprobs,
-                chunk_hidden,
-                lm_head_weight,
-                chunk_ids,
-                temperature,
-                use_reentrant=False,
-                preserve_rng_state=False,
-            )
-        else:
-            chunk = _chunk_logprobs(chunk_hidden, lm_head_weight, chunk_ids, temperature)
-        chunks.append(chunk)
-    if not chunks:
-        return flat_hidden.new_zeros((batch, length), dtype=torch.float32)
+    chunk_logprobs = _chunk_logprobs
+    if needs_grad and batch * length > chunk_size:  # one chunk: the same peak without recompute
+        chunk_logprobs = functools.partial(checkpoint, _chunk_logprobs, use_reentrant=False, preserve_rng_state=False)
+    chunks = [
+        chunk_logprobs(chunk_hidden, lm_head_weight, chunk_ids, temperature)
+        for chunk_hidden, chunk_ids in zip(flat_hidden.split(chunk_size), flat_ids.split(chunk_size), strict=True)
+    ]
     return torch.cat(chunks).reshape(batch, length)

@@ -1,7 +1,5 @@
-"""GRPO-family policy losses as pure torch functions, mirroring TRL 1.16's ``GRPOTrainer._compute_loss``.
-
-The trainer cannot use TRL's loop but must optimise exactly TRL's objective; these take per-token log-probs
-and return a scalar loss plus detached metrics, with no model, optimizer, distributed call or host sync.
+"""GRPO-family policy losses as pure torch functions, mirroring TRL 1.16's ``GRPOTrainer._compute_loss``
+with no model, optimizer, distributed call or host sync.
 
 Shapes: ``B`` completions, ``T`` completion positions (right-padded). ``mask`` is 0 for padding *and* for
 tokens the model did not produce (tool output), TRL's ``completion_mask * tool_mask``; values at mask-0
@@ -17,10 +15,7 @@ import torch
 
 from trainer_client.loss.config import (
     CLIPPED_LOSS_TYPES,
-    GLOBAL_TOKEN_NORMALISED,
-    ImportanceSamplingLevel,
     LossConfig,
-    LossType,
     VllmImportanceSamplingMode,
 )
 from trainer_client.loss.metrics import clip_metrics, masked_mean, sampling_metrics
@@ -42,25 +37,13 @@ def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def log_importance_weights(
-    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: ImportanceSamplingLevel
-) -> torch.Tensor:
-    """log(pi_theta / pi_old): [B, T] at token level, [B, 1] at sequence level (GSPO: mean over mask-1 tokens)."""
-    log_ratio = logps - old_logps
-    if level == "token":
-        return log_ratio
-    if level == "sequence":
-        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    raise ValueError(f"Unknown importance sampling level {level!r}.")
-
-
 def vllm_importance_sampling_ratio(
     old_logps: torch.Tensor,
     behaviour_logps: torch.Tensor,
     mask: torch.Tensor,
     mode: VllmImportanceSamplingMode,
-    clip_min: float | None = None,
-    clip_max: float | None = 3.0,
+    clip_min: float | None,
+    clip_max: float | None,
 ) -> torch.Tensor:
     """Truncated/masked importance ratio pi_old_trainer / pi_vllm correcting the sampler-trainer mismatch.
 
@@ -69,10 +52,8 @@ def vllm_importance_sampling_ratio(
     """
     diff = zero_masked(old_logps.detach() - behaviour_logps.detach(), mask)
     diff = torch.nan_to_num(diff, nan=0.0)
-    if mode in ("sequence_truncate", "sequence_mask"):
+    if mode.startswith("sequence_"):
         diff = diff.sum(dim=-1, keepdim=True)
-    elif mode not in ("token_truncate", "token_mask"):
-        raise ValueError(f"Unknown vLLM importance sampling mode {mode!r}.")
     ratio = torch.exp(diff)
     if mode.endswith("_truncate"):
         return torch.clamp(ratio, min=clip_min, max=clip_max)
@@ -99,7 +80,7 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_surrogate_loss(
-    coef_1: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, delta: float | None = None
+    coef_1: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, delta: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's pessimistic clipped objective, negated: -min(r A, clip(r, 1-eps_low, 1+eps_high) A).
 
@@ -135,10 +116,7 @@ def vespo_gamma_weights(
     log_ratio_per_token: torch.Tensor,
     mask: torch.Tensor,
     importance_sampling_ratio: torch.Tensor | None,
-    k_pos: float = 2.0,
-    lambda_pos: float = 3.0,
-    k_neg: float = 3.0,
-    lambda_neg: float = 2.0,
+    config: LossConfig,
 ) -> torch.Tensor:
     """VESPO's detached weight phi(w) = e^lambda w^k e^(-lambda w) of the sequence ratio w, [B, 1].
 
@@ -155,8 +133,8 @@ def vespo_gamma_weights(
     log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
     w_seq = torch.exp(log_w_seq)
     is_nonneg_adv = advantages >= 0
-    k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
-    lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+    k_seq = torch.where(is_nonneg_adv, config.vespo_k_pos, config.vespo_k_neg)
+    lambda_seq = torch.where(is_nonneg_adv, config.vespo_lambda_pos, config.vespo_lambda_neg).clamp(min=1e-4)
     log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -164,18 +142,13 @@ def vespo_gamma_weights(
 def aggregate_loss(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
-    loss_type: LossType,
-    *,
-    max_completion_length: int | None = None,
-    num_items_in_batch: torch.Tensor | float | None = None,
-    gradient_accumulation_steps: int = 1,
-    num_processes: int = 1,
-    steps_per_generation: int = 1,
+    config: LossConfig,
+    num_items_in_batch: torch.Tensor | float | None,
+    gradient_accumulation_steps: int,
+    num_processes: int,
+    steps_per_generation: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce the per-token loss [B, T] (or [B, 1]) to a scalar with ``loss_type``'s normalisation.
-
-    Returns ``(loss, policy_loss)``: ``loss`` scaled for gradient accumulation as TRL's, ``policy_loss`` detached
-    before that scaling.
+    """``(loss, policy_loss)`` of ``LossOutput`` from the per-token loss [B, T] (or [B, 1]):
 
     - grpo, sapo: mean over each sequence's mask-1 tokens, then over sequences; / gradient_accumulation_steps.
     - bnpo: sum / mask-1 tokens of this micro-batch; / gradient_accumulation_steps.
@@ -186,92 +159,24 @@ def aggregate_loss(
       processes (``None``: this micro-batch's).
     """
     masked = per_token_loss * mask
+    loss_type = config.loss_type
     if loss_type in ("grpo", "sapo"):
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "bnpo":
         loss = masked.sum() / mask.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("dr_grpo needs max_completion_length.")
-        loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)
+        assert config.max_completion_length is not None  # LossConfig checks it
+        loss = masked.sum() / (per_token_loss.size(0) * config.max_completion_length)
     elif loss_type == "luspo":
         loss = masked.sum(-1).mean()
-    elif loss_type in GLOBAL_TOKEN_NORMALISED:
+    else:  # GLOBAL_TOKEN_NORMALISED
         items = mask.sum() if num_items_in_batch is None else num_items_in_batch
         items = torch.as_tensor(items, dtype=per_token_loss.dtype, device=per_token_loss.device)
         normalizer = items.clamp(min=1.0) / num_processes
         normalizer = normalizer * gradient_accumulation_steps / steps_per_generation
         loss = masked.sum() / normalizer
         return loss, loss.detach()
-    else:
-        raise ValueError(f"Unknown loss type {loss_type!r}.")
     return loss / gradient_accumulation_steps, loss.detach()
-
-
-def vllm_correction(
-    config: LossConfig,
-    old_logps: torch.Tensor,
-    behaviour_logps: torch.Tensor | None,
-    mask: torch.Tensor,
-    metrics: dict[str, torch.Tensor],
-) -> torch.Tensor | None:
-    """The vLLM-vs-trainer importance-sampling ratio the per-token loss is multiplied by (None:
-    the correction is off); adds TRL's ``sampling/*`` metrics."""
-    if not config.vllm_importance_sampling_correction:
-        return None
-    if behaviour_logps is None:
-        raise ValueError(
-            "vllm_importance_sampling_correction needs behaviour_logps (the sampler's log-probs); pass them "
-            "or disable the correction."
-        )
-    is_ratio = vllm_importance_sampling_ratio(
-        old_logps,
-        behaviour_logps,
-        mask,
-        config.vllm_importance_sampling_mode,
-        config.vllm_importance_sampling_clip_min,
-        config.vllm_importance_sampling_clip_max,
-    )
-    metrics.update(sampling_metrics(old_logps, behaviour_logps, mask, is_ratio))
-    return is_ratio
-
-
-def policy_token_loss(
-    config: LossConfig,
-    logps: torch.Tensor,
-    log_ratio: torch.Tensor,
-    coef_1: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    is_ratio: torch.Tensor | None,
-    metrics: dict[str, torch.Tensor],
-) -> torch.Tensor:
-    """The per-token policy loss of ``config.loss_type`` [B, T], before masks, the vLLM ratio
-    and the KL; adds the loss type's own metrics (clip ratios, cispo's, vespo's)."""
-    eps_low, eps_high = config.epsilon_low, config.resolved_epsilon_high
-    if config.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float(), mask)
-        return cispo_loss(coef_1, advantages, logps, eps_high)
-    if config.loss_type in CLIPPED_LOSS_TYPES:
-        per_token_loss, capped_coef_1 = clipped_surrogate_loss(coef_1, advantages, eps_low, eps_high, config.delta)
-        metrics.update(clip_metrics(capped_coef_1, advantages, mask, eps_low, eps_high))
-        return per_token_loss
-    if config.loss_type == "sapo":
-        return sapo_loss(coef_1, advantages, config.sapo_temperature_pos, config.sapo_temperature_neg)
-    if config.loss_type == "vespo":
-        phi_seq = vespo_gamma_weights(
-            advantages,
-            log_ratio,
-            mask,
-            is_ratio,
-            config.vespo_k_pos,
-            config.vespo_lambda_pos,
-            config.vespo_k_neg,
-            config.vespo_lambda_neg,
-        )
-        metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq, mask)
-        return -phi_seq * advantages * logps
-    raise ValueError(f"Unknown loss type {config.loss_type!r}.")
 
 
 def compute_loss(
@@ -297,7 +202,6 @@ def compute_loss(
             ``config.vllm_importance_sampling_correction``, preferred by OPSM.
         advantages: [B] (or [B, T]) advantages of each completion.
         completion_mask: [B, T] 1 for tokens the model generated, 0 for padding and tool output.
-        config: the loss options.
         ref_logps: [B, T] reference-model log-probs; required iff ``config.beta != 0``.
         num_items_in_batch: dapo/cispo/vespo only: mask-1 tokens of the generation batch over all processes.
         gradient_accumulation_steps, num_processes, steps_per_generation: TRL's normalisation factors
@@ -316,7 +220,22 @@ def compute_loss(
     advantages = advantages.to(logps.dtype)
     metrics: dict[str, torch.Tensor] = {}
 
-    is_ratio = vllm_correction(config, old_logps, behaviour_logps, mask, metrics)
+    is_ratio = None  # the vLLM-vs-trainer ratio the per-token loss is multiplied by
+    if config.vllm_importance_sampling_correction:
+        if behaviour_logps is None:
+            raise ValueError(
+                "vllm_importance_sampling_correction needs behaviour_logps (the sampler's log-probs); pass them "
+                "or disable the correction."
+            )
+        is_ratio = vllm_importance_sampling_ratio(
+            old_logps,
+            behaviour_logps,
+            mask,
+            config.vllm_importance_sampling_mode,
+            config.vllm_importance_sampling_clip_min,
+            config.vllm_importance_sampling_clip_max,
+        )
+        metrics.update(sampling_metrics(old_logps, behaviour_logps, mask, is_ratio))
 
     keep = None
     if config.off_policy_mask_threshold is not None:
@@ -326,7 +245,11 @@ def compute_loss(
         metrics["opsm/dropped_fraction"] = 1.0 - keep.float().mean()
 
     log_ratio = logps - old_logps
-    coef_1 = torch.exp(log_importance_weights(logps, old_logps, mask, config.importance_sampling_level))
+    # the ratio pi_theta / pi_old: [B, T] at token level, [B, 1] at sequence level (GSPO: mean over mask-1 tokens)
+    if config.importance_sampling_level == "token":
+        coef_1 = torch.exp(log_ratio)
+    else:
+        coef_1 = torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
 
     per_token_kl = None
     if config.beta != 0.0:
@@ -336,7 +259,19 @@ def compute_loss(
         if config.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    per_token_loss = policy_token_loss(config, logps, log_ratio, coef_1, advantages, mask, is_ratio, metrics)
+    eps_low, eps_high = config.epsilon, config.resolved_epsilon_high
+    if config.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > eps_high) & (advantages > 0)).float(), mask)
+        per_token_loss = cispo_loss(coef_1, advantages, logps, eps_high)
+    elif config.loss_type in CLIPPED_LOSS_TYPES:
+        per_token_loss, capped_coef_1 = clipped_surrogate_loss(coef_1, advantages, eps_low, eps_high, config.delta)
+        metrics.update(clip_metrics(capped_coef_1, advantages, mask, eps_low, eps_high))
+    elif config.loss_type == "sapo":
+        per_token_loss = sapo_loss(coef_1, advantages, config.sapo_temperature_pos, config.sapo_temperature_neg)
+    else:  # vespo
+        phi_seq = vespo_gamma_weights(advantages, log_ratio, mask, is_ratio, config)
+        metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq, mask)
+        per_token_loss = -phi_seq * advantages * logps
     if keep is not None:
         per_token_loss = per_token_loss * keep
     if is_ratio is not None and config.loss_type != "vespo":
@@ -348,12 +283,11 @@ def compute_loss(
     loss, policy_loss = aggregate_loss(
         per_token_loss,
         mask,
-        config.loss_type,
-        max_completion_length=config.max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        num_processes=num_processes,
-        steps_per_generation=steps_per_generation,
+        config,
+        num_items_in_batch,
+        gradient_accumulation_steps,
+        num_processes,
+        steps_per_generation,
     )
     metrics["policy_loss"] = policy_loss
     return LossOutput(loss=loss, policy_loss=policy_loss, metrics={k: v.detach() for k, v in metrics.items()})

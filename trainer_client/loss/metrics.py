@@ -29,13 +29,6 @@ def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
     return finite.max() if largest else finite.min()
 
 
-def _min_mean_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if values.numel() == 0:
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
-        return zero, zero, zero
-    return values.min(), values.mean(), values.max()
-
-
 def sampling_metrics(
     old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -47,14 +40,13 @@ def sampling_metrics(
     delta = delta[~torch.isnan(delta)]
     zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
     flat_ratio = is_ratio.flatten() if is_ratio.shape[-1] == 1 else is_ratio[keep]
-    ratio_min, ratio_mean, ratio_max = _min_mean_max(flat_ratio)
     masked = (flat_ratio == 0).float().mean() if flat_ratio.numel() else zero
     return {
         "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
         "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else zero,
-        "sampling/importance_sampling_ratio/min": ratio_min,
-        "sampling/importance_sampling_ratio/mean": ratio_mean,
-        "sampling/importance_sampling_ratio/max": ratio_max,
+        "sampling/importance_sampling_ratio/min": flat_ratio.min() if flat_ratio.numel() else zero,
+        "sampling/importance_sampling_ratio/mean": flat_ratio.mean() if flat_ratio.numel() else zero,
+        "sampling/importance_sampling_ratio/max": flat_ratio.max() if flat_ratio.numel() else zero,
         "sampling/importance_sampling_masked_fraction": masked,
     }
 

@@ -9,6 +9,7 @@ the same gradients, since they are linear in the loss.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +28,7 @@ class ArrivingBatches:
         return self.count
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for _ in range(self.count):
-            try:
-                yield next(self.source)
-            except StopIteration:
-                return
+        return itertools.islice(self.source, self.count)
 
 
 @dataclass

@@ -30,11 +30,6 @@ class StreamDataset(IterableDataset):
                 yield {"group": group, "sample": sample}
 
 
-def prompt_token_ids(group: pb.Group, sample: pb.Sample) -> tuple[int, ...]:
-    """The group's prompt, or the sample's from a server that sends it per sample."""
-    return tuple(group.prompt_token_ids or sample.prompt_token_ids)
-
-
 class GroupCollator:
     """Left-pads prompts so every completion starts at the same column; right-pads completions.
 
@@ -49,7 +44,8 @@ class GroupCollator:
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         samples: list[pb.Sample] = [item["sample"] for item in items]
         rows: dict[tuple[int, ...], int] = {}
-        prompts = [prompt_token_ids(item["group"], item["sample"]) for item in items]
+        # The group's prompt, or the sample's from a server that sends it per sample.
+        prompts = [tuple(item["group"].prompt_token_ids or item["sample"].prompt_token_ids) for item in items]
         prompt_index = torch.tensor([rows.setdefault(prompt, len(rows)) for prompt in prompts])
         prompt_len = max(len(prompt) for prompt in rows)
         prompt_ids = torch.full((len(rows), prompt_len), self.pad, dtype=torch.long)
@@ -126,7 +122,6 @@ def forward_completion_logprobs(
 
 
 def _forward(model: torch.nn.Module, inputs: dict[str, Any], **outputs: Any) -> Any:
-    """The collated batch through ``model``'s own forward (wrapped or not), no KV cache."""
     return model(
         input_ids=inputs["input_ids"],
         attention_mask=inputs["attention_mask"],

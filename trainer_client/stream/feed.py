@@ -30,31 +30,25 @@ T = TypeVar("T")
 _WAKE = object()
 """Put in the group queue to wake the training thread for a request of the weights."""
 
+TIMEOUT_S = 30.0
+"""Bound of the feed's RPCs, calls and shutdown."""
 RECONNECT_S = 120.0
 """How long a trainer waits for a service that went away (a restart) before it fails."""
 ID_MEMORY = 100_000
 """Group ids a feed remembers: duplicates arrive minutes apart, never this many groups later."""
 
 
-class RecentIds:
+class RecentIds(OrderedDict[str, None]):
     """A set of the last ``capacity`` ids added; the oldest is forgotten first."""
 
     def __init__(self, capacity: int = ID_MEMORY) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity is {capacity}; give at least 1")
+        super().__init__()
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def __contains__(self, group_id: object) -> bool:
-        return group_id in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
 
     def add(self, group_id: str) -> None:
-        self._ids[group_id] = None
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        self[group_id] = None
+        if len(self) > self.capacity:
+            self.popitem(last=False)
 
 
 @dataclass
@@ -75,24 +69,12 @@ class RunStalled(RuntimeError):
 class GroupFeed:
     """One consumer of one run; use ``with GroupFeed(...) as feed``."""
 
-    def __init__(
-        self,
-        target: str,
-        run_id: str,
-        consumer_id: str,
-        max_staleness: int,
-        credits: int = 16,
-        timeout_s: float = 30.0,
-        reconnect_s: float = RECONNECT_S,
-    ) -> None:
+    def __init__(self, target: str, run_id: str, consumer_id: str, max_staleness: int, credits: int = 16) -> None:
         self.target = target
         self.run_id = run_id
         self.consumer_id = consumer_id
         self.max_staleness = max_staleness
         self.credits = credits
-        self.timeout_s = timeout_s
-        self.reconnect_s = reconnect_s
-        """How long a lost service is retried for before training fails; 0: not at all."""
         self.connected = True
         """False while the service is unreachable and the feed reconnects: pushes wait."""
         self.current_version = 0
@@ -132,23 +114,16 @@ class GroupFeed:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if not self._thread.is_alive():
-            return
         try:
-            self.call(self._close(), timeout_s=self.timeout_s)
+            self.call(self._close())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=self.timeout_s)
+            self._thread.join(timeout=TIMEOUT_S)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """Run a coroutine on the feed's loop (e.g. a weight push) and wait for its result."""
-        return self.submit(coro).result(timeout_s or self.timeout_s)
+        return self.submit(coro).result(timeout_s or TIMEOUT_S)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        """Start a coroutine on the feed's loop (e.g. a background weight push); its future."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run_alongside(self, coro: Coroutine[Any, Any, None], what: str) -> Future[None]:
@@ -157,8 +132,6 @@ class GroupFeed:
         async def guarded() -> None:
             try:
                 await coro
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
                 logger.error("%s failed: %s", what, exc)
                 self._groups.put_nowait(RuntimeError(f"{what} failed: {exc}"))
@@ -176,7 +149,7 @@ class GroupFeed:
         return self._client
 
     async def _open(self) -> None:
-        self._client = await RolloutClient(self.target, self.timeout_s).__aenter__()
+        self._client = await RolloutClient(self.target, TIMEOUT_S).__aenter__()
         self._reader = asyncio.ensure_future(self._read(self._subscribe()))
 
     def _subscribe(self) -> GroupStream:
@@ -195,7 +168,7 @@ class GroupFeed:
                         self._groups.put_nowait(group)  # never blocks: see ``_groups``
                     return
                 except Exception as exc:
-                    if not unavailable(exc) or not self.reconnect_s:
+                    if not unavailable(exc):
                         raise
                     # The call is over; end its request side, which would otherwise wait until exit.
                     await stream.aclose(timeout_s=1)
@@ -205,16 +178,16 @@ class GroupFeed:
             raise
 
     async def _reconnect(self, lost: Exception) -> GroupStream:
-        """The service went away: retry with backoff for ``reconnect_s``, then subscribe again; a
+        """The service went away: retry with backoff for ``RECONNECT_S``, then subscribe again; a
         service back at an older version than this trainer's gets a push."""
         self.connected = False
         loop = asyncio.get_running_loop()
-        deadline, delay = loop.time() + self.reconnect_s, 0.25
+        deadline, delay = loop.time() + RECONNECT_S, 0.25
         logger.warning(
             "the service at %s is unreachable (%s); reconnecting for up to %gs",
             self.target,
             lost.details() if hasattr(lost, "details") else lost,
-            self.reconnect_s,
+            RECONNECT_S,
         )
         while True:
             await asyncio.sleep(delay)  # a retry backoff, not synchronisation
@@ -238,12 +211,10 @@ class GroupFeed:
         return stream
 
     async def _close(self) -> None:
-        if self._stream is not None:
-            await self._stream.aclose()
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._client is not None:
-            await self._client.__aexit__(None, None, None)
+        assert self._stream is not None and self._reader is not None  # opened by __enter__
+        await self._stream.aclose()
+        self._reader.cancel()
+        await self.client.__aexit__(None, None, None)
 
     def _stalled(self, stall: pb.RunStall) -> None:
         """On the feed's loop: a generation stall makes the next wait for a group raise; a consumer
@@ -252,11 +223,10 @@ class GroupFeed:
         if stall.kind != pb.STALL_KIND_GENERATION:
             logger.warning("the service reports run %s stalled (%s): %s", self.run_id, kind, stall.reason)
             return
-        error = RunStalled(
+        self._stall_error = RunStalled(
             f"run {self.run_id} stopped generating; the service reports: {stall.reason} "
             "(it waits scheduler.stall_timeout_s before it says so)"
         )
-        self._stall_error = error
         self._groups.put_nowait(_WAKE)
 
     def _weights_requested(self, wanted: pb.WeightsWanted) -> None:
@@ -305,11 +275,11 @@ class GroupFeed:
         else:
             self._loop.call_soon_threadsafe(functools.partial(stream.ack, [group_id], acked_as))
 
-    def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
-        """Within max_staleness of ``at_version`` (default: ``training_version``) and not older
-        than the trainer's first push."""
-        at = self.training_version if at_version is None else at_version
-        return policy_version >= self.min_version and within_staleness(policy_version, at, self.max_staleness)
+    def is_fresh(self, policy_version: int) -> bool:
+        """Within max_staleness of ``training_version`` and not older than the trainer's first push."""
+        return policy_version >= self.min_version and within_staleness(
+            policy_version, self.training_version, self.max_staleness
+        )
 
     def ack_trained(self, group_ids: list[str], version: int | None = None) -> None:
         """``version``: the policy version they were trained at (default: the trainer's now)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient
@@ -30,28 +30,17 @@ def fits_inline(count: int, size_bytes: int) -> bool:
     return count <= INLINE_MAX_PROMPTS and size_bytes <= INLINE_MAX_BYTES
 
 
-def batches(prompts: Iterable[pb.Prompt], size: int) -> Iterator[list[pb.Prompt]]:
-    iterator = iter(prompts)
-    while batch := list(itertools.islice(iterator, size)):
-        yield batch
-
-
 async def feed_prompts(
     client: RolloutClient, run_id: str, prompts: Iterable[pb.Prompt], ahead: int = AHEAD, batch_size: int = SUBMIT_BATCH
 ) -> None:
     """Submit ``prompts`` (re-iterable) to ``run_id`` for ever, ``ahead`` of the run's consumption."""
     submitted = 0
     for epoch in itertools.count(1):
-        for batch in batches(prompts, batch_size):
-            await _wait_for_room(client, run_id, submitted, ahead - len(batch))
+        iterator = iter(prompts)
+        while batch := list(itertools.islice(iterator, batch_size)):
+            while True:  # until at most ``ahead - len(batch)`` of the submitted prompts wait in the run's queue
+                if submitted - (await client.get_run(run_id)).stats.groups_started <= ahead - len(batch):
+                    break
+                await asyncio.sleep(POLL_S)  # poll interval: the service has no event for a drained queue
             submitted += (await client.submit_prompts(run_id, batch)).accepted
         logger.info("all prompts of run %s submitted (pass %d); going round again", run_id, epoch)
-
-
-async def _wait_for_room(client: RolloutClient, run_id: str, submitted: int, most_queued: int) -> None:
-    """Until at most ``most_queued`` of the ``submitted`` prompts wait in the run's queue."""
-    while True:
-        queued = submitted - (await client.get_run(run_id)).stats.groups_started
-        if queued <= most_queued:
-            return
-        await asyncio.sleep(POLL_S)  # poll interval: the service has no event for a drained queue

@@ -25,11 +25,6 @@ forward's positions (its extra kernel launches and cache copies cost the rest); 
 skipped position pays."""
 
 
-def prompts_are_shared(inputs: dict[str, Any]) -> bool:
-    """Whether the batch has fewer distinct prompts than samples."""
-    return inputs["prompt_ids"].shape[0] < inputs["completion_ids"].shape[0]
-
-
 def skipped_fraction(inputs: dict[str, Any]) -> float:
     """The share of the plain forward's positions (samples x (prompt + completion width)) that
     running each distinct prompt once skips."""
@@ -39,8 +34,7 @@ def skipped_fraction(inputs: dict[str, Any]) -> float:
 
 
 def sharing_pays(inputs: dict[str, Any], device_type: str) -> bool:
-    """Whether the shared forward is the faster one for this batch on a ``device_type`` device."""
-    if not prompts_are_shared(inputs):
+    if inputs["prompt_ids"].shape[0] >= inputs["completion_ids"].shape[0]:  # no prompt repeats
         return False
     return device_type == "cpu" or skipped_fraction(inputs) >= ACCELERATOR_MIN_SKIPPED
 

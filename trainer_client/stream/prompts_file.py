@@ -29,7 +29,7 @@ class PromptsFileError(ValueError):
     """The prompts cannot be used; the message names the line or row and what to change."""
 
 
-def prompt_from_row(row: Mapping[str, Any], where: str, prompt_column: str = PROMPT_COLUMN) -> pb.Prompt:
+def prompt_from_row(row: Mapping[str, Any], where: str, prompt_column: str) -> pb.Prompt:
     if not isinstance(row, Mapping) or prompt_column not in row:
         raise PromptsFileError(
             f"{where} has no {prompt_column!r} column; give a string or a list of chat messages "
@@ -77,7 +77,7 @@ def _jsonl_rows(path: Path) -> Iterator[Row]:
         raise PromptsFileError(f"cannot read {path}: {exc}") from None
 
 
-def _datasets() -> Any:
+def _dataset_rows(path: Path) -> Iterator[Row]:
     try:
         import datasets
     except ImportError:
@@ -85,11 +85,6 @@ def _datasets() -> Any:
             "reading Parquet, CSV or a saved dataset needs the datasets package: pip install datasets "
             "(JSONL needs nothing)"
         ) from None
-    return datasets
-
-
-def _dataset_rows(path: Path) -> Iterator[Row]:
-    datasets = _datasets()
     if path.is_dir():
         rows = datasets.load_from_disk(str(path))
     else:
@@ -99,13 +94,9 @@ def _dataset_rows(path: Path) -> Iterator[Row]:
         yield f"{path} row {number}", row
 
 
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
-
-
 def file_rows(path: Path) -> Callable[[], Iterator[Row]]:
     """A function that reads ``path``'s rows afresh each call."""
-    if path.is_dir() and _is_saved_dataset(path):
+    if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():  # a saved dataset
         return lambda: _dataset_rows(path)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in (*JSONL_SUFFIXES, *DATASETS_FORMATS))
@@ -153,6 +144,3 @@ class PromptRows:
     def __iter__(self) -> Iterator[pb.Prompt]:
         for where, row in self._read():
             yield prompt_from_row(row, where, self.prompt_column)
-
-    def __len__(self) -> int:
-        return self.count

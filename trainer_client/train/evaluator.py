@@ -25,12 +25,13 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
 """How often an evaluation's state is read back (GetRun)."""
+TIMEOUT_S = 600.0
 
 
 class PinnedEvaluator:
     """Starts an evaluation run after every ``every``-th push and collects the results."""
 
-    def __init__(self, feed: GroupFeed, spec: pb.RunSpec, every: int, output: Path, timeout_s: float = 600.0) -> None:
+    def __init__(self, feed: GroupFeed, spec: pb.RunSpec, every: int, output: Path) -> None:
         if every <= 0:
             raise ValueError(f"eval every {every} pushes: give a positive number")
         self.feed = feed
@@ -39,7 +40,6 @@ class PinnedEvaluator:
         self.every = every
         self.output = output
         """``evals.jsonl``: one line per evaluation, as it finishes."""
-        self.timeout_s = timeout_s
         self.pushes = 0
         self.results: list[dict[str, Any]] = []
         self._running: list[Future[dict[str, Any]]] = []
@@ -52,8 +52,11 @@ class PinnedEvaluator:
         self.pushes += 1
         if self.pushes % self.every != 0:
             return
+        spec = pb.RunSpec()
+        spec.CopyFrom(self.spec)
+        spec.eval.policy_version = version
         try:
-            run = self.feed.call(self._create(version))
+            run = self.feed.call(self.feed.client.create_run(spec))
         except Exception as exc:  # recorded with its error by ``_collect``; training goes on
             failed: Future[dict[str, Any]] = Future()
             failed.set_exception(exc)
@@ -64,7 +67,7 @@ class PinnedEvaluator:
     def finished(self) -> list[dict[str, Any]]:
         """The evaluations that finished since the last call, in the order they were started."""
         done = [future for future in self._running if future.done()]
-        self._running = [future for future in self._running if not future.done()]
+        self._running = [future for future in self._running if future not in done]
         return [self._collect(future) for future in done]
 
     def wait(self) -> list[dict[str, Any]]:
@@ -72,7 +75,7 @@ class PinnedEvaluator:
         running, self._running = self._running, []
         for future in running:
             with contextlib.suppress(Exception):  # collected with its error below
-                future.result(self.timeout_s + 30)
+                future.result(TIMEOUT_S + 30)
         return [self._collect(future) for future in running]
 
     def _collect(self, future: Future[dict[str, Any]]) -> dict[str, Any]:
@@ -87,16 +90,10 @@ class PinnedEvaluator:
             out.write(json.dumps(result) + "\n")
         return result
 
-    async def _create(self, version: int) -> pb.Run:
-        spec = pb.RunSpec()
-        spec.CopyFrom(self.spec)
-        spec.eval.policy_version = version
-        return await self.feed.client.create_run(spec)
-
     async def _evaluate(self, run: pb.Run, version: int) -> dict[str, Any]:
         client = self.feed.client
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(TIMEOUT_S):
                 while run.state == pb.RUN_STATE_RUNNING:
                     await asyncio.sleep(POLL_S)  # a polling period: GetRun has no push form
                     run = await client.get_run(run.run_id)

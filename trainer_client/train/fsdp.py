@@ -45,13 +45,10 @@ def gathered_weights(model: torch.nn.Module) -> NamedTensors:
     """The full weights vLLM must serve, gathered from every rank's shard (a collective); rank 0
     gets them on CPU, in ``named_parameters`` order (no tied lm_head), the others an empty list."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not full:
-        return []
     return [(name, full[name]) for name, _ in model.named_parameters() if name in full]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-EAGER_ATTENTION = "eager"
 CPU_BF16_PROBES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
 """``torch.cpu`` functions that say whether this CPU has bf16 matmul instructions."""
 
@@ -25,34 +24,20 @@ def has_native_bf16(device_type: str) -> bool:
     """Whether ``device_type`` ("cpu", "cuda") multiplies bf16 matrices in hardware."""
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device_type == "cpu":  # torch's private probes (torch >= 2.3): absent, assume none
-        return any(getattr(torch.cpu, probe, lambda: False)() for probe in CPU_BF16_PROBES)
-    return False
+    # torch's private probes (torch >= 2.3): absent, assume none
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in CPU_BF16_PROBES)
 
 
 def resolve_bf16(requested: bool | None, device_type: str) -> bool:
-    """``requested``, or for None (the default) whether this hardware has native bf16."""
     return has_native_bf16(device_type) if requested is None else requested
 
 
-def attention_implementation(bf16: bool, device_type: str) -> str | None:
-    """Eager attention for bf16 on a CPU, else None (the model's default)."""
-    return EAGER_ATTENTION if bf16 and device_type == "cpu" else None
-
-
 def loading_kwargs(bf16: bool, device_type: str) -> dict[str, Any]:
-    """``from_pretrained``'s keyword arguments: float32 weights and ``attention_implementation``'s attention."""
-    attention = attention_implementation(bf16, device_type)
-    return {"dtype": torch.float32, **({} if attention is None else {"attn_implementation": attention})}
+    """``from_pretrained``'s keyword arguments: float32 weights, and eager attention for bf16 on a CPU."""
+    if bf16 and device_type == "cpu":
+        return {"dtype": torch.float32, "attn_implementation": "eager"}
+    return {"dtype": torch.float32}  # the model's default attention
 
 
 def name(bf16: bool) -> str:
-    """The precision's name in the trainer's summary."""
     return "bf16 autocast" if bf16 else "float32"
-
-
-def describe(bf16: bool) -> str:
-    """The trainer's log line."""
-    if bf16:
-        return f"{name(bf16)} (weights, optimizer state, log-softmax and pushes stay float32)"
-    return name(bf16)

@@ -52,64 +52,51 @@ def buffered_groups(requested: int, max_staleness: int, groups_per_step: int) ->
     return requested or max(1, max_staleness) * groups_per_step
 
 
-async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions, serve_adapter: bool) -> str:
-    async with RolloutClient(target) as client:
-        spec = dataset_run_spec(
-            options.dataset,
-            options.rewards,
-            group_size=config.num_generations,
-            max_tokens=config.max_completion_length,
-            max_staleness=config.max_staleness,
-            max_buffered_groups=buffered_groups(  # every data-parallel rank trains its own groups
-                options.max_buffered_groups, config.max_staleness, config.groups_per_step * config.world_size
-            ),
-            max_inflight=options.max_inflight,
-            group_deadline_seconds=options.group_deadline_s,
-            min_group_size=options.min_group_size,
-        )
-        if options.streams_prompts:
-            spec.prompt_source.submitted.SetInParent()  # replaces the dataset (a oneof); fed by prompt_feeder
-        elif options.prompt_rows is not None:
-            spec.prompt_source.prompts.prompts.extend(options.prompt_rows)  # type: ignore[arg-type]
-        _sample_as_trained(spec, config)
-        spec.serve_adapter = serve_adapter
-        spec.admission = ADMISSION_MODES[options.admission]
-        # Groups generated before this trainer's first push would only be dropped.
-        spec.await_first_update = options.push
-        return (await client.create_run(spec)).run_id
-
-
-def _sample_as_trained(spec: pb.RunSpec, config: AsyncGRPOConfig) -> None:
+def _run_spec(config: AsyncGRPOConfig, dataset: str, rewards: dict[str, float], **fields: object) -> pb.RunSpec:
+    """A run of ``dataset``, sampled and scored as this trainer trains."""
+    spec = dataset_run_spec(
+        dataset,
+        rewards,
+        group_size=config.num_generations,
+        max_tokens=config.max_completion_length,
+        scale_rewards=SCALE_REWARDS[config.scale_rewards],
+        **fields,
+    )
     spec.sampling.temperature = config.temperature
     spec.sampling.top_p = config.top_p
     spec.sampling.top_k = config.top_k
-    spec.scale_rewards = SCALE_REWARDS[config.scale_rewards]
+    return spec
+
+
+async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions, serve_adapter: bool) -> str:
+    spec = _run_spec(
+        config,
+        options.dataset,
+        options.rewards,
+        max_staleness=config.max_staleness,
+        max_buffered_groups=buffered_groups(  # every data-parallel rank trains its own groups
+            options.max_buffered_groups, config.max_staleness, config.groups_per_step * config.world_size
+        ),
+        max_inflight=options.max_inflight,
+        group_deadline_seconds=options.group_deadline_s,
+        min_group_size=options.min_group_size,
+        serve_adapter=serve_adapter,
+        admission=ADMISSION_MODES[options.admission],
+        await_first_update=options.push,  # groups made before this trainer's first push would only be dropped
+    )
+    if options.streams_prompts:
+        spec.prompt_source.submitted.SetInParent()  # replaces the dataset (a oneof); fed by prompt_feeder
+    elif options.prompt_rows is not None:
+        spec.prompt_source.prompts.prompts.extend(options.prompt_rows)  # type: ignore[arg-type]
+    async with RolloutClient(target) as client:
+        return (await client.create_run(spec)).run_id
 
 
 def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
     """The evaluation runs' spec: the held-out dataset once, sampled and scored as in training."""
-    spec = dataset_run_spec(
-        options.eval_dataset,
-        options.rewards,
-        group_size=config.num_generations,
-        max_tokens=config.max_completion_length,
-    )
-    _sample_as_trained(spec, config)
-    spec.display_name = f"eval-{options.eval_dataset}"
+    spec = _run_spec(config, options.eval_dataset, options.rewards, display_name=f"eval-{options.eval_dataset}")
     spec.eval.SetInParent()
     return spec
-
-
-def _train_on_a_local_service(
-    config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOptions
-) -> dict[str, Any]:
-    if config.world_size > 1:
-        raise LocalServiceError("data-parallel ranks share one service: start it first and give its --target")
-    log = Path(config.output_dir if config.output_dir_given else "outputs") / "local-service.log"
-    with local_service(log, model_options.model_name_or_path, options.reward_funcs) as target:
-        on_it = copy.copy(options)  # not dataclasses.replace: that would load the prompts again
-        on_it.target = target
-        return train(config, on_it, model_options)
 
 
 def default_output_dir(run_id: str | None, pushes: bool) -> str:
@@ -142,12 +129,17 @@ def policy_checkpoint(options: ModelOptions, served: pb.GetServerInfoResponse) -
     return options.model_name_or_path
 
 
-def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOptions | None = None) -> dict[str, Any]:
-    """Train ``config.max_steps`` steps on a run of the service at ``options.target``; returns the summary.
-    ``options.push`` False makes a follower: another trainer of the run pushes weights."""
-    model_options = model_options or ModelOptions()
+def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOptions) -> dict[str, Any]:
+    """Train ``config.max_steps`` steps on a run of the service at ``options.target`` (None: one started
+    here); returns the summary. ``options.push`` False makes a follower: another trainer of the run pushes."""
     if options.target is None:
-        return _train_on_a_local_service(config, options, model_options)
+        if config.world_size > 1:
+            raise LocalServiceError("data-parallel ranks share one service: start it first and give its --target")
+        log = Path(config.output_dir if config.output_dir_given else "outputs") / "local-service.log"
+        with local_service(log, model_options.model_name_or_path, options.reward_funcs) as target:
+            on_it = copy.copy(options)  # not dataclasses.replace: that would load the prompts again
+            on_it.target = target
+            return train(config, on_it, model_options)
     target = options.target
     run_id = options.run_id
     checkpoint = None
@@ -175,7 +167,8 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
         config.output_dir = default_dir
     logger.info("training on run %s; output in %s", run_id, config.output_dir)
     model = load_policy(model_path, model_options, config.bf16, config.device.type)
-    logger.info("trainer computes in %s", precision.describe(config.bf16))
+    kept_float32 = " (weights, optimizer state, log-softmax and pushes stay float32)" if config.bf16 else ""
+    logger.info("trainer computes in %s%s", precision.name(config.bf16), kept_float32)
     output_dir = Path(config.output_dir)
     if main and checkpoint is not None:
         drop_records_after(output_dir / "metrics.jsonl", checkpoint.step)
@@ -184,9 +177,18 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
     # Each process is its own consumer (the service hands consumers disjoint groups).
     consumer_id = f"trainer-{socket.gethostname()}-{os.getpid()}-rank{config.process_index}"
     with GroupFeed(target, run_id, consumer_id, config.max_staleness, config.effective_stream_credits) as feed:
-        pusher = (
-            make_pusher(feed, run_id, trainer_address, model_options.serves_adapter, options) if options.push else None
-        )
+        pusher: WeightPusher | AdapterPusher | None = None
+        if options.push and model_options.serves_adapter:
+            pusher = AdapterPusher(feed.client, run_id)
+        elif options.push:
+            pusher = WeightPusher(
+                feed.client,
+                run_id,
+                trainer_address=trainer_address,
+                clock=feed.clock,
+                shared_memory=options.shared_memory_push,
+                group_port=options.vllm_group_port,
+            )
         feeder = start_prompt_feeder(feed, run_id, options) if main else None
         evaluator = None
         if main and pusher is not None and options.eval_every:
@@ -234,7 +236,8 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
     if checkpoint is not None:
         summary["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": checkpoint.step}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    write_reward_curve(records, output_dir / "reward_curve.svg")
+    curve = {"reward_mean": [(r["step"], r["reward_mean"]) for r in records]}
+    line_plot(curve, output_dir / "reward_curve.svg", "reward_mean per step", "step")
     return summary
 
 
@@ -248,21 +251,6 @@ def start_prompt_feeder(feed: GroupFeed, run_id: str, options: RunOptions) -> Fu
         return None
     logger.info("streaming %d prompts of %s into run %s", rows.count, rows.name, run_id)
     return feed.run_alongside(feed_prompts(feed.client, run_id, rows), "the prompt feeder")
-
-
-def make_pusher(
-    feed: GroupFeed, run_id: str, trainer_address: str, serves_adapter: bool, options: RunOptions
-) -> WeightPusher | AdapterPusher:
-    if serves_adapter:
-        return AdapterPusher(feed.client, run_id)
-    return WeightPusher(
-        feed.client,
-        run_id,
-        trainer_address=trainer_address,
-        clock=feed.clock,
-        shared_memory=options.shared_memory_push,
-        group_port=options.vllm_group_port,
-    )
 
 
 def use_torch_threads(threads: int) -> int:
@@ -309,10 +297,7 @@ def save_policy(trainer: StreamGRPOTrainer, model_path: str, directory: Path) ->
     weights = fsdp.gathered_weights(trainer.model) if trainer.is_fsdp_enabled else None
     if not trainer.is_world_process_zero():
         return
-    if weights is not None:
-        model.save_pretrained(directory, state_dict=dict(weights))
-    else:
-        model.save_pretrained(directory)
+    model.save_pretrained(directory, state_dict=None if weights is None else dict(weights))
     AutoTokenizer.from_pretrained(model_path).save_pretrained(directory)
     logger.info("saved the trained policy to %s", directory)
 
@@ -342,7 +327,3 @@ def summarize(records: list[dict[str, Any]], run_id: str, received: int, trained
         "mean_staleness_trained": statistics.fmean(r["mean_staleness_trained"] for r in records) if records else 0.0,
         "time_split": summarize_seconds(records),
     }
-
-
-def write_reward_curve(records: list[dict[str, Any]], path: Path) -> None:
-    line_plot({"reward_mean": [(r["step"], r["reward_mean"]) for r in records]}, path, "reward_mean per step", "step")

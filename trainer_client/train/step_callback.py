@@ -94,19 +94,18 @@ class SyncAndAck(TrainerCallback):
             version = trainer.feed.call(trainer.pusher.push_policy(model), timeout_s=self._push_timeout_s())
         if trainer.args.world_size > 1:
             version = broadcast_object_list([version], from_process=0)[0]
-        trainer.feed.current_version, trainer.feed.pushes_owed = version, 0
         self._pushed(version, state.global_step)
 
     def _pushed(self, version: int, step: int) -> None:
-        """A push of ``step``'s weights committed; the evaluator may evaluate it."""
+        """A push of ``step``'s weights committed ``version``; the evaluator may evaluate it."""
+        self.trainer.feed.current_version, self.trainer.feed.pushes_owed = version, 0
         self._served_step = step
         if self.trainer.evaluator is not None:
             self.trainer.evaluator.pushed(version)
 
     def _push_timeout_s(self) -> float:
         """The transfer bound plus the RPCs'."""
-        assert self.trainer.pusher is not None
-        return self.trainer.pusher.timeout_s + 120
+        return self.trainer.pusher.timeout_s + 120  # type: ignore[union-attr]
 
     def _push_in_background(self) -> None:
         """Snapshot the weights and start their push; the trainer goes on at once."""
@@ -140,11 +139,8 @@ class SyncAndAck(TrainerCallback):
         model = trainer.accelerator.unwrap_model(trainer.model)
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             try:
-                trainer.feed.current_version = trainer.feed.call(
-                    trainer.pusher.push_policy(model, resend), timeout_s=self._push_timeout_s()
-                )
-                trainer.feed.pushes_owed = 0
-                self._pushed(trainer.feed.current_version, step)
+                version = trainer.feed.call(trainer.pusher.push_policy(model, resend), timeout_s=self._push_timeout_s())
+                self._pushed(version, step)
                 return
             except Exception as exc:
                 if attempt == PUSH_ATTEMPTS:
@@ -159,7 +155,6 @@ class SyncAndAck(TrainerCallback):
         if future is None:
             return
         trainer = self.trainer
-        assert trainer.pusher is not None
         try:
             with trainer.clock.measure("push_wait"):
                 version = future.result(timeout=self._push_timeout_s())
@@ -176,7 +171,6 @@ class SyncAndAck(TrainerCallback):
             )  # fmt: skip
             return
         self._failed_pushes = 0
-        trainer.feed.current_version, trainer.feed.pushes_owed = version, 0
         self._pushed(version, self._in_flight_step)
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]

@@ -1,9 +1,7 @@
 """``StreamGRPOTrainer``: a ``transformers.Trainer`` that learns from the rollout service's stream.
 
-The train dataset is the stream of scored groups (``GroupFeed``); the loss is ``losses.py``'s
-on chunked log-probs; pushes, acks and step records happen between steps (``SyncAndAck``).
-Each data-parallel rank is its own consumer of the run; rank 0 alone pushes. With ``beta > 0``
-the reference policy is a PEFT model's base (adapter disabled), else a frozen copy of the model.
+The train dataset is the stream of scored groups (``GroupFeed``); pushes, acks and step records
+happen between steps (``SyncAndAck``). Each data-parallel rank is its own consumer of the run.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from transformers import PreTrainedModel, ProgressCallback, Trainer
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.loss.config import GLOBAL_TOKEN_NORMALISED
 from trainer_client.loss.losses import compute_loss
+from trainer_client.step_timing import COMPUTE_CPU
 from trainer_client.stream.arriving_batches import ArrivingBatches, DeferredTokenNormaliser
 from trainer_client.stream.batches import (
     GroupCollator,
@@ -61,16 +60,13 @@ class StreamGRPOTrainer(Trainer):
         feed: GroupFeed,
         pusher: WeightPusher | AdapterPusher | None,
         evaluator: PinnedEvaluator | None = None,
-        **kwargs: Any,
     ) -> None:
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         if pusher is None and args.world_size > 1:
             raise ValueError("every data-parallel rank needs the pusher (rank 0 pushes, the others learn its version)")
         if args.fsdp:
             fsdp.check_supported(model)
-        super().__init__(
-            model=model, args=args, train_dataset=StreamDataset(feed), data_collator=GroupCollator(pad), **kwargs
-        )
+        super().__init__(model=model, args=args, train_dataset=StreamDataset(feed), data_collator=GroupCollator(pad))
         self.feed = feed
         self.pusher = pusher
         self.evaluator = evaluator
@@ -86,17 +82,16 @@ class StreamGRPOTrainer(Trainer):
         self._forward_s = 0.0
         self._deferred: DeferredTokenNormaliser | None = None
         """The current step's token count, where its loss is normalised after its last micro-batch."""
+        self.step_progress = StepProgress()
         if not args.disable_tqdm:
             self.remove_callback(ProgressCallback)
-            self.add_callback(StepProgress())
+            self.add_callback(self.step_progress)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().train(*args, **kwargs)
         finally:  # a step that raised leaves no bar drawing over the error
-            for callback in self.callback_handler.callbacks:
-                if isinstance(callback, StepProgress):
-                    callback.close()
+            self.step_progress.close()
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, with FSDP turned on for a CPU run too (``fsdp.enable_on_cpu``)."""
@@ -147,7 +142,7 @@ class StreamGRPOTrainer(Trainer):
         """Trainer's step (forward via ``compute_loss``, then backward), timed phase by phase."""
         start = time.perf_counter()
         self._forward_s = 0.0
-        with self.clock.measure_compute_cpu():
+        with self.clock.measure(COMPUTE_CPU, time.thread_time):
             loss = super().training_step(model, inputs, num_items_in_batch)
             loss = self._normalise_deferred(model, loss)
         self.clock.add("backward", time.perf_counter() - start - self._forward_s)
@@ -190,15 +185,6 @@ class StreamGRPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
         start = time.perf_counter()
-        loss = self._grpo_loss(model, inputs, num_items_in_batch)
-        self._forward_s = time.perf_counter() - start
-        self.clock.add("forward", self._forward_s)
-        return loss
-
-    def _grpo_loss(
-        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        versions = inputs["staleness_versions"]
         fresh = self._fresh(inputs)
         completion_mask = self._loss_mask(inputs, fresh)
         logps = self._completion_logprobs(model, inputs)
@@ -225,7 +211,7 @@ class StreamGRPOTrainer(Trainer):
             metrics = {k: v for k, v in metrics.items() if k != "policy_loss"}
             deferred.add(float(completion_mask.sum()), float(output.policy_loss))
         for group_id, reward, version, keep in zip(
-            inputs["group_ids"], inputs["rewards"], versions, fresh, strict=True
+            inputs["group_ids"], inputs["rewards"], inputs["staleness_versions"], fresh, strict=True
         ):
             if keep:
                 self.book.group_ids.setdefault(group_id, None)
@@ -235,6 +221,8 @@ class StreamGRPOTrainer(Trainer):
                 self.book.stale_group_ids.setdefault(group_id, None)
         for name, value in metrics.items():
             self.book.loss_metrics.setdefault(name, []).append(float(value))
+        self._forward_s = time.perf_counter() - start
+        self.clock.add("forward", self._forward_s)
         return output.loss
 
     def _completion_logprobs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -249,15 +237,14 @@ class StreamGRPOTrainer(Trainer):
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether the forward runs each distinct prompt once (``prompt_sharing``)."""
         args = self.args
         return args.share_prompt_forward and args.world_size == 1 and not args.gradient_checkpointing
 
     @torch.no_grad()
     def _reference_logprobs(self, inputs: dict[str, Any]) -> torch.Tensor:
-        policy = self.accelerator.unwrap_model(self.model)
         if self.ref_model is not None:
             return self._completion_logprobs(self.ref_model, inputs)
+        policy = self.accelerator.unwrap_model(self.model)
         with policy.disable_adapter():  # PEFT: the base model is the reference
             return self._completion_logprobs(policy, inputs)
 

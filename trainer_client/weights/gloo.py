@@ -25,11 +25,6 @@ from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 from vllm_gloo_transfer.shared_memory import SharedWeightsFile, offer_shared_memory
 
 
-def worker_address_key(rank: int) -> str:
-    """Where a rank announces its gloo address in the group's store (a torch internal, pinned by a test)."""
-    return f"0/{rank}"
-
-
 def rendezvous_uri(host: str, port: int) -> str:
     """vLLM's ``get_tcp_uri``, byte for byte: it is the PrefixStore prefix both sides must share."""
     try:
@@ -67,11 +62,7 @@ class GlooWeightSender(WeightSender):
     def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
         """Join as rank 0 (``WeightSender.connect``). The store is kept across joins, each join's
         keys under its ``epoch``'s prefix, so a re-join never meets a previous one's keys."""
-        if self._group is not None:
-            raise RuntimeError("already connected; leave() first")
         if world_size is not None:
-            if world_size < 2:
-                raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
             self.world_size = world_size
         prefix = self._join_store(epoch)
         arrive(prefix)
@@ -114,7 +105,7 @@ class GlooWeightSender(WeightSender):
     def _await_workers(self, store: PrefixStore, abandoned: threading.Event) -> None:
         """Wait until every worker has announced its address, before building the group, whose
         own rendezvous cannot be cancelled: this wait ends as soon as ``abandoned`` is set."""
-        keys = [worker_address_key(rank) for rank in range(1, self.world_size)]
+        keys = [f"0/{rank}" for rank in range(1, self.world_size)]  # torch's key of a rank's address
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not store.check(keys):
             if abandoned.wait(WORKER_POLL_S):
@@ -131,7 +122,8 @@ class GlooWeightSender(WeightSender):
 
     def broadcast(self, named_tensors: NamedTensors) -> None:
         """Send the tensors from rank 0 in buckets, in order; must match the announced update_info."""
-        group = self._require_group()
+        group = self._group
+        assert group is not None, "not connected"
         tensors = [tensor.detach().to("cpu") for _name, tensor in named_tensors]
         if self._through_shared_memory:
             assert self._shared_file is not None
@@ -158,8 +150,3 @@ class GlooWeightSender(WeightSender):
         if self._shared_file is not None:
             self._shared_file.close()
             self._shared_file = None
-
-    def _require_group(self) -> ProcessGroupGloo:
-        if self._group is None:
-            raise RuntimeError("not connected: call connect() first")
-        return self._group

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 import torch
@@ -31,20 +32,17 @@ def call_within(
 ) -> T:
     """``fn(*args)`` in a daemon thread, waited for at most ``timeout_s``, or until
     ``abandoned`` is set (then :class:`UpdateAbandoned`)."""
-    outcome: dict[str, Any] = {}
-    finished = threading.Event()
+    outcome: Future[T] = Future()
 
     def run() -> None:
         try:
-            outcome["value"] = fn(*args)
+            outcome.set_result(fn(*args))
         except BaseException as exc:  # handed to the caller's thread
-            outcome["error"] = exc
-        finally:
-            finished.set()
+            outcome.set_exception(exc)
 
     threading.Thread(target=run, name=f"nccl-{what}", daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    while not finished.wait(min(WORKER_POLL_S, max(0.0, deadline - time.monotonic()))):
+    while not wait([outcome], min(WORKER_POLL_S, max(0.0, deadline - time.monotonic()))).done:
         if abandoned is not None and abandoned.is_set():
             raise UpdateAbandoned(f"the NCCL {what} was given up: the service aborted the update")
         if time.monotonic() < deadline:
@@ -53,9 +51,7 @@ def call_within(
             f"NCCL {what} did not finish within {timeout_s:g}s (weight_sync.transfer_timeout_s): a vLLM worker "
             "did not join or stopped receiving; the service aborts the update and the next push re-joins"
         )
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    return outcome.result()
 
 
 class NcclWeightSender(WeightSender):
@@ -79,8 +75,6 @@ class NcclWeightSender(WeightSender):
     def connect(self, epoch: int = 0, world_size: int | None = None, abandoned: threading.Event | None = None) -> None:
         """Join as rank 0 (``WeightSender.connect``); ``epoch`` is unused and ``world_size`` must
         be this sender's."""
-        if self._communicator is not None:
-            raise RuntimeError("already connected; leave() first")
         if world_size not in (None, self.world_size):
             raise ValueError(f"this sender was made for world size {self.world_size}, not {world_size}; make a new one")
         if not torch.cuda.is_available():
@@ -97,8 +91,6 @@ class NcclWeightSender(WeightSender):
         self._communicator = call_within(self.timeout_s, "join", trainer_init, rendezvous, abandoned=abandoned)
 
     def broadcast(self, named_tensors: NamedTensors) -> None:
-        if self._communicator is None:
-            raise RuntimeError("not connected: call connect() first")
         try:
             call_within(self.timeout_s, "broadcast", self._broadcast, named_tensors)
         except TimeoutError:

@@ -59,8 +59,6 @@ def _lora_deltas(base: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_files(model: torch.nn.Module) -> dict[str, bytes]:
     """A PEFT model's active adapter as the files vLLM loads (config + safetensors), in memory."""
-    if not is_peft_model(model):
-        raise ValueError("adapter pushes need a PEFT model; push full weights with policy_weights() instead")
     with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         adapter_dir = Path(tmp)

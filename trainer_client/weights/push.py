@@ -169,10 +169,10 @@ def _outcome_dropped(broadcast: asyncio.Future[None]) -> None:
 class AdapterPusher:
     """Pushes a PEFT model's adapter to a serve_adapter run; the shared base weights stay untouched."""
 
-    def __init__(self, client: RolloutClient, run_id: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, client: RolloutClient, run_id: str) -> None:
         self.client = client
         self.run_id = run_id
-        self.timeout_s = timeout_s
+        self.timeout_s = 120.0
 
     async def push_policy(self, model: torch.nn.Module, resend: bool = False) -> int:
         """Publish the adapter; the new version. ``resend`` is unused: the service reloads adapters itself."""

@@ -32,14 +32,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def update_info_for(named_tensors: NamedTensors) -> dict[str, list]:
     """The ``update_info`` body of ``/update_weights`` announcing these tensors."""
-    names: list[str] = []
-    dtype_names: list[str] = []
-    shapes: list[list[int]] = []
-    for name, tensor in named_tensors:
-        names.append(name)
-        dtype_names.append(dtype_name(tensor.dtype))
-        shapes.append(list(tensor.shape))
-    return {"names": names, "dtype_names": dtype_names, "shapes": shapes}
+    named = list(named_tensors)
+    return {
+        "names": [name for name, _ in named],
+        "dtype_names": [dtype_name(tensor.dtype) for _, tensor in named],
+        "shapes": [list(tensor.shape) for _, tensor in named],
+    }
 
 
 class WeightSender(ABC):
@@ -91,9 +89,3 @@ class WeightSender(ABC):
     def close(self) -> None:
         """Leave the group and release what the sender hosts; safe to call twice."""
         self.leave()
-
-    def __enter__(self) -> WeightSender:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -21,7 +21,7 @@ from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.loss.config import LossConfig
 from trainer_client.loss.losses import compute_loss
 from trainer_client.stream.batches import GroupCollator, completion_logprobs
-from trainer_client.stream.prompt_sharing import prompts_are_shared, sharing_pays, skipped_fraction
+from trainer_client.stream.prompt_sharing import sharing_pays, skipped_fraction
 from trainer_client.train.trainer import StreamGRPOTrainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,7 +81,6 @@ def test_collator_keeps_each_distinct_prompt_once() -> None:
     inputs = GroupCollator(PAD_ID)(items)
     assert inputs["prompt_ids"].shape == (3, 7)
     assert inputs["prompt_index"].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2]
-    assert prompts_are_shared(inputs)
     for i, item in enumerate(items):  # the per-sample layout: left-padded prompt, then completion
         prompt, completion = list(item["group"].prompt_token_ids), list(item["sample"].completion_token_ids)
         row = inputs["input_ids"][i][inputs["attention_mask"][i].bool()].tolist()
@@ -115,7 +114,8 @@ def test_the_shared_forward_is_not_the_plain_one(model: Qwen2ForCausalLM) -> Non
 def test_every_sample_with_its_own_prompt_takes_the_plain_forward() -> None:
     items = [grouped_samples(seed)[0] for seed in range(3)]
     inputs = GroupCollator(PAD_ID)(items)
-    assert inputs["prompt_ids"].shape[0] == 3 and not prompts_are_shared(inputs)
+    assert inputs["prompt_ids"].shape[0] == inputs["completion_ids"].shape[0] == 3
+    assert not sharing_pays(inputs, "cpu")
 
 
 def shaped_batch(prompts: int, group_size: int, prompt_width: int, completion_width: int) -> dict:

@@ -37,7 +37,7 @@ class StillFeed:
     def __init__(self) -> None:
         self.clock = PhaseClock()
 
-    def is_fresh(self, policy_version: int, at_version: int | None = None) -> bool:
+    def is_fresh(self, policy_version: int) -> bool:
         return True
 
 

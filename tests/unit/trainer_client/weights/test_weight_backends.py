@@ -285,7 +285,7 @@ def test_a_gloo_join_gives_up_when_abandoned_or_when_the_workers_never_come() ->
 def test_a_gloo_join_with_more_servers_goes_through_the_same_store() -> None:
     """A pool that grew: the next join has a larger world. The store the workers connect to
     stays up across it (a restarted one drops workers that connected early). The joins also
-    pin the store keys the sender waits for (``worker_address_key``), a torch internal."""
+    pin the store keys the sender waits for (``GlooWeightSender._await_workers``), a torch internal."""
     port = free_port("127.0.0.1")
     sender = GlooWeightSender("127.0.0.1", port, world_size=2, timeout_s=20)
     for epoch, world_size in ((1, 2), (2, 3)):
@@ -299,7 +299,7 @@ def test_a_gloo_join_with_more_servers_goes_through_the_same_store() -> None:
         store = sender._store
         sender.connect(epoch, world_size)
         assert store is None or sender._store is store  # hosted once
-        sender._require_group().broadcast(torch.full((3,), float(epoch)), 0).wait()
+        sender._group.broadcast(torch.full((3,), float(epoch)), 0).wait()  # type: ignore[union-attr]
         for worker in workers:
             worker.join(30)
         assert sorted(out) == list(range(1, world_size))
