@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUF := node_modules/.bin/buf
 
-.PHONY: setup demo test lint proto bench clean
+.PHONY: setup demo test lint docs proto bench clean
 
 $(STAMP): pyproject.toml setup.py proto/rollout/v1/rollout.proto
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ lint: setup $(BUF)
 	cd proto && ../$(BUF) lint
 
 test: lint
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 	$(PY) -m pytest
+
+# The reference pages of docs/reference/ come from the code (a test fails when one is stale).
+docs: setup
+	$(PY) tools/gen_docs.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 proto: setup
 	$(PY) -c "import runpy; runpy.run_path('setup.py', run_name='stubs')"

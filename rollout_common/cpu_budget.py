@@ -77,7 +77,7 @@ class CpuBudget:
         it delays every decode step; pinned to the trainer's, it takes a good part of the
         trainer's core once the trainer is the bottleneck. Free to run on either, a run made
         more steps a second and reached the target sooner than with either pinning
-        (``benchmarks/bench_vs_trl.py``; the numbers in ``benchmarks/SPEED_HISTORY.md``)."""
+        (``benchmarks/bench_vs_trl.py``; the numbers in ``docs/benchmarks/speed-history.md``)."""
         return tuple(sorted(set(self.vllm_cores) | set(self.trainer_cores)))
 
     @property
@@ -89,7 +89,7 @@ class CpuBudget:
         The service runs at niceness 0, so wherever it lands on vLLM's pinned core it runs before
         the worker, and that core is the one that is full, busier than the trainer's. On the
         trainer's core every seed ran faster and the trainer waited less for groups
-        (``benchmarks/bench_vs_trl.py``; the numbers in ``benchmarks/SPEED_HISTORY.md``)."""
+        (``benchmarks/bench_vs_trl.py``; the numbers in ``docs/benchmarks/speed-history.md``)."""
         if set(self.trainer_cores) & set(self.vllm_cores):
             return None
         return self.trainer_cores

@@ -42,7 +42,7 @@ def no_pause_refused(backend: str) -> str:
 class Section(BaseModel):
     """A nested group of settings; unknown (misspelt) keys are errors, as at the top level."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 def managed_device() -> Literal["cpu", "gpu"]:
@@ -294,7 +294,9 @@ class SecuritySettings(Section):
 class ServiceSettings(BaseSettings):
     """Everything the rollout service reads at start-up."""
 
-    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLOUT_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True
+    )
 
     host: str = "127.0.0.1"
     """gRPC bind address; 0.0.0.0 in containers."""
