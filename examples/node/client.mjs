@@ -83,7 +83,6 @@ export async function run({ groups = 4, groupSize = 4, env = process.env, log = 
       group_size: groupSize,
       reward_functions: [{ name: "char_fraction", weight: 1 }],
       max_buffered_groups: groups,
-      admission: "ADMISSION_MODE_BUFFER",
     };
     const created = (await unary(client, "CreateRun", { spec }, metadata)).run;
     log(`run ${created.run_id} at policy version ${Number(created.policy_version)}`);

