@@ -23,6 +23,8 @@ from rollout_service.versions import PolicyVersion, VersionChange
 
 
 class RunAdmission:
+    """The versions of one run, and whether they let one more group start."""
+
     def __init__(
         self,
         run_id: str,

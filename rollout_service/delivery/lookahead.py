@@ -21,6 +21,8 @@ TARGET_SLACK = 0.1
 
 
 class Lookahead:
+    """The lookahead of one run, in trainer versions, learned from its consumers' waits."""
+
     def __init__(self, max_versions: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_versions = max_versions
         self.clock = clock

@@ -29,6 +29,7 @@ def has_native_bf16(device_type: str) -> bool:
 
 
 def resolve_bf16(requested: bool | None, device_type: str) -> bool:
+    """``requested``, or for None (the default) whether this hardware has native bf16."""
     return has_native_bf16(device_type) if requested is None else requested
 
 
