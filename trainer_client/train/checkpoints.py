@@ -31,9 +31,15 @@ class Checkpoint:
     """The run it trained on; None for a checkpoint written by another tool."""
 
 
-def find_checkpoint(resume_from: str, output_dir: Path) -> Checkpoint:
-    """``resume_from``: a checkpoint folder, or ``latest`` for the newest in ``output_dir``."""
+def find_checkpoint(resume_from: str, output_dir: Path | None) -> Checkpoint:
+    """``resume_from``: a checkpoint folder, or ``latest`` for the newest in ``output_dir``
+    (None: not given, so the run's own folder is not known yet)."""
     if resume_from in LATEST:
+        if output_dir is None:
+            raise CheckpointError(
+                f"--resume_from_checkpoint {resume_from} looks in --output_dir: give the folder the run wrote "
+                "(outputs/<run id>), or the checkpoint-N folder itself"
+            )
         found = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
         if found is None:
             raise CheckpointError(f"no {PREFIX_CHECKPOINT_DIR}-N folder in {output_dir} to resume from")

@@ -144,7 +144,8 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
     run_id = options.run_id
     checkpoint = None
     if config.resume_from_checkpoint:
-        checkpoint = find_checkpoint(config.resume_from_checkpoint, Path(config.output_dir))
+        output_dir = Path(config.output_dir) if config.output_dir_given else None
+        checkpoint = find_checkpoint(config.resume_from_checkpoint, output_dir)
         if run_id is None and checkpoint.run_id is not None:
             run_id = checkpoint.run_id
             logger.info("resuming %s at step %d on its run %s", checkpoint.path, checkpoint.step, run_id)
