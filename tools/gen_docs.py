@@ -32,6 +32,13 @@ def cell(text: object) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def entry(term: str, facts: str, text: str) -> str:
+    """One definition-list item: the name, a line of facts, the description (long names wrap
+    badly in a table's narrow first column)."""
+    described = f"\n    {' '.join(text.split())}\n" if text.strip() else ""
+    return f"{term}\n:   {facts}\n{described}\n"
+
+
 def type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
@@ -85,13 +92,11 @@ def service_settings_page() -> str:
         out.append(f"\n## {f'`{path}`' if path else 'Top level'}\n\n")
         if model.__doc__ and path:
             out.append(inspect.cleandoc(model.__doc__) + "\n\n")
-        out.append("| Setting | Type | Default | Description |\n|---|---|---|---|\n")
         out.extend(rows)
     out.append(
         "\n## `security.principals.<name>`\n\n"
         "A mapping from a principal's name to its settings (in the environment: "
         "`ROLLOUT_SECURITY__PRINCIPALS` as JSON).\n\n"
-        "| Setting | Type | Default | Description |\n|---|---|---|---|\n"
     )
     out.extend(_settings_rows(PrincipalSettings, "security.principals.<name>", env=False))
     return "".join(out)
@@ -103,14 +108,11 @@ def _settings_rows(model: type[BaseModel], path: str, env: bool = True) -> list[
         if _section_type(field.annotation) is not None and typing.get_origin(field.annotation) is not dict:
             continue  # a section of its own
         key = f"{path}.{name}" if path else name
-        where = f"`{key}`"
-        if env:
-            where += f"<br>`ROLLOUT_{key.upper().replace('.', '__')}`"
         default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-        rows.append(
-            f"| {where} | {cell(type_name(field.annotation))} | {cell(default_text(default))} "
-            f"| {cell(field.description or '')} |\n"
-        )
+        facts = f"{type_name(field.annotation)}, default {default_text(default)}"
+        if env:
+            facts += f"; `ROLLOUT_{key.upper().replace('.', '__')}`"
+        rows.append(entry(f"`{key}`", facts, field.description or ""))
     return rows
 
 
@@ -147,10 +149,8 @@ def _dataclass_rows(cls: type, own_only: bool = False) -> list[str]:
         if not field.init or (own_only and field.name not in own):
             continue  # not an option, or transformers' own
         text = field.metadata.get("help") or docs.get(field.name, "")
-        rows.append(
-            f"| `--{field.name}` | {cell(type_name(hints[field.name]))} | {cell(default_text(_field_default(field)))} "
-            f"| {cell(text)} |\n"
-        )
+        facts = f"{type_name(hints[field.name])}, default {default_text(_field_default(field))}"
+        rows.append(entry(f"`--{field.name}`", facts, text))
     return rows
 
 
@@ -159,7 +159,6 @@ def trainer_config_page() -> str:
     from trainer_client.grpo_config import AsyncGRPOConfig
     from trainer_client.options import ModelOptions, RunOptions
 
-    header = "| Option | Type | Default | Description |\n|---|---|---|---|\n"
     out = [
         "# Trainer config\n\n",
         GENERATED,
@@ -170,18 +169,15 @@ def trainer_config_page() -> str:
         "(`trainer_client.api`).\n",
         "\n## The service and the run (`RunOptions`)\n\n",
         inspect.cleandoc(RunOptions.__doc__ or "") + "\n\n",
-        header,
         *_dataclass_rows(RunOptions),
         "\n## Training (`AsyncGRPOConfig`)\n\n",
         inspect.cleandoc(AsyncGRPOConfig.__doc__ or "") + " The options below are its own or the ones whose "
         "default it changes; every other option of transformers' `TrainingArguments` (`output_dir`, "
         "`per_device_train_batch_size`, `gradient_accumulation_steps`, `max_steps`, `save_steps`, "
         "`report_to`, ...) works as in transformers.\n\n",
-        header,
         *_dataclass_rows(AsyncGRPOConfig, own_only=True),
         "\n## The model (`ModelOptions`)\n\n",
         inspect.cleandoc(ModelOptions.__doc__ or "") + "\n\n",
-        header,
         *_dataclass_rows(ModelOptions),
         "\n## TRL settings that mean nothing here\n\n"
         "Given in a YAML or as flags, these are accepted with a warning that says why.\n\n"
