@@ -101,19 +101,15 @@ def script_flags() -> dict[str, frozenset[str]]:
 
 @cache
 def setting_paths() -> frozenset[str]:
-    from pydantic import BaseModel
-
+    """Every settings key, sections included, as the reference page lists them."""
     from rollout_service.config import ServiceSettings
+    from tools.gen_docs import settings_sections
 
-    def walk(model: type[BaseModel], prefix: str) -> Iterable[str]:
-        for name, field in model.model_fields.items():
-            path = f"{prefix}{name}"
-            yield path
-            for arg in (*getattr(field.annotation, "__args__", ()), field.annotation):
-                if isinstance(arg, type) and issubclass(arg, BaseModel):
-                    yield from walk(arg, f"{path}.")
-
-    return frozenset(walk(ServiceSettings, ""))
+    return frozenset(
+        f"{path}.{name}" if path else name
+        for path, model in settings_sections(ServiceSettings)
+        for name in model.model_fields
+    )
 
 
 @cache
@@ -223,6 +219,7 @@ def check_all() -> list[Problem]:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run as a script: ``tools`` importable as a package
     found = check_all()
     print("\n".join(map(str, found)) or "every name in the docs exists")
     sys.exit(1 if found else 0)

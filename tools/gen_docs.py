@@ -66,12 +66,13 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _settings_sections(model: type[BaseModel], path: str) -> Iterator[tuple[str, type[BaseModel]]]:
+def settings_sections(model: type[BaseModel], path: str = "") -> Iterator[tuple[str, type[BaseModel]]]:
+    """Each section of the settings with its dotted path ("" for the top level)."""
     yield path, model
     for name, field in model.model_fields.items():
         section = _section_type(field.annotation)
         if section is not None and typing.get_origin(field.annotation) is not dict:
-            yield from _settings_sections(section, f"{path}.{name}" if path else name)
+            yield from settings_sections(section, f"{path}.{name}" if path else name)
 
 
 def service_settings_page() -> str:
@@ -85,7 +86,7 @@ def service_settings_page() -> str:
         "`max_inflight: 64`); in the environment it is `ROLLOUT_` plus its path in upper case, sections "
         "joined by `__` (`ROLLOUT_SCHEDULER__MAX_INFLIGHT=64`). Unknown keys are errors.\n",
     ]
-    for path, model in _settings_sections(ServiceSettings, ""):
+    for path, model in settings_sections(ServiceSettings):
         rows = _settings_rows(model, path)
         if not rows:
             continue
