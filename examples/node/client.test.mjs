@@ -1,5 +1,5 @@
 // node --test examples/node/: runs the example against the service at ROLLOUT_TARGET
-// (tests/integration/test_node_client.py starts one, over TLS with a token).
+// (tests/integration/test_client_examples.py starts one, over TLS with a token).
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
