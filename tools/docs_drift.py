@@ -1,6 +1,8 @@
 """Names in the docs that must exist in the code: the flags of ``rollout-service`` and
 ``rollout-trainer`` in command lines and in inline code, the service's settings keys, and the
-``ROLLOUT_*`` environment variables. ``python tools/docs_drift.py`` lists what is wrong."""
+``ROLLOUT_*`` environment variables. ``python tools/docs_drift.py`` lists what is wrong.
+
+It also reads the blocks the docs mark for the suite to run (``marked_blocks``)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ SETTING = re.compile(rf"^(?:{'|'.join(SECTIONS)})(?:\.[a-z_]+)+$(?<!\.py)")
 ENV = re.compile(r"\bROLLOUT_[A-Z0-9_]*[A-Z0-9]\b")
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+MARK = re.compile(r"^<!-- (runnable|runnable: service|file: [\w.-]+) -->$")
+MARK_LIKE = re.compile(r"^<!--\s*(run|file)")
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,39 @@ def environment_names() -> frozenset[str]:
     return frozenset(names)
 
 
+@dataclass(frozen=True)
+class MarkedBlock:
+    """A fenced block under a mark: ``runnable`` (the suite runs it), ``runnable: service`` (the
+    same, against a service it starts at the block's 127.0.0.1:50051), or ``file: NAME`` (the
+    runnable blocks of the page find it in their folder under that name)."""
+
+    path: Path
+    line: int
+    mark: str
+    language: str
+    text: str
+
+
+def marked_blocks(text: str, path: Path) -> tuple[list[MarkedBlock], list[Problem]]:
+    """The page's marked blocks, and the marks not right above a fenced block."""
+    blocks: list[MarkedBlock] = []
+    problems: list[Problem] = []
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        if not MARK_LIKE.match(line):
+            continue
+        mark = MARK.match(line)
+        fence = lines[number] if number < len(lines) else ""
+        if mark is None or not fence.startswith("```") or len(fence) == 3:
+            why = "a mark is <!-- runnable -->, <!-- runnable: service --> or <!-- file: NAME -->, above ```LANGUAGE"
+            problems.append(Problem(str(path), number, why))
+            continue
+        end = lines.index("```", number + 1)
+        body = "\n".join(lines[number + 1 : end]) + "\n"
+        blocks.append(MarkedBlock(path, number + 1, mark.group(1), fence[3:].strip(), body))
+    return blocks, problems
+
+
 def command_lines(lines: list[str]) -> Iterable[tuple[int, str]]:
     """The lines of fenced blocks, backslash continuations joined, with their first line's number."""
     inside, start, pending = False, 0, ""
@@ -143,7 +180,7 @@ def command_lines(lines: list[str]) -> Iterable[tuple[int, str]]:
 
 
 def check_text(text: str, path: str) -> list[Problem]:
-    problems: list[Problem] = []
+    problems = marked_blocks(text, Path(path))[1]
     lines = text.splitlines()
     for number, command in command_lines(lines):
         problems += _check_command(command, path, number)

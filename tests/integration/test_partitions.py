@@ -47,15 +47,24 @@ def policy_gap(model: Qwen2ForCausalLM, groups: list[pb.Group]) -> float:
 async def groups_at(client: RolloutClient, run_id: str, version: int) -> list[pb.Group]:
     """The run's next groups sampled wholly at ``version`` (older ones are acked and skipped)."""
     found: list[pb.Group] = []
+    seen: list[tuple[int, int]] = []
     stream = client.stream(run_id, f"check-{run_id}", credits=4)
     try:
         async with asyncio.timeout(180):
             async for group in stream:
                 stream.ack([group.group_id])
+                seen += [(s.policy_version_first, s.policy_version_last) for s in group.samples]
                 if all(s.policy_version_first == s.policy_version_last == version for s in group.samples):
                     found.append(group)
                     if len(found) == GROUPS_CHECKED:
                         break
+    except TimeoutError:
+        stats = await client.stats()
+        engines = [(e.url, e.partition_run_id, e.routable, e.held_reason) for e in stats.engines]
+        pytest.fail(
+            f"no {GROUPS_CHECKED} groups of run {run_id} at version {version} in 180 s; sample versions seen "
+            f"{seen}; run stats {stats.runs[run_id]}; engines {engines}; slots busy {stats.slots_busy}"
+        )
     finally:
         await stream.aclose()
     return found

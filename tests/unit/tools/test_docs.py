@@ -3,6 +3,8 @@ every flag, settings key and ROLLOUT_* variable the README and docs/ name exists
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tools import docs_drift, gen_docs
@@ -41,3 +43,24 @@ def test_a_wrong_flag_setting_or_variable_is_found() -> None:
         (7, "--learning-rat is an option of no command line here (nor a known vLLM flag)"),
         (7, "scheduler.max_inflite is not a setting of the service"),
     ]
+
+
+@pytest.mark.timeout(120)
+def test_marks_read_the_block_below_them_and_a_stray_mark_is_reported() -> None:
+    page = "\n".join(["<!-- file: tasks.jsonl -->", "```json", "{}", "```", "<!-- runnable -->", "", "```bash", "x"])
+    blocks, problems = docs_drift.marked_blocks(page + "\n```\n<!-- runable -->\n```bash\n```", Path("planted.md"))
+    found = [(block.line, block.mark, block.language, block.text) for block in blocks]
+    assert found == [(2, "file: tasks.jsonl", "json", "{}\n")]
+    assert [problem.line for problem in problems] == [5, 10]  # a blank line between; a misspelt mark
+
+
+@pytest.mark.timeout(120)
+def test_the_getting_started_pages_and_the_readme_have_runnable_blocks() -> None:
+    runnable = {
+        str(page.relative_to(docs_drift.ROOT))
+        for page in docs_drift.documentation()
+        for block in docs_drift.marked_blocks(page.read_text(), page)[0]
+        if block.mark.startswith("runnable")
+    }
+    getting_started = {"docs/getting-started/quickstart.md", "docs/getting-started/your-task.md"}
+    assert {"README.md", "docs/api/index.md", *getting_started} <= runnable
