@@ -1,5 +1,5 @@
 """``AsyncGRPOTrainer``'s TRL-shaped constructor: what it hands ``train``, and the rewards
-the service will import (the training itself: ``tests/integration/test_one_command.py``)."""
+the service will import (the training itself: ``tests/integration/test_doc_commands.py``)."""
 
 from __future__ import annotations
 
