@@ -5,7 +5,6 @@ declaration of every ``rollout-trainer`` option, named as TRL's wherever TRL has
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from rollout_api import rollout_pb2 as pb
@@ -36,7 +35,9 @@ class RunOptions:
         metadata={
             "aliases": ["--prompts_file", "--prompts-file"],
             "help": "Your prompts in TRL's format: JSONL, Parquet, CSV, a folder of them, or a saved HF dataset "
-            "(the prompt column, plus columns passed to rewards as keyword arguments); replaces --dataset.",
+            "(the prompt column, plus columns passed to rewards as keyword arguments); or reasoning-gym's tasks, "
+            "reasoning_gym:NAME[=WEIGHT][,...][?size=N&seed=S] (score them with --reward_funcs reasoning_gym). "
+            "Replaces --dataset.",
         },
     )
     prompt_column: str = field(default=PROMPT_COLUMN, metadata={"help": "Column of --prompts holding the prompt."})
@@ -109,7 +110,7 @@ class RunOptions:
                 "give one weight per reward function"
             )
         if self.prompts is not None:
-            self.prompt_rows = PromptRows.from_path(Path(self.prompts), self.prompt_column)
+            self.prompt_rows = PromptRows.from_source(self.prompts, self.prompt_column)
 
     @property
     def rewards(self) -> dict[str, float]:

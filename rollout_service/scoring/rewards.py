@@ -19,6 +19,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_common import reasoning_gym_tasks
 from rollout_service.errors import InvalidArgument, RewardError, echo
 from rollout_service.types import EpisodeResult, PromptItem
 
@@ -124,11 +125,24 @@ def env_reward(prompts: list[Any], completions: list[Completion], completion_ids
     return list(kwargs.get("env_reward") or [None] * len(completions))
 
 
+def reasoning_gym(prompts: list[Any], completions: list[Completion], completion_ids: list[list[int]], **kwargs: Any):
+    """reasoning-gym's own score of the model's last message, for prompts made by ``reasoning_gym:...``."""
+    entries = kwargs.get(reasoning_gym_tasks.ENTRY_COLUMN)
+    if entries is None:
+        raise ValueError(
+            f"the prompt has no {reasoning_gym_tasks.ENTRY_COLUMN} column: this reward scores prompts generated "
+            f"by {reasoning_gym_tasks.FORMAT}"
+        )
+    texts = [assistant_texts(completion) for completion in completions]
+    return [reasoning_gym_tasks.score(t[-1] if t else "", e) for t, e in zip(texts, entries, strict=True)]
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "char_fraction": char_fraction,
     "exact_answer": exact_answer,
     "completion_length": completion_length,
     "env_reward": env_reward,
+    "reasoning_gym": reasoning_gym,
 }
 
 

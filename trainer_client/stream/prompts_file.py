@@ -1,10 +1,11 @@
 """The user's prompts, in TRL's dataset format, as a run's prompts.
 
-A source is a JSONL, Parquet or CSV file, a folder of them, a saved ``datasets`` dataset, or
-rows in memory. The prompt column is a string or a list of chat messages; every other column
-travels as metadata (strings as they are, other values as JSON) and reaches the reward
-functions as a keyword argument, as TRL passes dataset columns. ``PromptRows`` checks the whole
-source when made, so a bad row fails before anything starts, and reads it again per iteration.
+A source is a JSONL, Parquet or CSV file, a folder of them, a saved ``datasets`` dataset,
+reasoning-gym's generated tasks (``reasoning_gym:...``), or rows in memory. The prompt column
+is a string or a list of chat messages; every other column travels as metadata (strings as
+they are, other values as JSON) and reaches the reward functions as a keyword argument, as TRL
+passes dataset columns. ``PromptRows`` checks the whole source when made, so a bad row fails
+before anything starts, and reads it again per iteration.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_api import rollout_pb2 as pb
+from rollout_common import reasoning_gym_tasks
 
 PROMPT_COLUMN = "prompt"
 DATASETS_FORMATS = {".parquet": "parquet", ".csv": "csv"}
@@ -131,8 +133,13 @@ class PromptRows:
             raise PromptsFileError(f"{name} has no prompts; give rows with a {prompt_column!r} column")
 
     @classmethod
-    def from_path(cls, path: Path, prompt_column: str = PROMPT_COLUMN) -> PromptRows:
-        return cls(file_rows(path), prompt_column, str(path))
+    def from_source(cls, source: str, prompt_column: str = PROMPT_COLUMN) -> PromptRows:
+        """``--prompts``: a path, or ``reasoning_gym:...`` for reasoning-gym's generated tasks."""
+        if not source.startswith(reasoning_gym_tasks.PREFIX):
+            return cls(file_rows(Path(source)), prompt_column, source)
+        spec = reasoning_gym_tasks.parse_spec(source)
+        tasks = reasoning_gym_tasks.task_rows
+        return cls(lambda: ((f"{source} entry {i}", row) for i, row in enumerate(tasks(spec))), PROMPT_COLUMN, source)
 
     @classmethod
     def from_rows(cls, rows: Iterable[Mapping[str, Any]], prompt_column: str = PROMPT_COLUMN) -> PromptRows:

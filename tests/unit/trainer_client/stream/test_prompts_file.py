@@ -21,7 +21,7 @@ def test_text_and_chat_prompts_keep_their_columns_as_metadata(tmp_path: Path) ->
         {"prompt": "2+3=", "answer": "5"},
         {"prompt": [{"role": "user", "content": "4+4?"}], "answer": 8, "tags": ["easy"]},
     ]
-    prompts = list(PromptRows.from_path(write(tmp_path / "p.jsonl", *(json.dumps(r) for r in rows), "")))
+    prompts = list(PromptRows.from_source(str(write(tmp_path / "p.jsonl", *(json.dumps(r) for r in rows), ""))))
     assert prompts[0].text == "2+3=" and dict(prompts[0].metadata) == {"answer": "5"}
     assert [(m.role, m.content) for m in prompts[1].messages.messages] == [("user", "4+4?")]
     assert dict(prompts[1].metadata) == {"answer": "8", "tags": '["easy"]'}  # non-strings as JSON
@@ -38,14 +38,14 @@ def test_text_and_chat_prompts_keep_their_columns_as_metadata(tmp_path: Path) ->
 )
 def test_a_bad_line_is_named_with_what_to_change(tmp_path: Path, line: str, message: str) -> None:
     with pytest.raises(PromptsFileError, match=message):
-        PromptRows.from_path(write(tmp_path / "p.jsonl", '{"prompt": "ok"}', line))
+        PromptRows.from_source(str(write(tmp_path / "p.jsonl", '{"prompt": "ok"}', line)))
 
 
 def test_an_empty_or_missing_file_says_so(tmp_path: Path) -> None:
     with pytest.raises(PromptsFileError, match="has no prompts"):
-        PromptRows.from_path(write(tmp_path / "p.jsonl", ""))
+        PromptRows.from_source(str(write(tmp_path / "p.jsonl", "")))
     with pytest.raises(PromptsFileError, match="cannot read"):
-        PromptRows.from_path(tmp_path / "missing.jsonl")
+        PromptRows.from_source(str(tmp_path / "missing.jsonl"))
 
 
 ROWS = [
@@ -70,7 +70,7 @@ def test_parquet_csv_a_saved_dataset_and_a_folder_read_alike(tmp_path: Path) -> 
     write(tmp_path / "folder" / "a.jsonl", *(json.dumps(r) for r in ROWS[:2]))
     write(tmp_path / "folder" / "b.jsonl", json.dumps(ROWS[2]))
     for source in ("p.parquet", "p.csv", "saved", "folder"):
-        rows = PromptRows.from_path(tmp_path / source, prompt_column="question")
+        rows = PromptRows.from_source(str(tmp_path / source), prompt_column="question")
         assert rows.count == 3, source
         expect_rows(list(rows))
         expect_rows(list(rows))  # read again, not kept
@@ -88,6 +88,6 @@ def test_a_bad_row_of_any_format_is_named_before_anything_starts(tmp_path: Path)
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "p.parquet"))
     with pytest.raises(PromptsFileError, match=r"p.parquet row 1 has no 'prompt' column.*--prompt-column"):
-        PromptRows.from_path(tmp_path / "p.parquet")
+        PromptRows.from_source(str(tmp_path / "p.parquet"))
     with pytest.raises(PromptsFileError, match=r"give a .jsonl, .parquet or .csv file"):
-        PromptRows.from_path(write(tmp_path / "p.txt", "2+3="))
+        PromptRows.from_source(str(write(tmp_path / "p.txt", "2+3=")))
