@@ -38,6 +38,7 @@ from rollout_service.generation.prompts import PromptRenderer
 from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics, start_metrics_server
 from rollout_service.runs import RunTable
+from rollout_service.scoring.judge import LLMJudge
 from rollout_service.scoring.rewards import RewardRegistry
 from rollout_service.service import RolloutService, ServiceInfo
 from rollout_service.versions import PolicyVersion
@@ -140,6 +141,10 @@ async def running_service(
         pool = EnginePool(clients, engine_settings.probe_interval_s, engine_settings.health_timeout_s, monitor=monitor)
         await pool.start()
         stack.push_async_callback(pool.close)
+        for name, judge_settings in settings.judges.items():
+            judge = LLMJudge(name, judge_settings, lambda: [c.base_url for c in pool.clients], model, metrics)
+            rewards.register(name, judge)
+            stack.push_async_callback(judge.close)
         controls = [VLLMControlClient(url) for url in urls]
         for control in controls:
             await control.start()
@@ -280,6 +285,8 @@ def _user_registries(settings: ServiceSettings) -> tuple[RewardRegistry, ToolReg
                     f"cannot load user module {module!r}: {exc}; is it importable from this directory "
                     "(or PYTHONPATH), with the dict the setting names?"
                 ) from None
+    if taken := sorted(set(settings.judges) & set(rewards.names())):
+        raise StartupError(f"judges {', '.join(taken)} have the names of reward functions; rename them")
     return rewards, tools, environments
 
 

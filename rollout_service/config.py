@@ -30,6 +30,19 @@ APPLIES_AT_FINISH = frozenset({"gloo"})
 finish_weight_update: the only ones under which generation may go on during an update."""
 
 
+JUDGE_TEMPLATE = """You grade a response to a prompt against a rubric.
+
+Rubric: {rubric}
+
+Prompt:
+{prompt}
+
+Response:
+{completion}
+
+Grade the response from 0 (fails the rubric) to {max_score} (meets it fully), as "Score: N"."""
+
+
 def no_pause_refused(backend: str) -> str:
     """Why pause mode none is refused on ``backend``, and what to use instead."""
     return (
@@ -255,6 +268,44 @@ class PrincipalSettings(Section):
     the servers, whoever owns it: give this only to the trainer that owns the base weights."""
 
 
+class JudgeSettings(Section):
+    """An LLM judge, registered as a reward function under its name in ``judges``."""
+
+    url: str = ""
+    """OpenAI-compatible base URL of the judge, e.g. ``http://judge-host:8000/v1``; empty: the
+    service's own vLLM servers, whose judging tokens are never training samples."""
+    model: str = ""
+    """Model name the judge's requests give; empty: the served model's name."""
+    api_key: SecretStr | None = None
+    """Bearer token for the judge's endpoint, if it needs one."""
+    rubric: str = "Is the response correct, helpful and concise?"
+    """What to grade against; a prompt's ``rubric`` column, when it has one, replaces it."""
+    template: str = JUDGE_TEMPLATE
+    """The judge's message: ``{rubric}``, ``{prompt}``, ``{completion}``, ``{max_score}`` and any
+    other column of the prompt, by name, are filled in."""
+    max_score: int = Field(default=10, ge=1, le=100)
+    """Scores run from 0 to this; the reward is the score divided by it."""
+    constrain_output: bool = True
+    """Constrain the judge's reply to ``Score: N`` with vLLM's structured outputs, so that every
+    reply parses; turn off for a judge that reasons first (or that is not vLLM): then the last
+    ``Score: N`` in its reply counts, and a reply without one fails the group."""
+    max_tokens: int = Field(default=512, ge=1)
+    """The most tokens of one reply."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds one judge call may take; a call that takes longer fails its group (counted)."""
+    max_concurrency: int = Field(default=32, ge=1)
+    """Judge calls in flight at once, over all groups; vLLM batches them."""
+    cache_size: int = Field(default=10_000, ge=0)
+    """Grades kept, by the exact text sent: the same completion of the same prompt is graded once."""
+
+    @field_validator("template")
+    @classmethod
+    def _has_completion(cls, template: str) -> str:
+        if "{completion}" not in template:
+            raise ValueError("the judge's template must contain {completion}, where the graded response goes")
+        return template
+
+
 class SecuritySettings(Section):
     """Transport security and who may call what. With no principals, every caller is an
     anonymous admin (fine on loopback, the default bind address)."""
@@ -319,6 +370,8 @@ class ServiceSettings(BaseSettings):
     weight_sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     security: SecuritySettings = Field(default_factory=SecuritySettings)
+    judges: dict[str, JudgeSettings] = Field(default_factory=dict)
+    """LLM judges by name, each a reward function of that name (``scoring.judge``)."""
     reward_modules: list[str] = Field(default_factory=list)
     """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry,
     or ``module:function`` for one function, registered under that name."""

@@ -131,6 +131,11 @@ class ServiceMetrics:
             "rollout_episodes_finished", "Finished episodes by finish reason", ["run", "reason"]
         )
         self.tool_calls = counter("rollout_tool_calls", "Tool calls the model made", ["run", "tool"])
+        self.judge_calls = counter(
+            "rollout_judge_calls",
+            "LLM judge grades by outcome (graded, cached, timeout, error, unparsed); a failed one fails its group",
+            ["judge", "outcome"],
+        )
         self.tool_failures = counter(
             "rollout_tool_failures",
             "Tool calls that came back as an error (unknown_tool, bad_json, bad_arguments, error, timeout)",

@@ -121,11 +121,25 @@ def environment_names() -> frozenset[str]:
     """The settings' variables, and every ROLLOUT_* name the code itself reads."""
     names = {f"ROLLOUT_{path.upper().replace('.', '__')}" for path in setting_paths()}
     sources = [ROOT / "tests" / "integration" / "conftest.py", *(ROOT / "examples").rglob("*.mjs")]
+    sources += (ROOT / "examples").rglob("*.go")
     for package in ("rollout_service", "trainer_client", "rollout_api", "rollout_common", "rollout_demo"):
         sources += (ROOT / package).rglob("*.py")
     for source in sources:
         names.update(ENV.findall(source.read_text()))
     return frozenset(names)
+
+
+@cache
+def mapped_variable() -> re.Pattern[str]:
+    """The variables of settings that map names to a section: ``ROLLOUT_JUDGES__<NAME>__URL``."""
+    from rollout_service.config import ServiceSettings
+    from tools.gen_docs import mapping_sections
+
+    forms = [
+        f"ROLLOUT_{path.upper().replace('.', '__')}__[A-Z0-9_]+?__({'|'.join(map(str.upper, section.model_fields))})"
+        for path, _, section in mapping_sections(ServiceSettings)
+    ]
+    return re.compile("|".join(forms))
 
 
 @dataclass(frozen=True)
@@ -189,7 +203,7 @@ def check_text(text: str, path: str) -> list[Problem]:
         if FENCE.match(line):
             inside = not inside
         for name in ENV.findall(line):
-            if name not in environment_names():
+            if name not in environment_names() and not mapped_variable().fullmatch(name):
                 why = f"{name} is no setting's variable, and the code reads no such name"
                 problems.append(Problem(path, number, why))
         if inside:

@@ -76,7 +76,7 @@ def settings_sections(model: type[BaseModel], path: str = "") -> Iterator[tuple[
 
 
 def service_settings_page() -> str:
-    from rollout_service.config import PrincipalSettings, ServiceSettings
+    from rollout_service.config import ServiceSettings
 
     out = [
         "# Service settings\n\n",
@@ -94,13 +94,23 @@ def service_settings_page() -> str:
         if model.__doc__ and path:
             out.append(inspect.cleandoc(model.__doc__) + "\n\n")
         out.extend(rows)
-    out.append(
-        "\n## `security.principals.<name>`\n\n"
-        "A mapping from a principal's name to its settings (in the environment: "
-        "`ROLLOUT_SECURITY__PRINCIPALS` as JSON).\n\n"
-    )
-    out.extend(_settings_rows(PrincipalSettings, "security.principals.<name>", env=False))
+    for path, doc, section in mapping_sections(ServiceSettings):
+        variable, doc = "ROLLOUT_" + path.upper().replace(".", "__"), "".join(f"{w} " for w in doc.split())
+        out.append(
+            f"\n## `{path}.<name>`\n\n{doc}A mapping from a name to the settings below; in the "
+            f"environment, `{variable}__<NAME>__<SETTING>`, or all of it as JSON in `{variable}`.\n\n"
+        )
+        out.extend(_settings_rows(section, f"{path}.<name>", env=False))
     return "".join(out)
+
+
+def mapping_sections(model: type[BaseModel]) -> Iterator[tuple[str, str, type[BaseModel]]]:
+    """The settings that map names to a section (``judges.<name>``): path, docstring, section."""
+    for path, section in settings_sections(model):
+        for name, field in section.model_fields.items():
+            inner = _section_type(field.annotation)
+            if inner is not None and typing.get_origin(field.annotation) is dict:
+                yield f"{path}.{name}" if path else name, field.description or "", inner
 
 
 def _settings_rows(model: type[BaseModel], path: str, env: bool = True) -> list[str]:

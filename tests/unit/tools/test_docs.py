@@ -64,3 +64,10 @@ def test_the_getting_started_pages_and_the_readme_have_runnable_blocks() -> None
     }
     getting_started = {"docs/getting-started/quickstart.md", "docs/getting-started/your-task.md"}
     assert {"README.md", "docs/api/index.md", *getting_started} <= runnable
+
+
+@pytest.mark.timeout(120)
+def test_a_named_entry_of_a_mapping_setting_has_variables_of_its_settings() -> None:
+    page = "ROLLOUT_JUDGES__G__MAX_SCORE=4, ROLLOUT_SECURITY__PRINCIPALS__AL__TOKEN, not ROLLOUT_JUDGES__G__MAX"
+    found = [problem.what for problem in docs_drift.check_text(page, "planted.md")]
+    assert found == ["ROLLOUT_JUDGES__G__MAX is no setting's variable, and the code reads no such name"]
