@@ -34,6 +34,7 @@ from rollout_service.engine.supervisor import ServerSupervisor
 from rollout_service.engine.vllm_client import VLLMServerClient, served_models
 from rollout_service.errors import StartupError
 from rollout_service.generation.environments import EnvironmentRegistry
+from rollout_service.generation.openenv import OpenEnvServer
 from rollout_service.generation.prompts import PromptRenderer
 from rollout_service.generation.tools import ToolRegistry
 from rollout_service.metrics import ServiceMetrics, start_metrics_server
@@ -141,6 +142,10 @@ async def running_service(
         pool = EnginePool(clients, engine_settings.probe_interval_s, engine_settings.health_timeout_s, monitor=monitor)
         await pool.start()
         stack.push_async_callback(pool.close)
+        for name, openenv_settings in settings.openenv.items():
+            server = OpenEnvServer(name, openenv_settings)
+            environments.register(name, server.episode)
+            stack.push_async_callback(server.close)
         for name, judge_settings in settings.judges.items():
             judge = LLMJudge(name, judge_settings, lambda: [c.base_url for c in pool.clients], model, metrics)
             rewards.register(name, judge)
@@ -287,6 +292,8 @@ def _user_registries(settings: ServiceSettings) -> tuple[RewardRegistry, ToolReg
                 ) from None
     if taken := sorted(set(settings.judges) & set(rewards.names())):
         raise StartupError(f"judges {', '.join(taken)} have the names of reward functions; rename them")
+    if taken := sorted(set(settings.openenv) & set(environments.names())):
+        raise StartupError(f"openenv servers {', '.join(taken)} have the names of environments; rename them")
     return rewards, tools, environments
 
 

@@ -306,6 +306,24 @@ class JudgeSettings(Section):
         return template
 
 
+class OpenEnvSettings(Section):
+    """An OpenEnv environment server, an environment of its name in ``openenv`` (``generation.openenv``)."""
+
+    url: str
+    """The server, ``http://host:port``: each episode holds its own session on its ``/ws`` WebSocket."""
+    action: str = "message"
+    """How a model turn becomes the step's action: the name of the action's text field (the
+    turn's text goes there), or ``json`` (the turn is the action's JSON object)."""
+    observation: str = ""
+    """The observation field the model is shown next, as a user message; empty: the whole
+    observation as JSON."""
+    reset: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of every reset (say, ``max_steps``); a prompt's ``openenv_reset`` column, a JSON
+    object (say, ``{"seed": 7}``, the same for the G episodes of a group), adds to them."""
+    max_message_bytes: int = Field(default=16 * 2**20, ge=1024)
+    """Largest observation taken from the server."""
+
+
 class SecuritySettings(Section):
     """Transport security and who may call what. With no principals, every caller is an
     anonymous admin (fine on loopback, the default bind address)."""
@@ -372,6 +390,8 @@ class ServiceSettings(BaseSettings):
     security: SecuritySettings = Field(default_factory=SecuritySettings)
     judges: dict[str, JudgeSettings] = Field(default_factory=dict)
     """LLM judges by name, each a reward function of that name (``scoring.judge``)."""
+    openenv: dict[str, OpenEnvSettings] = Field(default_factory=dict)
+    """OpenEnv environment servers by name, each an environment a run can name (``episode.environment``)."""
     reward_modules: list[str] = Field(default_factory=list)
     """Python modules whose REWARD_FUNCTIONS dict ({name: callable}) is added to the registry,
     or ``module:function`` for one function, registered under that name."""

@@ -10,6 +10,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -96,3 +98,28 @@ def with_bad_utf8(request: Any, text: str) -> bytes:
     data = request.SerializeToString()
     assert data.count(text.encode()) == 1
     return data.replace(text.encode(), b"\xff\xfe" + text.encode()[2:])
+
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "node_modules", "models", "outputs", "runs", "build", "dist", "*.egg-info", "__pycache__",
+    ".pytest_cache", ".ruff_cache", "rollout_pb2*",
+)  # fmt: skip
+
+
+def run_checked(command: list[str], timeout_s: float, **kwargs: object) -> str:
+    """``command``'s stdout; fails with its output unless it exits 0."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, **kwargs)  # type: ignore[call-overload]
+    assert result.returncode == 0, f"{command}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+@functools.cache
+def built_wheel() -> Path:
+    """The project's wheel, ``python -m build --wheel`` from a copy of the sources (the checkout
+    stays clean), once per test session."""
+    source = Path(tempfile.mkdtemp(prefix="wheel-")) / "rollout-service"
+    shutil.copytree(ROOT, source, ignore=NOT_SOURCE)
+    run_checked([sys.executable, "-m", "build", "--wheel", "--outdir", str(source / "dist"), str(source)], 300)
+    (wheel,) = (source / "dist").glob("rollout_service-*.whl")
+    return wheel

@@ -1,5 +1,5 @@
-"""Names in the docs that must exist in the code: the flags of ``rollout-service`` and
-``rollout-trainer`` in command lines and in inline code, the service's settings keys, and the
+"""Names in the docs that must exist in the code: the flags of ``rollout-service``,
+``rollout-trainer`` and ``rollout-env`` in command lines and in inline code, the service's settings keys, and the
 ``ROLLOUT_*`` environment variables. ``python tools/docs_drift.py`` lists what is wrong.
 
 It also reads the blocks the docs mark for the suite to run (``marked_blocks``)."""
@@ -50,6 +50,7 @@ OTHER_TOOLS_FLAGS = frozenset(
         "--force",
     }
 )
+COMMAND_LINES = ("rollout-service", "rollout-trainer", "rollout-env")
 FLAG = re.compile(r"(?<![\w-])--[a-zA-Z][\w-]*")
 SETTING = re.compile(rf"^(?:{'|'.join(SECTIONS)})(?:\.[a-z_]+)+$(?<!\.py)")
 ENV = re.compile(r"\bROLLOUT_[A-Z0-9_]*[A-Z0-9]\b")
@@ -70,12 +71,14 @@ class Problem:
 
 
 @cache
-def service_flags() -> frozenset[str]:
+def typer_flags(tool: str) -> frozenset[str]:
+    """The flags of ``rollout-service`` or ``rollout-env``, from their typer apps."""
     import typer.main
 
-    from rollout_service.edge.cli import app
+    from rollout_env.cli import app as env_app
+    from rollout_service.edge.cli import app as service_app
 
-    group = typer.main.get_command(app)
+    group = typer.main.get_command({"rollout-service": service_app, "rollout-env": env_app}[tool])
     flags = {"--help"}
     for command in group.commands.values():  # type: ignore[attr-defined]
         for param in command.params:
@@ -217,13 +220,13 @@ def _check_command(command: str, path: str, number: int) -> list[Problem]:
     problems = []
     for segment in re.split(r"\s(?:\|\||&&|\||;)\s", command):
         words = segment.split()
-        tool = next((w for w in words if w in ("rollout-service", "rollout-trainer") or _script(w)), None)
+        tool = next((w for w in words if w in COMMAND_LINES or _script(w)), None)
         if tool is None:
             continue
         if _script(tool):
             known = script_flags()[_script(tool)]
         else:
-            known = service_flags() if tool == "rollout-service" else trainer_flags()
+            known = trainer_flags() if tool == "rollout-trainer" else typer_flags(tool)
         after_pass_through = False
         for word in words[words.index(tool) + 1 :]:
             if after_pass_through:  # --vllm-arg's value is vLLM's own flag
@@ -250,7 +253,8 @@ def _check_span(span: str, path: str, number: int) -> list[Problem]:
         return _check_command(span, path, number)
     flag = span.split("=", 1)[0].split(" ", 1)[0]
     if FLAG.fullmatch(flag):
-        known = service_flags() | trainer_flags() | OTHER_TOOLS_FLAGS | frozenset().union(*script_flags().values())
+        tools = typer_flags("rollout-service") | typer_flags("rollout-env") | trainer_flags()
+        known = tools | OTHER_TOOLS_FLAGS | frozenset().union(*script_flags().values())
         if flag not in known:
             return [Problem(path, number, f"{flag} is an option of no command line here (nor a known vLLM flag)")]
     elif SETTING.match(span) and span not in setting_paths():

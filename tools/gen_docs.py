@@ -200,19 +200,28 @@ def trainer_config_page() -> str:
 
 # -- command lines ---------------------------------------------------------------------------
 def cli_page() -> str:
+    from rollout_env.cli import app as env_app
+    from rollout_service.edge.cli import app as service_app
+
+    out = ["# Command lines\n\n", GENERATED, *typer_sections("rollout-service", service_app)]
+    out.append(
+        "\n## `rollout-trainer`\n\n"
+        "Trains on a run of the service and prints the summary as JSON on stdout. Its options are "
+        "listed, with their defaults, in the [trainer config](trainer-config.md); `--config FILE` "
+        "reads them from a YAML (TRL's GRPO YAMLs work), and flags win over it.\n\n"
+    )
+    out += typer_sections("rollout-env", env_app)
+    return "".join(out)
+
+
+def typer_sections(tool: str, app: Any) -> list[str]:
+    """A typer command line's section: its help, then each command's help, flags and arguments."""
     import typer.main
 
-    from rollout_service.edge.cli import app
-
     group = typer.main.get_command(app)
-    out = [
-        "# Command lines\n\n",
-        GENERATED,
-        "## `rollout-service`\n\n",
-        cell(group.help or "") + "\n",
-    ]
+    out = [f"## `{tool}`\n\n", cell(group.help or "") + "\n"]
     for name, command in sorted(group.commands.items()):  # type: ignore[attr-defined]
-        out.append(f"\n### `rollout-service {name}`\n\n{inspect.cleandoc(command.help or '')}\n\n")
+        out.append(f"\n### `{tool} {name}`\n\n{inspect.cleandoc(command.help or '')}\n\n")
         options = [p for p in command.params if p.param_type_name == "option"]
         if options:
             out.append("| Flag | Default | Description |\n|---|---|---|\n")
@@ -221,16 +230,9 @@ def cli_page() -> str:
                 shown = option.default is not None and not (option.is_flag and not option.default)
                 default = f"`{option.default}`" if shown else ""
                 out.append(f"| {flags} | {cell(default)} | {cell(option.help or '')} |\n")
-        arguments = [p for p in command.params if p.param_type_name == "argument"]
-        for argument in arguments:
-            out.append(f"\nArgument `{argument.name.upper()}`.\n")
-    out.append(
-        "\n## `rollout-trainer`\n\n"
-        "Trains on a run of the service and prints the summary as JSON on stdout. Its options are "
-        "listed, with their defaults, in the [trainer config](trainer-config.md); `--config FILE` "
-        "reads them from a YAML (TRL's GRPO YAMLs work), and flags win over it.\n"
-    )
-    return "".join(out)
+        for argument in (p for p in command.params if p.param_type_name == "argument"):
+            out.append(f"\nArgument `{argument.name.upper()}`: {cell(getattr(argument, 'help', '') or '')}\n")
+    return out
 
 
 # -- gRPC API --------------------------------------------------------------------------------

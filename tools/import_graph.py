@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("rollout_api", "rollout_common", "rollout_service", "trainer_client", "rollout_demo", "vllm_gloo_transfer")
+PACKAGES = (
+    "rollout_api", "rollout_common", "rollout_service", "trainer_client", "rollout_demo", "rollout_env",
+    "vllm_gloo_transfer",
+)  # fmt: skip
 GENERATED = ("rollout_api.rollout_pb2", "rollout_api.rollout_pb2_grpc")
 """Generated from the proto: not held to the rules (the gRPC stubs import grpc, by design)."""
 
@@ -118,6 +121,8 @@ def violations(graph: dict[str, set[str]]) -> list[Violation]:
                 found.append(Violation(module, name, "the trainer does not import the service"))
             if within(module, "rollout_service") and within(name, ("trainer_client", "rollout_demo")):
                 found.append(Violation(module, name, "the service does not import the trainer"))
+            if within(module, "rollout_env") and within(name, ("rollout_service", "trainer_client", "rollout_demo")):
+                found.append(Violation(module, name, "environment runners are clients, installed alone"))
             if within(module, ("rollout_api", "rollout_common", "vllm_gloo_transfer")) and within(
                 name, ("rollout_service", "trainer_client", "rollout_demo")
             ):

@@ -3,12 +3,14 @@
 An environment answers each model turn with an observation (a user message), a reward and
 whether the episode is done. One instance lives for one episode, so it may keep state
 without locks. A failing or slow ``reset``/``step`` drops its group, and the run goes on.
-Step rewards are summed per episode and reach reward functions as ``env_reward``.
+Step rewards are summed per episode and reach reward functions as ``env_reward``. An optional
+``close()`` runs when the episode ends, however it ends.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,6 +38,15 @@ class Environment(Protocol):
     def step(self, model_text: str) -> StepResult | Awaitable[StepResult]:
         """React to the model's turn (decoded text, special tokens kept)."""
         ...
+
+
+async def close_environment(environment: Environment) -> None:
+    """An environment's optional ``close()``, at the end of its episode however it ended."""
+    close = getattr(environment, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result
 
 
 EnvironmentFactory = Callable[[], Environment]

@@ -11,6 +11,7 @@ parsers read them); ``reward_text`` / ``reward_messages`` are decoded without th
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -19,10 +20,12 @@ from typing import Any, Protocol
 
 from rollout_service.engine.protocol import Engine, GroupEngine
 from rollout_service.errors import EnvironmentFailure
-from rollout_service.generation.environments import EnvironmentFactory
+from rollout_service.generation.environments import Environment, EnvironmentFactory, close_environment
 from rollout_service.generation.tools import ParsedCall, ToolCall, ToolResult, ToolSet
 from rollout_service.generation.user_code import call_user_function
 from rollout_service.types import Completion, EpisodeResult, FinishReason, PromptItem, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TURNS = 8
 """Model turns of a tool or environment episode when the run does not say."""
@@ -225,8 +228,30 @@ async def run_episode(
 ) -> EpisodeResult:
     """Turns until the model stops, the environment is done or a guard ends the episode; a
     failed tool call is a message to the model, never an exception."""
-    tools, transcript = config.tools, Transcript()
     environment = config.environment() if config.environment is not None else None
+    try:
+        turns = _turns(engine, prompt, params, config, environment, policy_version, decode, affinity, on_tool_result)
+        return await turns
+    finally:
+        if environment is not None:
+            try:
+                await config.call_environment("close", close_environment, environment)
+            except EnvironmentFailure as exc:  # the episode's result stands
+                logger.warning("%s", exc)
+
+
+async def _turns(
+    engine: Engine,
+    prompt: PromptItem,
+    params: SamplingParams,
+    config: MultiTurnConfig,
+    environment: Environment | None,
+    policy_version: Callable[[], int],
+    decode: Decode,
+    affinity: str | None,
+    on_tool_result: Callable[[ToolResult], None],
+) -> EpisodeResult:
+    tools, transcript = config.tools, Transcript()
     env_reward: float | None = 0.0 if environment is not None else None
     if environment is not None:
         await config.call_environment("reset", environment.reset, prompt)

@@ -4,9 +4,6 @@ run the trainer there with vLLM and the service's packages absent."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 import venv
 import zipfile
 from importlib.metadata import version
@@ -14,29 +11,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", "node_modules", "models", "outputs", "runs", "build", "dist", "*.egg-info", "__pycache__",
-    ".pytest_cache", ".ruff_cache", "rollout_pb2*",
-)  # fmt: skip
+from tests.support import built_wheel
+from tests.support import run_checked as run
+
 SERVICE_ONLY = ("vllm", "aiohttp", "orjson", "uvloop", "prometheus_client", "pydantic_settings", "grpc_reflection")
 
 
-def run(command: list[str], timeout_s: float, **kwargs: object) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, **kwargs)  # type: ignore[call-overload]
-    assert result.returncode == 0, f"{command}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    return result.stdout
-
-
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``python -m build --wheel`` from a copy of the sources (the checkout stays clean)."""
-    source = tmp_path_factory.mktemp("source") / "rollout-service"
-    shutil.copytree(ROOT, source, ignore=NOT_SOURCE)
-    dist = source / "dist"
-    run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(source)], 300)
-    (built,) = dist.glob("rollout_service-*.whl")
-    return built
+def wheel() -> Path:
+    return built_wheel()
 
 
 def test_the_wheel_carries_the_generated_stubs(wheel: Path) -> None:
