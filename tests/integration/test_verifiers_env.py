@@ -52,7 +52,7 @@ async def trained_groups(client: RolloutClient, run_id: str, count: int) -> list
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("env_id", ["letters-qa", "adding-tools"])
+@pytest.mark.parametrize("env_id", ["letters-qa", "adding-tools", "guessing-game"])
 async def test_a_verifiers_environment_fills_an_external_run_with_its_rubrics_rewards(
     env_id: str, runner_venv: Path, vllm_server: ManagedVLLMServer, tiny_model: Path
 ) -> None:
@@ -74,3 +74,5 @@ async def test_a_verifiers_environment_fills_an_external_run_with_its_rubrics_re
         assert all(len(group.samples) == GROUP_SIZE for group in groups)
         if env_id == "adding-tools":
             assert min(rewards) >= 0.0 and all(reward in (0.0, 0.5, 1.5) for reward in report["rewards"])
+        if env_id == "guessing-game":  # the environment answered, and the model went on
+            assert max(report["rewards"]) >= 2 / 3 - 1e-6
