@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -50,6 +51,13 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
     assert versions == sorted(versions) and versions[-1] > versions[0]  # a push after every step
     assert all(r["max_staleness_trained"] <= MAX_STALENESS for r in records)  # nothing stale reached the loss
     assert all(0 <= r["mean_staleness_trained"] <= r["max_staleness_trained"] for r in records)
+    for r in records:  # the histogram of the samples' staleness agrees with its mean and maximum
+        histogram = r["staleness_histogram"]
+        assert len(histogram) == r["max_staleness_trained"] + 1 and histogram[-1] > 0
+        mean = sum(lag * count for lag, count in enumerate(histogram)) / sum(histogram)
+        assert mean == pytest.approx(r["mean_staleness_trained"])
+    for r in records:  # each step's sampler-trainer mismatch (staleness included): a KL, and an ESS in (0, 1]
+        assert 0 <= r["sampling/mismatch_kl"] < math.inf and 0 < r["sampling/importance_sampling_ess"] <= 1 + 1e-6
     assert (out / "reward_curve.svg").read_text().startswith("<svg")
     # The trainer next to its service takes the cores the managed vLLM leaves it.
     assert summary["torch_threads"] == CpuBudget.split().trainer_threads

@@ -18,7 +18,7 @@ from trainer_client.loss.config import (
     LossConfig,
     VllmImportanceSamplingMode,
 )
-from trainer_client.loss.metrics import clip_metrics, masked_mean, sampling_metrics
+from trainer_client.loss.metrics import clip_metrics, masked_mean, mismatch_metrics, sampling_metrics
 
 
 @dataclass(frozen=True)
@@ -220,6 +220,8 @@ def compute_loss(
     advantages = advantages.to(logps.dtype)
     metrics: dict[str, torch.Tensor] = {}
 
+    if behaviour_logps is not None:  # the mismatch, whether or not the loss corrects it
+        metrics.update(mismatch_metrics(old_logps, behaviour_logps, mask))
     is_ratio = None  # the vLLM-vs-trainer ratio the per-token loss is multiplied by
     if config.vllm_importance_sampling_correction:
         if behaviour_logps is None:

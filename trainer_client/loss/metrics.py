@@ -34,13 +34,16 @@ def sampling_metrics(
 ) -> dict[str, torch.Tensor]:
     """TRL's ``sampling/*`` metrics of the vLLM mismatch: |old - behaviour| over mask-1 non-NaN tokens, and the
     final (truncated/masked) IS ratio over mask-1 tokens (token modes) or sequences (sequence modes). Plus the
-    fraction of those ratios set to zero by a ``*_mask`` mode (or ``0`` for truncate modes)."""
+    fractions of those ratios set to zero by a ``*_mask`` mode and capped by a ``*_truncate`` mode."""
     keep = mask.bool()
     delta = torch.abs(old_logps.detach() - behaviour_logps.detach())[keep]
     delta = delta[~torch.isnan(delta)]
     zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
     flat_ratio = is_ratio.flatten() if is_ratio.shape[-1] == 1 else is_ratio[keep]
     masked = (flat_ratio == 0).float().mean() if flat_ratio.numel() else zero
+    log_ratio = torch.nan_to_num((old_logps.detach() - behaviour_logps.detach()) * mask, nan=0.0)  # as the ratio's
+    raw = torch.exp(log_ratio.sum(-1)).flatten() if is_ratio.shape[-1] == 1 else torch.exp(log_ratio)[keep]
+    truncated = ((flat_ratio != raw) & (flat_ratio != 0)).float().mean() if flat_ratio.numel() else zero
     return {
         "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
         "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else zero,
@@ -48,6 +51,27 @@ def sampling_metrics(
         "sampling/importance_sampling_ratio/mean": flat_ratio.mean() if flat_ratio.numel() else zero,
         "sampling/importance_sampling_ratio/max": flat_ratio.max() if flat_ratio.numel() else zero,
         "sampling/importance_sampling_masked_fraction": masked,
+        "sampling/importance_sampling_truncated_fraction": truncated,
+    }
+
+
+def mismatch_metrics(
+    old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the trainer's policy is from the sampler's over the step's mask-1 tokens (NaN-free):
+    prime-rl's ``mismatch_kl``, the k3 estimate of KL(pi_vllm || pi_trainer) from tokens vLLM
+    sampled, and the effective sample size of the raw token importance weights pi_trainer / pi_vllm,
+    normalised to (0, 1] (1: the weights are equal, the batch is as good as on-policy)."""
+    log_ratio = (old_logps.detach() - behaviour_logps.detach())[mask.bool()]
+    log_ratio = log_ratio[~torch.isnan(log_ratio)]
+    if log_ratio.numel() == 0:
+        nan = torch.tensor(math.nan, device=old_logps.device)
+        return {"sampling/mismatch_kl": nan, "sampling/importance_sampling_ess": nan}
+    weights = torch.exp(log_ratio.double())
+    ess = weights.sum() ** 2 / (weights.numel() * (weights**2).sum())
+    return {
+        "sampling/mismatch_kl": (weights - log_ratio.double() - 1).mean().float(),
+        "sampling/importance_sampling_ess": ess.float(),
     }
 
 

@@ -283,6 +283,9 @@ class StreamGRPOTrainer(Trainer):
             "groups_trained": trained,
             "groups_received": received,
         }
+        # samples trained at each staleness (versions behind), over all ranks: index k is staleness k
+        counts = [sum(1 for lag in book.staleness if lag == k) for k in range(int(maxima[0]) + 1)]
+        record["staleness_histogram"] = [int(n) for n in self.over_ranks(counts, [0.0])[0]] if rewards else []
         for name, values in book.loss_metrics.items():
             record[name] = statistics.fmean(values)  # this rank's
         return record
