@@ -68,3 +68,21 @@ def test_the_loss_reports_what_the_correction_truncated_or_masked(mode: str, tru
     assert float(out.metrics["sampling/importance_sampling_truncated_fraction"]) == pytest.approx(truncated)
     assert float(out.metrics["sampling/importance_sampling_masked_fraction"]) == pytest.approx(masked)
     assert "sampling/mismatch_kl" in out.metrics and "sampling/importance_sampling_ess" in out.metrics
+
+
+def test_icepop_is_trls_token_mask_with_both_bounds() -> None:
+    """IcePop (two-sided token masking): each token's gradient is weighted by k = pi_train / pi_infer
+    when alpha <= k <= beta, else by 0. That is TRL's ``token_mask`` mode with clip_min alpha and
+    clip_max beta: the same weights token by token, so no separate loss is needed."""
+    from trainer_client.loss.losses import vllm_importance_sampling_ratio
+
+    torch.manual_seed(1)
+    trainer = torch.log_softmax(torch.randn(3, 12, 40), -1)[..., 0]
+    vllm = trainer + 0.8 * torch.randn(3, 12)  # a wide mismatch, so that both bounds bite
+    mask = torch.ones(3, 12)
+    alpha, beta = 0.5, 5.0  # IcePop's published bounds
+    k = torch.exp(trainer - vllm)
+    icepop = torch.where((k >= alpha) & (k <= beta), k, torch.zeros_like(k))
+    ours = vllm_importance_sampling_ratio(trainer, vllm, mask, "token_mask", alpha, beta)
+    assert bool(((k < alpha) | (k > beta)).any()) and bool(((k >= alpha) & (k <= beta)).any())
+    torch.testing.assert_close(ours, icepop)
