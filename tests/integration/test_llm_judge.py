@@ -4,36 +4,21 @@ its groups, counted, and the service goes on with the other runs."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
 from rollout_api import rollout_pb2 as pb
-from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_api.client import dataset_run_spec
 from rollout_common.ports import free_port
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.test_stream import take_groups
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
 MAX_SCORE = 4
-
-
-async def first_groups(client: RolloutClient, run_id: str, count: int) -> list[pb.Group]:
-    groups: list[pb.Group] = []
-    stream = client.stream(run_id, f"judged-{run_id}", credits=count)
-    try:
-        async with asyncio.timeout(240):
-            async for group in stream:
-                stream.ack([group.group_id])
-                groups.append(group)
-                if len(groups) == count:
-                    break
-    finally:
-        await stream.aclose()
-    return groups
 
 
 async def test_vllm_grades_as_a_judge_by_url_and_as_the_pools_own(
@@ -49,7 +34,7 @@ async def test_vllm_grades_as_a_judge_by_url_and_as_the_pools_own(
         assert {"by_url", "in_pool"} <= set(info.reward_functions)
         spec = dataset_run_spec("letters", {"by_url": 1.0, "in_pool": 1.0}, group_size=2, max_tokens=8)
         run = await client.create_run(spec)
-        groups = await first_groups(client, run.run_id, 3)
+        groups = await take_groups(client, run.run_id, 3, timeout_s=240)
         grades = {0.0, *(n / MAX_SCORE for n in range(1, MAX_SCORE + 1))}
         for group in groups:
             assert len(group.samples) == 2  # the judges' replies are no samples
@@ -82,7 +67,7 @@ async def test_a_failing_judge_fails_its_groups_counted_and_the_service_goes_on(
             for name in judges
         }
         healthy = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2))
-        assert len(await first_groups(client, healthy.run_id, 2)) == 2
+        assert len(await take_groups(client, healthy.run_id, 2, timeout_s=240)) == 2
         registry = running.service.metrics.registry
 
         def dropped(run_id: str) -> float:

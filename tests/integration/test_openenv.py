@@ -17,10 +17,11 @@ import aiohttp
 import pytest
 
 from rollout_api import rollout_pb2 as pb
-from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_api.client import dataset_run_spec
 from rollout_common.ports import free_port
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.test_stream import take_groups
 from tests.support import run_checked, started, wait_until
 
 pytestmark = pytest.mark.integration
@@ -59,21 +60,6 @@ def spec(environment: str) -> pb.RunSpec:
     return run
 
 
-async def groups_of(client: RolloutClient, run_id: str, count: int) -> list[pb.Group]:
-    groups: list[pb.Group] = []
-    stream = client.stream(run_id, "openenv-check", credits=count)
-    try:
-        async with asyncio.timeout(240):
-            async for group in stream:
-                stream.ack([group.group_id])
-                groups.append(group)
-                if len(groups) == count:
-                    break
-    finally:
-        await stream.aclose()
-    return groups
-
-
 @pytest.mark.timeout(900)
 async def test_an_openenv_server_plays_multi_turn_episodes_and_its_rewards_are_the_samples(
     openenv_server: tuple[str, Path], vllm_server: ManagedVLLMServer, tiny_model: Path
@@ -88,7 +74,7 @@ async def test_an_openenv_server_plays_multi_turn_episodes_and_its_rewards_are_t
         assert {"letters", "down"} <= set((await client.server_info()).environments)
         letters = await client.create_run(spec("letters"))
         down = await client.create_run(spec("down"))
-        groups = await groups_of(client, letters.run_id, 3)
+        groups = await take_groups(client, letters.run_id, 3, timeout_s=240)
         registry = running.service.metrics.registry
         labels = {"run": down.run_id, "reason": "environment"}
         await wait_until(

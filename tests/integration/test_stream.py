@@ -23,11 +23,14 @@ def reference_char_fraction(text: str, target: str) -> float:
     return chars.count(target) / len(chars) if chars else 0.0
 
 
-async def take_groups(client: RolloutClient, run_id: str, count: int, consumer: str = "c0") -> list[pb.Group]:
+async def take_groups(
+    client: RolloutClient, run_id: str, count: int, consumer: str = "c0", timeout_s: float = 120
+) -> list[pb.Group]:
+    """The run's next ``count`` groups, each acked as trained."""
     stream = client.stream(run_id, consumer, credits=count)
     groups: list[pb.Group] = []
     try:
-        async with asyncio.timeout(120):
+        async with asyncio.timeout(timeout_s):
             async for group in stream:
                 groups.append(group)
                 stream.ack([group.group_id])

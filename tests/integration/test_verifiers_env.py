@@ -6,7 +6,6 @@ verifiers_envs/) are built in code, with no download."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import venv
@@ -14,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_api import rollout_pb2 as pb
-from rollout_api.client import RolloutClient
 from rollout_service.engine.managed import ManagedVLLMServer
 from tests.integration.conftest import service_settings, service_with_client
+from tests.integration.test_stream import take_groups
 from tests.support import built_wheel, run_checked, run_to_end
 
 pytestmark = pytest.mark.integration
@@ -34,21 +32,6 @@ def runner_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv.create(fresh, with_pip=True)
     run_checked([str(fresh / "bin" / "python"), "-m", "pip", "install", "--quiet", f"{built_wheel()}[verifiers]"], 900)
     return fresh
-
-
-async def trained_groups(client: RolloutClient, run_id: str, count: int) -> list[pb.Group]:
-    groups: list[pb.Group] = []
-    stream = client.stream(run_id, "verifiers-check", credits=count)
-    try:
-        async with asyncio.timeout(120):
-            async for group in stream:
-                stream.ack([group.group_id])
-                groups.append(group)
-                if len(groups) == count:
-                    break
-    finally:
-        await stream.aclose()
-    return groups
 
 
 @pytest.mark.timeout(900)
@@ -68,7 +51,7 @@ async def test_a_verifiers_environment_fills_an_external_run_with_its_rubrics_re
         assert returncode == 0, output[-4000:]
         report = json.loads(output.strip().splitlines()[-1])
         assert (report["groups"], len(report["rewards"]), report["failed"]) == (GROUPS, GROUPS * GROUP_SIZE, 0)
-        groups = await trained_groups(client, report["run_id"], GROUPS)
+        groups = await take_groups(client, report["run_id"], GROUPS)
         rewards = sorted(sample.reward for group in groups for sample in group.samples)
         assert rewards == pytest.approx(sorted(report["rewards"]), abs=1e-6)  # the rubric's, sample by sample
         assert all(len(group.samples) == GROUP_SIZE for group in groups)
