@@ -93,18 +93,46 @@ class ServiceNotServing(Exception):
     """The service did not say SERVING within the wait (``wait_until_serving``)."""
 
 
-async def paced_lookahead(target: str, run_id: str, timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> float | None:
-    """How many versions ahead of its trainer a paced run starts groups now
-    (``RunStats.lookahead_versions``), which the trainer's time-split verdict reads after its
-    last step. None for a run under another admission, or when the service cannot say, not
-    reached or refusing (logged: the summary of a finished run is still written without it)."""
+async def final_run(target: str, run_id: str, timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> pb.Run | None:
+    """The run as a trainer's summary reads it after its last step; None when the service is not
+    reached or refuses (logged: the summary of a finished run is still written without it)."""
     try:
         async with RolloutClient(target, timeout_s=timeout_s) as client:
-            run = await client.get_run(run_id)
+            return await client.get_run(run_id)
     except (grpc.RpcError, TimeoutError) as exc:
-        logger.warning("the lookahead of run %s is unknown: %r", run_id, exc)
+        logger.warning("the final state of run %s is unknown: %r", run_id, exc)
         return None
-    return run.stats.lookahead_versions if run.spec.admission == pb.ADMISSION_MODE_PACED else None
+
+
+def paced_lookahead(run: pb.Run | None) -> float | None:
+    """How many versions ahead of its trainer a paced run starts groups now
+    (``RunStats.lookahead_versions``); None for a run under another admission, or unknown."""
+    if run is None or run.spec.admission != pb.ADMISSION_MODE_PACED:
+        return None
+    return run.stats.lookahead_versions
+
+
+async def ledger_now(client: RolloutClient, run_id: str) -> dict[str, float]:
+    """The run's goodput ledger as ``ledger_record`` flattens it; empty while the service does not
+    answer (a trainer's stream reports that itself)."""
+    try:
+        run = await client.get_run(run_id)
+    except (grpc.RpcError, TimeoutError) as exc:
+        logger.debug("no ledger of run %s now: %r", run_id, exc)
+        return {}
+    return ledger_record(run.stats.ledger)
+
+
+def ledger_record(ledger: pb.GoodputLedger) -> dict[str, float]:
+    """The goodput ledger as flat numbers for a metrics record: ``goodput``, ``goodput_seconds``,
+    ``ledger_tokens/<entry>`` and ``ledger_engine_seconds/<entry>``."""
+    record: dict[str, float] = {"goodput": ledger.goodput, "goodput_seconds": ledger.goodput_seconds}
+    for field in ledger.DESCRIPTOR.fields:
+        if field.message_type is not None:
+            entry = getattr(ledger, field.name)
+            record[f"ledger_tokens/{field.name}"] = entry.tokens
+            record[f"ledger_engine_seconds/{field.name}"] = round(entry.engine_seconds, 6)
+    return record
 
 
 async def wait_until_serving(target: str, timeout_s: float, poll_s: float = 2.0) -> None:

@@ -3,7 +3,7 @@
 
 Why: Prometheus answers "what happened", but a user watching a run wants one screen that
 says whether the pool is busy, where the groups are (buffered, leased, trained, dropped),
-and which policy version each run is at.
+which policy version each run is at, and what share of its tokens it trained on.
 """
 
 from __future__ import annotations
@@ -35,6 +35,20 @@ RUN_COLUMNS = (
     "returned",
     "lookahead",
 )
+
+LEDGER_COLUMNS = (
+    "run",
+    "goodput",
+    "goodput (engine s)",
+    "trained",
+    "dropped stale",
+    "aborted",
+    "failed",
+    "filtered",
+    "in flight",
+    "held",
+)
+"""The goodput ledger in tokens: where each run's generated tokens went."""
 
 
 def render(stats: pb.GetStatsResponse, runs: Mapping[str, pb.Run]) -> Group:
@@ -69,7 +83,23 @@ def render(stats: pb.GetStatsResponse, runs: Mapping[str, pb.Run]) -> Group:
         )
     if not stats.runs:
         table.add_row("(no runs this caller may see)", *[""] * (len(RUN_COLUMNS) - 1))
-    return Group(pool, table)
+    return Group(pool, table, Text(""), ledger_table(stats))
+
+
+def ledger_table(stats: pb.GetStatsResponse) -> Table:
+    table = Table(*LEDGER_COLUMNS, box=None, header_style="bold", title="tokens", title_justify="left")
+    for run_id in sorted(stats.runs):
+        ledger = stats.runs[run_id].ledger
+        settled = (ledger.trained, ledger.dropped_stale, ledger.aborted, ledger.failed, ledger.filtered)
+        table.add_row(
+            run_id,
+            f"{ledger.goodput:.1%}",
+            f"{ledger.goodput_seconds:.1%}",
+            *(str(entry.tokens) for entry in settled),
+            str(ledger.in_flight.tokens),
+            str(ledger.buffered.tokens + ledger.leased.tokens),
+        )
+    return table
 
 
 def _state(run: pb.Run) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
+from rollout_service.delivery.ledger import GoodputLedger
 from rollout_service.errors import InvalidArgument, NotFound, echo
 from rollout_service.eval_tally import EvalSpec, EvalTally
 from rollout_service.generation.episode import MultiTurnConfig
@@ -211,7 +212,6 @@ class RunCounters:
     groups_started: int = 0
     groups_scored: int = 0
     groups_dropped: int = 0
-    tokens_generated: int = 0
     slots_busy: int = 0
     groups_partial: int = 0
     turns: int = 0
@@ -255,6 +255,11 @@ class Run:
     def admission(self) -> RunAdmission:
         """The run's versions and staleness bound (its broker consults them)."""
         return self.broker.admission
+
+    @property
+    def ledger(self) -> GoodputLedger:
+        """Where the run's generated tokens went (its broker settles the acks)."""
+        return self.broker.ledger
 
     @property
     def policy_version(self) -> int:

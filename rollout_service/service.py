@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 from rollout_service.config import SchedulerSettings
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import RunBroker
+from rollout_service.delivery.ledger import LedgerCollector
 from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.delivery.state_store import MemoryStore, StateStore
 from rollout_service.delivery.watchdog import RunWatchdog
@@ -102,6 +103,7 @@ class RolloutService:
         self.watchdog = RunWatchdog(settings.stall_timeout_s, metrics, clock)
         self.pool_usable = True
         self.runs = runs if runs is not None else RunTable()
+        metrics.registry.register(LedgerCollector(lambda: ((r.run_id, r.broker.goodput()) for r in self.runs.values())))
         self.versions = versions if versions is not None else PolicyVersion()
         """The base weights' versions: the runs on them share it; the state store keeps it."""
         self.weights = weights if weights is not None else PushRoutes(self.runs, self.store)

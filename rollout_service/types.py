@@ -119,6 +119,8 @@ class ScoredGroup:
     generation_seconds: float
     requested_size: int = 0
     """The run's group_size; more than ``len(episodes)`` for a partial group (0: as many as there are)."""
+    engine_seconds: float = 0.0
+    """Slot seconds its members held (the goodput ledger's); 0 when generated elsewhere or restored."""
 
     @property
     def policy_version(self) -> int:

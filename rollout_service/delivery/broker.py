@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from rollout_service.delivery.admission import RunAdmission
+from rollout_service.delivery.ledger import GoodputLedger, LedgerSnapshot
 from rollout_service.delivery.state_store import ACKED_KEPT, MemoryStore, StateStore
 from rollout_service.errors import AlreadyExists, FailedPrecondition, echo
 from rollout_service.metrics import ServiceMetrics
@@ -70,6 +71,8 @@ class RunBroker:
         """Times each unacked group has been leased; a redelivery says so."""
         self.buffered_at: dict[str, float] = {}
         """group id -> when ``put`` buffered it (paced admission's slack)."""
+        self.ledger = GoodputLedger()
+        """Where the run's generated tokens went; the broker settles what consumers ack."""
         self.reserved = 0
         self.closed = False
         self.draining = False
@@ -243,12 +246,12 @@ class RunBroker:
             if group_id in self.acked:
                 continue
             # Unleased, only a restored group may be acked: its consumer held it before the restart.
-            if group_id not in leased and not self._take_restored(group_id):
+            group = leased.pop(group_id, None) or self._take_restored(group_id)
+            if group is None:
                 raise FailedPrecondition(
                     f"group {echo(group_id)} is not leased to consumer {echo(consumer_id)}; "
                     "ack only groups this stream received"
                 )
-            leased.pop(group_id, None)
             self.restored.discard(group_id)
             self.lease_deadlines.pop(group_id, None)
             self.deliveries.pop(group_id, None)
@@ -256,6 +259,7 @@ class RunBroker:
                 del self.expired_from[group_id]  # it came back to this consumer, which acked it
             self._remember(self.acked, group_id, status)
             self.ack_counts[status] += 1
+            self.ledger.acked(group, status)
             if status == ACK_TRAINED:
                 self.admission.trained(trained_at)
             self.metrics.groups_acked.labels(self.run_id, status).inc()
@@ -286,24 +290,26 @@ class RunBroker:
     def restore(self, groups: list[ScoredGroup], acked: dict[str, str]) -> None:
         """A restarted service's unacked groups (buffered, as if their consumers had left) and acked ids."""
         self.buffered.extend(groups)
+        self.ledger.restored_groups(groups)
         self.restored.update(group.group_id for group in groups)
         for group_id, status in acked.items():
             self._remember(self.acked, group_id, status)
         self._update_gauges()
 
-    def _take_restored(self, group_id: str) -> bool:
-        """Take a restored group acked by its pre-restart consumer out of the buffer; False if not there."""
+    def _take_restored(self, group_id: str) -> ScoredGroup | None:
+        """Take a restored group acked by its pre-restart consumer out of the buffer; None if not there."""
         if group_id not in self.restored:
-            return False
+            return None
         for index, group in enumerate(self.buffered):
             if group.group_id == group_id:
                 del self.buffered[index]
-                return True
-        return False
+                return group
+        return None
 
     def discard_all(self) -> int:
         """After ``close`` of a deleted run: drop everything; returns how many groups were held."""
         freed = len(self.buffered) + self.num_leased
+        self.ledger.cancel_all([*self.buffered, *self._leased_groups()])
         self.buffered.clear()
         self.buffered_at.clear()
         self.leases.clear()
@@ -337,6 +343,13 @@ class RunBroker:
         memory[key] = value
         if len(memory) > ACKED_KEPT:
             memory.popitem(last=False)
+
+    def goodput(self) -> LedgerSnapshot:
+        """The ledger, with the groups this broker holds now."""
+        return self.ledger.snapshot(self.buffered, self._leased_groups())
+
+    def _leased_groups(self) -> list[ScoredGroup]:
+        return [group for leased in self.leases.values() for group in leased.values()]
 
     @property
     def num_leased(self) -> int:

@@ -14,6 +14,7 @@ from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from rollout_service import __version__
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
+from rollout_service.delivery.ledger import LedgerSnapshot
 from rollout_service.edge.group_wire import delivery_response
 from rollout_service.errors import InvalidArgument
 from rollout_service.eval_tally import EvalSpec
@@ -228,10 +229,26 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
     return out
 
 
+def ledger_to_pb(snapshot: LedgerSnapshot) -> pb.GoodputLedger:
+    entries = {"generated": snapshot.generated, "restored": snapshot.restored, **snapshot.settled, **snapshot.stocks}
+    entries["trained_zero_advantage"] = snapshot.trained_zero_advantage
+    fields = {
+        name: pb.LedgerEntry(tokens=c.tokens, engine_seconds=c.seconds, groups=c.groups) for name, c in entries.items()
+    }
+    return pb.GoodputLedger(
+        **fields,
+        goodput=snapshot.goodput,
+        goodput_seconds=snapshot.goodput_seconds,
+    )
+
+
 def run_stats_to_pb(run: Run) -> pb.RunStats:
     b, a = run.broker, run.admission
+    ledger = b.goodput()
     return pb.RunStats(
         **asdict(run.counters),  # named as in the message
+        tokens_generated=ledger.generated.tokens,
+        ledger=ledger_to_pb(ledger),
         groups_trained=b.ack_counts[ACK_TRAINED],
         groups_dropped_stale=b.ack_counts[ACK_DROPPED_STALE],
         groups_buffered=len(b.buffered),

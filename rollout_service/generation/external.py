@@ -282,7 +282,9 @@ class ExternalEpisodes:
         seconds = time.monotonic() - min(m.started for m in members)
         run.counters.groups_started += 1
         self.metrics.groups_started.labels(run.run_id).inc()
+        tokens = sum(sum(e.mask) for e in episodes)
         if not await run.broker.reserve():
+            run.ledger.external_group(tokens, "cancelled")
             raise FailedPrecondition(f"run {run.run_id} is stopped; its groups are no longer taken")
         try:
             if members[0].reward is not None:
@@ -304,7 +306,9 @@ class ExternalEpisodes:
         except BaseException as exc:
             await run.broker.unreserve()
             if not isinstance(exc, RewardError):
+                run.ledger.external_group(tokens, "failed")
                 raise
+            run.ledger.external_group(tokens, "failed")
             run.counters.groups_dropped += 1
             self.metrics.groups_dropped.labels(run.run_id, "reward").inc()
             logger.warning("external group %s of run %s could not be scored: %s", group_id, run.run_id, exc)
@@ -314,7 +318,7 @@ class ExternalEpisodes:
             ) from None
         run.counters.groups_scored += 1
         self.metrics.groups_scored.labels(run.run_id).inc()
-        run.counters.tokens_generated += sum(sum(e.mask) for e in episodes)
+        run.ledger.external_group(tokens, None)
         await run.broker.put(scored)
         logger.info("external group %s of run %s: %d episodes scored", group_id, run.run_id, len(episodes))
 

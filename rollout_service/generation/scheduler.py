@@ -225,7 +225,8 @@ class Scheduler:
             await self._acquire_slots(run)
             params = _member_params(run.spec.sampling, prompt.index, index, run.spec.group_size)
             member = self._spawn(run, self._run_member(run, prompt, params, group_id, index), group_id)
-            member.add_done_callback(lambda task, run=run: self._member_done(run, task, 1))
+            started = time.monotonic()
+            member.add_done_callback(lambda task, run=run, t=started: self._member_done(run, task, 1, group_id, t))
             members.append(member)
         return members
 
@@ -233,16 +234,21 @@ class Scheduler:
         size = run.spec.group_size
         await self._acquire_slots(run, size)
         request = self._spawn(run, self._run_group_request(run, prompt, group_id), group_id)
-        request.add_done_callback(lambda task, run=run: self._member_done(run, task, size))
+        started = time.monotonic()
+        request.add_done_callback(lambda task, run=run: self._member_done(run, task, size, group_id, started))
         return [request]
 
-    def _member_done(self, run: Run, task: asyncio.Task[Any], slots: int) -> None:
+    def _member_done(self, run: Run, task: asyncio.Task[Any], slots: int, group_id: str, started: float) -> None:
         """A done-callback, not a finally, so that a task cancelled before it started frees its slots
-        too; it observes the failure so that asyncio does not log it as never retrieved."""
+        and is booked too; it observes the failure so that asyncio does not log it as never retrieved.
+        It runs before the group's own wait wakes (callbacks run in the order they were added)."""
         for _ in range(slots):
             self._release_slot(run)
-        if not task.cancelled():
-            task.exception()
+        seconds = (time.monotonic() - started) * slots
+        if task.cancelled() or task.exception() is not None:
+            run.ledger.member_cut(group_id, seconds)
+        else:
+            run.ledger.member_finished(group_id, sum(sum(r.mask) for r in task.result()), seconds)
 
     async def _run_member(
         self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str, index: int
@@ -288,7 +294,6 @@ class Scheduler:
 
     def _count_episode(self, run: Run, result: EpisodeResult) -> None:
         tokens = sum(result.mask)
-        run.counters.tokens_generated += tokens
         self.tokens.add(tokens)
         run.counters.turns += result.num_turns
         self.metrics.tokens_generated.labels(run.run_id).inc(tokens)
@@ -381,8 +386,10 @@ class Scheduler:
             self.metrics.groups_scored.labels(run.run_id).inc()
             if run.eval is not None:
                 self.evaluations.record(run, scored)
+            scored.engine_seconds = run.ledger.group_scored(group_id)
             await run.broker.put(scored)
         finally:
+            run.ledger.group_dropped(group_id, "cancelled")  # a no-op unless the run's stop cancelled it
             self._inflight.get(run.run_id, {}).pop(group_id, None)
             self._forget_affinity(group_id)
             self._check_generation_done(run)
@@ -392,6 +399,7 @@ class Scheduler:
     ) -> None:
         await run.broker.unreserve()
         run.broker.store.prompt_done(run.run_id, prompt.index)  # a submitted prompt is not queued again
+        run.ledger.group_dropped(group_id, reason)
         run.counters.groups_dropped += 1
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()
         logger.warning("dropped group %s (%s): %s", group_id, reason, error)

@@ -14,6 +14,13 @@ def always_raises(prompts, completions, completion_ids, **kwargs):
     raise RuntimeError("this reward is broken on purpose")
 
 
+def fails_on_marked(prompts, completions, completion_ids, **kwargs):
+    """Raises for prompts that say FAIL, scores the rest: some groups of a run fail, the others go on."""
+    if "FAIL" in str(prompts):
+        raise RuntimeError("this prompt's reward is broken on purpose")
+    return [1.0 for _ in completions]
+
+
 def returns_nan(prompts, completions, completion_ids, **kwargs):
     return [float("nan") for _ in completions]
 
@@ -59,6 +66,7 @@ TRL_REWARDS = {
 
 REWARD_FUNCTIONS = {
     "always_raises": always_raises,
+    "fails_on_marked": fails_on_marked,
     "returns_nan": returns_nan,
     "hangs": hangs,
     "hangs_in_a_thread": hangs_in_a_thread,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient
 from rollout_common.cpu_budget import CpuBudget
 from rollout_common.tiny_model import tiny_model_flags
@@ -90,7 +91,27 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         # Paced admission, the trainer's default, learned a lookahead within max_staleness.
         assert 0 <= stats.lookahead_versions <= MAX_STALENESS, stats
         assert split["lookahead_versions"] == pytest.approx(stats.lookahead_versions, abs=1e-3)  # the verdict saw it
+        # The goodput ledger: the trainer's records and summary carry it, and its books balance.
+        assert_ledger_balances(stats.ledger)
+        assert stats.ledger.generated.engine_seconds > 0
+        trained_tokens = summary["ledger"]["ledger_tokens/trained"]
+        assert stats.ledger.trained.tokens == trained_tokens > 0 and stats.ledger.trained.groups == STEPS * 2
+        generated = summary["ledger"]["ledger_tokens/generated"]  # the run generates on after its trainer is done
+        assert summary["ledger"]["goodput"] == pytest.approx(trained_tokens / generated)
+        assert generated <= stats.ledger.generated.tokens
+        goodputs = [r["goodput"] for r in records]
+        assert all(0 < g <= 1 for g in goodputs[1:]), goodputs  # the first step's acks may still be on their way
         await restore_base_weights(client, summary["run_id"], tiny_model)
+
+
+def assert_ledger_balances(ledger: pb.GoodputLedger) -> None:
+    """Every token and engine second that came in is in exactly one place."""
+    entries = {field.name: getattr(ledger, field.name) for field in ledger.DESCRIPTOR.fields if field.message_type}
+    incoming = [entries.pop(name) for name in ("generated", "restored")]
+    entries.pop("trained_zero_advantage")  # a part of trained
+    assert sum(e.tokens for e in entries.values()) == sum(e.tokens for e in incoming), ledger
+    seconds = sum(e.engine_seconds for e in entries.values())
+    assert seconds == pytest.approx(sum(e.engine_seconds for e in incoming), rel=1e-9, abs=1e-9), ledger
 
 
 @pytest.mark.skipif(bool(REUSE_URL), reason="a reused server was started by someone else, with their binding")

@@ -24,7 +24,14 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rollout_api import rollout_pb2 as pb
-from rollout_api.client import RolloutClient, dataset_run_spec, paced_lookahead, wait_until_serving
+from rollout_api.client import (
+    RolloutClient,
+    dataset_run_spec,
+    final_run,
+    ledger_record,
+    paced_lookahead,
+    wait_until_serving,
+)
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
 from rollout_common.model_signature import signature_of
 from trainer_client.advertised_address import advertised_address
@@ -228,8 +235,9 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
         return rank_report  # rank 0 writes the run's summary
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records, run_id, *(int(total) for total in totals))
-    lookahead = asyncio.run(paced_lookahead(target, run_id))
-    summary["time_split"] = with_lookahead(summary["time_split"], lookahead, config.max_staleness)
+    run = asyncio.run(final_run(target, run_id))
+    summary["time_split"] = with_lookahead(summary["time_split"], paced_lookahead(run), config.max_staleness)
+    summary["ledger"] = ledger_record(run.stats.ledger) if run is not None else None
     summary["torch_threads"] = threads
     summary["precision"] = precision.name(config.bf16)
     if evaluator is not None:

@@ -1,5 +1,5 @@
 """What happens between optimizer steps: ack the step's groups, push weights when due, log
-the step's record (``SyncAndAck``)."""
+the step's record with the run's goodput ledger (``SyncAndAck``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 
+from rollout_api.client import ledger_now
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.step_timing import COMPUTE_CPU, step_seconds
 from trainer_client.train import fsdp
@@ -199,6 +200,9 @@ class SyncAndAck(TrainerCallback):
         record["seconds"] = step_seconds(phases, now - self._step_started, not background)
         record["compute_cpu_seconds"] = round(phases.get(COMPUTE_CPU, 0.0), 6)
         self._step_started = now
+        if state.is_world_process_zero:
+            # as the service has it now: this step's acks may still be on their way
+            record.update(trainer.feed.call(ledger_now(trainer.feed.client, trainer.feed.run_id)))
         trainer.step_metrics = scalar_metrics(record)
         if state.is_world_process_zero:
             path = Path(args.output_dir) / "metrics.jsonl"

@@ -55,6 +55,10 @@ async def test_the_screen_shows_each_run_with_its_version_and_where_its_groups_a
     assert int(row[5]) >= counters.groups_started >= 1
     assert int(row[8]) == counters.groups_trained == 1
     assert header[-1] == "lookahead" and row[-1] == "2.00" and counters.lookahead_versions == 2.0  # no push yet
+    ledger_header = lines.index(next(line for line in lines if line.split()[:2] == ["run", "goodput"]))
+    ledger_row = lines[ledger_header + 1].split()
+    assert ledger_row[0] == run.run_id and ledger_row[3] == str(counters.ledger.trained.tokens) != "0"
+    assert float(ledger_row[1].rstrip("%")) > 0
 
 
 def test_no_service_is_one_line_not_a_traceback() -> None:
@@ -77,6 +81,7 @@ def test_a_stalled_run_says_which_side_stopped() -> None:
         ),
     }
     lines = text_of(render(stats, runs)).splitlines()
-    rows = {line.split()[0]: line for line in lines if line.strip().startswith("run-")}
+    runs_table = lines[: [line.strip() for line in lines].index("tokens")]  # not the ledger's rows below it
+    rows = {line.split()[0]: line for line in runs_table if line.strip().startswith("run-")}
     assert "running" in rows["run-a"] and "stalled" not in rows["run-a"]
     assert "running (stalled: generation)" in rows["run-b"]

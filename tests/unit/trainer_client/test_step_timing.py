@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollout_api.client import paced_lookahead
+from rollout_api.client import final_run, paced_lookahead
 from rollout_common.ports import free_port
 from trainer_client.step_timing import (
     COMPUTE_CPU,
@@ -102,7 +102,8 @@ def test_summary_reports_the_share_of_compute_time_the_training_thread_was_on_a_
 
 
 async def test_a_service_gone_after_training_leaves_the_lookahead_unknown(caplog: pytest.LogCaptureFixture) -> None:
-    """The verdict's lookahead is read after the last step: a service no longer there costs
-    the summary that figure (logged), not the summary."""
-    assert await paced_lookahead(f"127.0.0.1:{free_port()}", "run-1", timeout_s=0.5) is None
-    assert "the lookahead of run run-1 is unknown" in caplog.text
+    """The verdict's lookahead and the ledger are read after the last step: a service no longer
+    there costs the summary those figures (logged), not the summary."""
+    run = await final_run(f"127.0.0.1:{free_port()}", "run-1", timeout_s=0.5)
+    assert run is None and paced_lookahead(run) is None
+    assert "the final state of run run-1 is unknown" in caplog.text

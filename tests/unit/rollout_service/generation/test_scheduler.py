@@ -246,7 +246,7 @@ async def test_stats_account_tokens_slot_time_and_admission_waits() -> None:
         response = stats_to_pb(stats, service.runs.values())
     finally:
         await service.delete_run(run.run_id)
-    assert stats.tokens_generated == run.counters.tokens_generated == 2 * 2 * 4  # 2 groups of 2, 4 tokens each
+    assert stats.tokens_generated == run.ledger.generated.tokens == 2 * 2 * 4  # 2 groups of 2, 4 tokens each
     assert response.tokens_generated == stats.tokens_generated
     assert (response.max_inflight, response.slots_busy) == (4, 0)
     assert 0 < stats.recent_window_seconds <= stats.uptime_seconds + 1e-9
