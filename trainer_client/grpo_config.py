@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 
 from transformers import TrainingArguments
@@ -10,6 +11,8 @@ from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from trainer_client.loss.config import VLLM_IMPORTANCE_SAMPLING_MODES, LossConfig
 from trainer_client.options import SCALE_REWARDS
 from trainer_client.train import precision
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -57,7 +60,10 @@ class AsyncGRPOConfig(TrainingArguments):
     vllm_importance_sampling_mode: str = "token_truncate"
     """Not TRL's ``sequence_mask``: here the ratio also carries a version of policy change, so
     over a whole sequence it masks exactly the samples the last step made likelier."""
-    vllm_importance_sampling_cap: float | None = 3.0
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None
+    """TRL's deprecated name of ``vllm_importance_sampling_clip_max``: set, it sets that."""
     off_policy_mask_threshold: float | None = None
     max_completion_length: int = 512
     remove_unused_columns: bool = False
@@ -92,9 +98,16 @@ class AsyncGRPOConfig(TrainingArguments):
                 f"vllm_importance_sampling_mode is {self.vllm_importance_sampling_mode!r}; "
                 f"choose one of {', '.join(VLLM_IMPORTANCE_SAMPLING_MODES)}"
             )
-        cap = self.vllm_importance_sampling_cap
-        if cap is not None and cap <= 1:
-            raise ValueError(f"vllm_importance_sampling_cap is {cap}; it must be > 1 (the ratio of equal policies)")
+        if self.vllm_importance_sampling_cap is not None:
+            logger.warning("vllm_importance_sampling_cap is deprecated in TRL; use vllm_importance_sampling_clip_max")
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        clip_max, clip_min = self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_clip_min
+        if clip_max is not None and clip_max <= 1:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_max is {clip_max}; it must be > 1 (the ratio of equal policies)"
+            )
+        if clip_min is not None and not 0 <= clip_min < 1:
+            raise ValueError(f"vllm_importance_sampling_clip_min is {clip_min}; it must be in [0, 1)")
 
     def pushes_in_background(self, pushes_full_weights: bool) -> bool:
         """Whether a trainer with these settings overlaps its pushes with the next step."""
@@ -109,9 +122,6 @@ class AsyncGRPOConfig(TrainingArguments):
         return max(self.stream_credits, self.groups_per_step)
 
     def loss_config(self) -> LossConfig:
-        """The loss settings: those named alike here, and TRL's ``vllm_importance_sampling_cap``."""
+        """The loss settings: those named alike here."""
         shared = {f.name for f in fields(LossConfig)} & {f.name for f in fields(self)}
-        return LossConfig(
-            **{name: getattr(self, name) for name in shared},
-            vllm_importance_sampling_clip_max=self.vllm_importance_sampling_cap,
-        )
+        return LossConfig(**{name: getattr(self, name) for name in shared})

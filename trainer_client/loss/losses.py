@@ -15,10 +15,11 @@ import torch
 
 from trainer_client.loss.config import (
     CLIPPED_LOSS_TYPES,
+    DPPO_KL_TAU,
     LossConfig,
     VllmImportanceSamplingMode,
 )
-from trainer_client.loss.metrics import clip_metrics, masked_mean, mismatch_metrics, sampling_metrics
+from trainer_client.loss.metrics import clip_metrics, dppo_metrics, masked_mean, mismatch_metrics, sampling_metrics
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,21 @@ def sapo_loss(
 
 
 @torch.no_grad()
+def dppo_masks(
+    logps: torch.Tensor, sampler_logps: torch.Tensor, advantages: torch.Tensor, mask_low: float, mask_high: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prime-rl's DPPO trust region on d = pi - pi_sampler per token: ``(masked, low, high)`` [B, T], ``high``
+    where d > mask_high, ``low`` where d < -mask_low, ``masked`` = ``high`` for A > 0 else ``low``.
+
+    A probability difference, unlike a ratio, does not mask a rare token for a small absolute move.
+    """
+    probs_diff = torch.exp(logps) - torch.exp(sampler_logps)
+    high = probs_diff > mask_high
+    low = probs_diff < -mask_low
+    return torch.where(advantages > 0, high, low), low, high
+
+
+@torch.no_grad()
 def vespo_gamma_weights(
     advantages: torch.Tensor,
     log_ratio_per_token: torch.Tensor,
@@ -154,7 +170,7 @@ def aggregate_loss(
     - bnpo: sum / mask-1 tokens of this micro-batch; / gradient_accumulation_steps.
     - dr_grpo: sum / (B * max_completion_length); / gradient_accumulation_steps.
     - luspo: per-sequence sums, mean over sequences; / gradient_accumulation_steps.
-    - dapo, cispo, vespo: sum / (num_items_in_batch / num_processes * gradient_accumulation_steps /
+    - dapo, cispo, vespo, dppo: sum / (num_items_in_batch / num_processes * gradient_accumulation_steps /
       steps_per_generation), ``num_items_in_batch`` being TRL's mask-1 tokens of the generation batch over all
       processes (``None``: this micro-batch's).
     """
@@ -203,12 +219,13 @@ def compute_loss(
         advantages: [B] (or [B, T]) advantages of each completion.
         completion_mask: [B, T] 1 for tokens the model generated, 0 for padding and tool output.
         ref_logps: [B, T] reference-model log-probs; required iff ``config.beta != 0``.
-        num_items_in_batch: dapo/cispo/vespo only: mask-1 tokens of the generation batch over all processes.
+        num_items_in_batch: dapo/cispo/vespo/dppo only: mask-1 tokens of the generation batch over all processes.
         gradient_accumulation_steps, num_processes, steps_per_generation: TRL's normalisation factors
             (see :func:`aggregate_loss`); all 1 for a single process stepping the optimizer every micro-batch.
 
     Per-token loss pipeline (order as TRL): policy loss of ``loss_type`` -> x OPSM keep-mask -> x vLLM IS ratio
-    (not for vespo, which folds it into its weights) -> + beta * KL -> ``aggregate_loss``.
+    (not for vespo, which folds it into its weights; for dppo whole, 0 where it masks) -> + dppo's
+    ``DPPO_KL_TAU * (log pi - log pi_vllm)^2`` -> + beta * KL -> ``aggregate_loss``.
     """
     mask = completion_mask.to(logps.dtype)
     logps = zero_masked(logps, mask)
@@ -223,20 +240,19 @@ def compute_loss(
     if behaviour_logps is not None:  # the mismatch, whether or not the loss corrects it
         metrics.update(mismatch_metrics(old_logps, behaviour_logps, mask))
     is_ratio = None  # the vLLM-vs-trainer ratio the per-token loss is multiplied by
+    sampler_logps = old_logps  # dppo's pi_vllm: the policy its trust region and squared log-ratio refer to
     if config.vllm_importance_sampling_correction:
         if behaviour_logps is None:
             raise ValueError(
                 "vllm_importance_sampling_correction needs behaviour_logps (the sampler's log-probs); pass them "
                 "or disable the correction."
             )
-        is_ratio = vllm_importance_sampling_ratio(
-            old_logps,
-            behaviour_logps,
-            mask,
-            config.vllm_importance_sampling_mode,
-            config.vllm_importance_sampling_clip_min,
-            config.vllm_importance_sampling_clip_max,
-        )
+        mode = config.vllm_importance_sampling_mode
+        clip_min, clip_max = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+        if config.loss_type == "dppo":  # the whole ratio: DPPO's probability mask is its trust region
+            mode, clip_min, clip_max = "token_mask", None, None
+            sampler_logps = torch.where(torch.isnan(behaviour_logps), old_logps, behaviour_logps)  # ratio 1 there
+        is_ratio = vllm_importance_sampling_ratio(old_logps, behaviour_logps, mask, mode, clip_min, clip_max)
         metrics.update(sampling_metrics(old_logps, behaviour_logps, mask, is_ratio))
 
     keep = None
@@ -270,6 +286,12 @@ def compute_loss(
         metrics.update(clip_metrics(capped_coef_1, advantages, mask, eps_low, eps_high))
     elif config.loss_type == "sapo":
         per_token_loss = sapo_loss(coef_1, advantages, config.sapo_temperature_pos, config.sapo_temperature_neg)
+    elif config.loss_type == "dppo":
+        masked, low, high = dppo_masks(logps, sampler_logps, advantages, eps_low, eps_high)
+        metrics.update(dppo_metrics(masked, low, high, advantages, mask))
+        per_token_loss = torch.where(masked, 0.0, -coef_1 * advantages)
+        if is_ratio is not None:  # selecting: a masked token's ratio may be infinite
+            is_ratio = torch.where(masked, 0.0, is_ratio)
     else:  # vespo
         phi_seq = vespo_gamma_weights(advantages, log_ratio, mask, is_ratio, config)
         metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq, mask)
@@ -278,6 +300,8 @@ def compute_loss(
         per_token_loss = per_token_loss * keep
     if is_ratio is not None and config.loss_type != "vespo":
         per_token_loss = per_token_loss * is_ratio
+    if config.loss_type == "dppo":
+        per_token_loss = per_token_loss + DPPO_KL_TAU * (logps - sampler_logps) ** 2
     if per_token_kl is not None:
         per_token_loss = per_token_loss + config.beta * per_token_kl
         metrics["kl"] = masked_mean(per_token_kl.detach(), mask)

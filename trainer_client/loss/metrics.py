@@ -75,6 +75,21 @@ def mismatch_metrics(
     }
 
 
+def dppo_metrics(
+    masked: torch.Tensor, low: torch.Tensor, high: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """prime-rl's masked fractions of the DPPO loss over mask-1 tokens, with its names: ``is_masked`` (the tokens
+    the loss drops, zero advantages judged by the low bound), ``is_masked_low`` (A < 0), ``is_masked_high`` (A > 0).
+    ``masked``, ``low``, ``high`` [B, T] from ``losses.dppo_masks``."""
+    count = mask.sum().float().clamp(min=1.0)
+    fractions = {
+        "is_masked": masked,
+        "is_masked_low": low & (advantages < 0),
+        "is_masked_high": high & (advantages > 0),
+    }
+    return {f"dppo/{name}": (values * mask).sum().float() / count for name, values in fractions.items()}
+
+
 def clip_metrics(
     coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
 ) -> dict[str, torch.Tensor]:

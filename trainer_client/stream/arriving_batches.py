@@ -2,7 +2,7 @@
 
 ``transformers.Trainer`` fetches a step's micro-batches up front to count its loss tokens,
 which on a stream idles the trainer until the last group is generated. The losses normalised
-by the whole step's tokens (dapo, cispo, vespo) instead sum over tokens, and
+by the whole step's tokens (dapo, cispo, vespo, dppo) instead sum over tokens, and
 ``DeferredTokenNormaliser`` divides the accumulated gradients once before the optimizer step:
 the same gradients, since they are linear in the loss.
 """

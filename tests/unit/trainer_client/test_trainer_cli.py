@@ -166,7 +166,9 @@ def test_bf16_follows_the_flag_or_the_hardware(
     ("flags", "message"),
     [
         (["--vllm_importance_sampling_mode", "sequence"], "choose one of token_truncate, token_mask"),
-        (["--vllm_importance_sampling_cap", "0.5"], "it must be > 1"),
+        (["--vllm_importance_sampling_clip_max", "0.5"], "it must be > 1"),
+        (["--vllm_importance_sampling_cap", "0.5"], "vllm_importance_sampling_clip_max is 0.5; it must be > 1"),
+        (["--vllm_importance_sampling_clip_min", "1.5"], "vllm_importance_sampling_clip_min is 1.5; it must be in"),
         (["--num_generations", "4", "--per_device_train_batch_size", "6"], "must be a multiple of num_generations 4"),
         (["--reward_funcs", "a", "b", "--reward_weights", "1"], "give one weight per reward function"),
         (["--num_generation", "4"], "unknown option '--num_generation'; did you mean --num_generations?"),
@@ -246,3 +248,14 @@ def test_the_run_buffer_holds_what_staleness_lets_start(
     """Staleness admission starts up to max_staleness steps' worth of groups ahead of the step
     being trained; the default buffer holds them all (a fixed 8 held one step's at 8 a step)."""
     assert buffered_groups(requested, max_staleness, groups_per_step) == buffer
+
+
+def test_the_correction_bounds_take_trls_names_and_its_deprecated_cap(caplog: pytest.LogCaptureFixture) -> None:
+    """IcePop's and AReaL's lower bound needs clip_min; TRL's deprecated cap still sets clip_max."""
+    _, config, _ = parse("--vllm_importance_sampling_clip_min", "0.5", "--vllm_importance_sampling_clip_max", "5")
+    loss = config.loss_config()
+    assert (loss.vllm_importance_sampling_clip_min, loss.vllm_importance_sampling_clip_max) == (0.5, 5.0)
+    assert parse()[1].loss_config().vllm_importance_sampling_clip_max == 3.0  # TRL's default
+    _, config, _ = parse("--vllm_importance_sampling_cap", "4")
+    assert config.loss_config().vllm_importance_sampling_clip_max == 4.0
+    assert "vllm_importance_sampling_cap is deprecated in TRL" in caplog.text
