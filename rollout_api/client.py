@@ -125,13 +125,16 @@ async def ledger_now(client: RolloutClient, run_id: str) -> dict[str, float]:
 
 def ledger_record(ledger: pb.GoodputLedger) -> dict[str, float]:
     """The goodput ledger as flat numbers for a metrics record: ``goodput``, ``goodput_seconds``,
-    ``ledger_tokens/<entry>`` and ``ledger_engine_seconds/<entry>``."""
+    ``ledger_tokens/<entry>``, ``ledger_engine_seconds/<entry>``, and the mismatch bound's state
+    as ``control/<field>`` where the run has one."""
     record: dict[str, float] = {"goodput": ledger.goodput, "goodput_seconds": ledger.goodput_seconds}
     for field in ledger.DESCRIPTOR.fields:
-        if field.message_type is not None:
+        if field.message_type is pb.LedgerEntry.DESCRIPTOR:
             entry = getattr(ledger, field.name)
             record[f"ledger_tokens/{field.name}"] = entry.tokens
             record[f"ledger_engine_seconds/{field.name}"] = round(entry.engine_seconds, 6)
+    if ledger.control.max_mismatch_kl:
+        record.update({f"control/{field.name}": value for field, value in ledger.control.ListFields()})
     return record
 
 
@@ -240,10 +243,12 @@ class GroupStream:
         status: pb.AckStatus.ValueType = pb.ACK_STATUS_TRAINED,
         regrant: bool = True,
         policy_version: int | None = None,
+        mismatch_kl: float | None = None,
     ) -> None:
         """Ack groups and (by default) grant as many new credits. ``policy_version``: the
-        version they were trained at, so the service's admission counts them there."""
-        ack = pb.Ack(group_ids=group_ids, status=status, policy_version=policy_version)
+        version they were trained at, so the service's admission counts them there;
+        ``mismatch_kl``: the sampler-trainer mismatch measured training them."""
+        ack = pb.Ack(group_ids=group_ids, status=status, policy_version=policy_version, mismatch_kl=mismatch_kl)
         self._outbox.put_nowait(pb.StreamSamplesRequest(ack=ack))
         if regrant and group_ids:
             self.grant(len(group_ids))

@@ -71,6 +71,8 @@ class RunSpec:
     """Fewest finished members a group past its deadline is scored from; 0: group_size (drop it)."""
     eval: EvalSpec | None = None
     """An evaluation run: each prompt once, at one policy version, never trained (``evaluation``)."""
+    max_mismatch_kl: float = 0.0
+    """Paced admission's bound on the mismatch its consumers report (``delivery.lookahead``); 0: none."""
 
     @property
     def scores_partial_groups(self) -> bool:
@@ -92,6 +94,12 @@ class RunSpec:
             raise InvalidArgument(f"group_size is {self.group_size}; it must be <= {MAX_GROUP_SIZE}")
         if self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness is {self.max_staleness}; it must be >= 0")
+        _check_range("max_mismatch_kl", self.max_mismatch_kl, 0, 100, "nats per token; 0: no bound")
+        if self.max_mismatch_kl and (self.admission != "paced" or self.max_staleness == 0):
+            raise InvalidArgument(
+                "max_mismatch_kl bounds paced admission's lookahead; set admission ADMISSION_MODE_PACED and "
+                "max_staleness > 0, or leave max_mismatch_kl 0"
+            )
         if self.max_buffered_groups > MAX_BUFFERED_GROUPS:
             raise InvalidArgument(
                 f"max_buffered_groups is {self.max_buffered_groups}; it must be <= {MAX_BUFFERED_GROUPS} "

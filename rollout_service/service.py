@@ -284,7 +284,7 @@ class RolloutService:
             versions=versions,
             await_version=version + 1 if spec.await_first_update and trains else 0,
             free_clock=self.scheduler.slots.free_seconds,
-            lookahead=Lookahead(spec.max_staleness) if paced else None,
+            lookahead=Lookahead(spec.max_staleness, max_mismatch_kl=spec.max_mismatch_kl) if paced else None,
         )
         lease_timeout_s = spec.lease_timeout_s or self.settings.lease_timeout_s
         store = self.store if trains else None  # an evaluation is not resumed after a restart: nothing to keep

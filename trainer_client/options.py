@@ -4,6 +4,7 @@ declaration of every ``rollout-trainer`` option, named as TRL's wherever TRL has
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,6 +53,13 @@ class RunOptions:
         metadata={
             "help": "paced: generate only what trains within max_staleness, no further ahead than keeps this "
             "trainer busy; staleness: as far ahead as max_staleness allows."
+        },
+    )
+    max_mismatch_kl: float = field(
+        default=0.0,
+        metadata={
+            "help": "With paced admission: a bound on the sampler-trainer mismatch (sampling/mismatch_kl); a version "
+            "over it cuts the lookahead by one (0: no bound)."
         },
     )
     max_buffered_groups: int = field(
@@ -104,6 +112,10 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission is {self.admission!r}; choose one of {', '.join(ADMISSION_MODES)}")
+        if not (math.isfinite(self.max_mismatch_kl) and self.max_mismatch_kl >= 0):
+            raise ValueError(f"max_mismatch_kl is {self.max_mismatch_kl}; give a KL >= 0 (0: no bound)")
+        if self.max_mismatch_kl and self.admission != "paced":
+            raise ValueError("max_mismatch_kl bounds paced admission's lookahead; use --admission paced")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} reward_funcs; "

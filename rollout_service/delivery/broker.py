@@ -233,7 +233,14 @@ class RunBroker:
             self.metrics.groups_returned.labels(self.run_id, "lease_expired").inc(len(returned))
             self._update_gauges()
 
-    def ack(self, consumer_id: str, group_ids: list[str], status: str, trained_at: int | None = None) -> int:
+    def ack(
+        self,
+        consumer_id: str,
+        group_ids: list[str],
+        status: str,
+        trained_at: int | None = None,
+        mismatch_kl: float | None = None,
+    ) -> int:
         """Remove acked groups; returns how many were newly acked (repeats are no-ops)."""
         leased = self.leases.get(consumer_id, {})
         newly = 0
@@ -261,7 +268,7 @@ class RunBroker:
             self.ack_counts[status] += 1
             self.ledger.acked(group, status)
             if status == ACK_TRAINED:
-                self.admission.trained(trained_at)
+                self.admission.trained(trained_at, mismatch_kl)
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             self.store.ack(self.run_id, [group_id], status)
             newly += 1

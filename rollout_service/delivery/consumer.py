@@ -34,6 +34,8 @@ class Ack:
     group_ids: list[str]
     status: str
     policy_version: int | None = None
+    mismatch_kl: float | None = None
+    """The sampler-trainer mismatch the consumer measured training them (None: not measured)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,9 @@ class ConsumerSession:
             self._check_credits(self.credits + request.groups)
             self.credits += request.groups
         else:
-            self.broker.ack(self.consumer_id, request.group_ids, request.status, request.policy_version)
+            self.broker.ack(
+                self.consumer_id, request.group_ids, request.status, request.policy_version, request.mismatch_kl
+            )
 
     def wake(self) -> None:
         self._changed.set()

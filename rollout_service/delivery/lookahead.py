@@ -7,6 +7,11 @@ consumer waited with nothing to take, and *slack*, the least time a group taken 
 version or the one before sat buffered (two versions, so a version whose trainer waited does
 not cut the lookahead right back). Each version of ``step`` seconds moves it by
 ``GAIN * (TARGET_SLACK * step - slack + starved) / step``.
+
+With ``max_mismatch_kl``, the largest mismatch the consumers report in a version (the k3
+KL(pi_vllm || pi_trainer) of what they trained, which grows with staleness) has the last word:
+over the bound the lookahead drops a version; within half of it of the bound it may not grow.
+Pacing keeps the trainer busy; the bound keeps what it trains near enough on-policy.
 """
 
 from __future__ import annotations
@@ -23,8 +28,17 @@ TARGET_SLACK = 0.1
 class Lookahead:
     """The lookahead of one run, in trainer versions, learned from its consumers' waits."""
 
-    def __init__(self, max_versions: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_versions: int, clock: Callable[[], float] = time.monotonic, max_mismatch_kl: float = 0.0
+    ) -> None:
         self.max_versions = max_versions
+        self.max_mismatch_kl = max_mismatch_kl
+        """0: no bound."""
+        self.mismatch_kl = 0.0
+        """The largest mismatch reported in the last version that reported one."""
+        self.cuts = 0
+        """Versions whose mismatch was over the bound."""
+        self._version_mismatch: float | None = None
         self.clock = clock
         now = clock()
         self.versions = float(max_versions)
@@ -47,6 +61,10 @@ class Lookahead:
         if self.consumers_waiting == 0:
             self._starved += self.clock() - self._waiting_since
 
+    def mismatch_reported(self, kl: float) -> None:
+        """A consumer trained groups at this mismatch."""
+        self._version_mismatch = kl if self._version_mismatch is None else max(self._version_mismatch, kl)
+
     def group_taken(self, seconds_buffered: float) -> None:
         self._slack = seconds_buffered if self._slack is None else min(self._slack, seconds_buffered)
 
@@ -62,12 +80,23 @@ class Lookahead:
         if self.consumers_waiting:
             starved += now - self._waiting_since
             self._waiting_since = now
-        slack = self._slack
-        self._version_started, self._starved, self._slack = now, 0.0, None
-        if step <= 0 or (slack is None and starved == 0):
-            return  # nothing was taken and nobody waited: nothing to learn from
-        slack = slack or 0.0
-        steady_slack = min(slack, self._previous_slack)
-        self._previous_slack = slack
-        error = (TARGET_SLACK * step - steady_slack + starved) / step
-        self.restore(self.versions + GAIN * error)
+        slack, mismatch = self._slack, self._version_mismatch
+        self._version_started, self._starved, self._slack, self._version_mismatch = now, 0.0, None, None
+        paced = self.versions
+        if step > 0 and (slack is not None or starved > 0):  # else nothing was taken and nobody waited
+            steady_slack = min(slack or 0.0, self._previous_slack)
+            self._previous_slack = slack or 0.0
+            paced += GAIN * (TARGET_SLACK * step - steady_slack + starved) / step
+        self.restore(self._bounded(paced, mismatch))
+
+    def _bounded(self, paced: float, mismatch: float | None) -> float:
+        """Pacing's lookahead, held to the mismatch bound by this version's report."""
+        if not self.max_mismatch_kl or mismatch is None:
+            return paced
+        self.mismatch_kl = mismatch
+        if mismatch > self.max_mismatch_kl:
+            self.cuts += 1
+            return min(paced, self.versions - 1)
+        if mismatch > self.max_mismatch_kl / 2:  # no headroom: hold
+            return min(paced, self.versions)
+        return paced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -15,6 +16,7 @@ from rollout_service import __version__
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.delivery.ledger import LedgerSnapshot
+from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.edge.group_wire import delivery_response
 from rollout_service.errors import InvalidArgument
 from rollout_service.eval_tally import EvalSpec
@@ -181,6 +183,7 @@ def run_spec_from_pb(spec: pb.RunSpec) -> RunSpec:
         group_deadline_s=spec.group_deadline_seconds,
         min_group_size=spec.min_group_size,
         eval=eval_spec_from_pb(spec.eval) if spec.HasField("eval") else None,
+        max_mismatch_kl=spec.max_mismatch_kl,
     )
 
 
@@ -221,6 +224,7 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
         min_group_size=spec.min_group_size,
         episode=episode_to_pb(spec.episode) if spec.episode.multi_turn else None,
         eval=pb.EvalSpec(policy_version=spec.eval.policy_version) if spec.eval is not None else None,
+        max_mismatch_kl=spec.max_mismatch_kl,
     )
     if spec.source_kind == "dataset":
         out.prompt_source.dataset = spec.dataset
@@ -235,17 +239,22 @@ def ledger_to_pb(snapshot: LedgerSnapshot) -> pb.GoodputLedger:
     fields = {
         name: pb.LedgerEntry(tokens=c.tokens, engine_seconds=c.seconds, groups=c.groups) for name, c in entries.items()
     }
-    return pb.GoodputLedger(
-        **fields,
-        goodput=snapshot.goodput,
-        goodput_seconds=snapshot.goodput_seconds,
+    return pb.GoodputLedger(**fields, goodput=snapshot.goodput, goodput_seconds=snapshot.goodput_seconds)
+
+
+def mismatch_control_to_pb(lookahead: Lookahead) -> pb.MismatchControl:
+    return pb.MismatchControl(
+        max_mismatch_kl=lookahead.max_mismatch_kl,
+        mismatch_kl=lookahead.mismatch_kl,
+        lookahead_versions=lookahead.versions,
+        cuts=lookahead.cuts,
     )
 
 
 def run_stats_to_pb(run: Run) -> pb.RunStats:
     b, a = run.broker, run.admission
     ledger = b.goodput()
-    return pb.RunStats(
+    stats = pb.RunStats(
         **asdict(run.counters),  # named as in the message
         tokens_generated=ledger.generated.tokens,
         ledger=ledger_to_pb(ledger),
@@ -260,6 +269,9 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         admission_wait_seconds=a.admission_wait_seconds,
         lookahead_versions=a.lookahead_versions,
     )
+    if a.lookahead is not None:
+        stats.ledger.control.CopyFrom(mismatch_control_to_pb(a.lookahead))
+    return stats
 
 
 def stats_to_pb(stats: ServiceStats, runs: Iterable[Run]) -> pb.GetStatsResponse:
@@ -332,7 +344,10 @@ def consumer_request_from_pb(message: pb.StreamSamplesRequest) -> ConsumerReques
         if ack.status not in ACK_FROM_PB:
             raise InvalidArgument(f"ack.status {ack.status} is not a known AckStatus")
         trained_at = ack.policy_version if ack.HasField("policy_version") else None
-        return Ack(list(ack.group_ids), ACK_FROM_PB[ack.status], trained_at)
+        mismatch = ack.mismatch_kl if ack.HasField("mismatch_kl") else None
+        if mismatch is not None and not (math.isfinite(mismatch) and mismatch >= 0):
+            raise InvalidArgument(f"ack.mismatch_kl is {mismatch}; send a finite KL >= 0, or leave it unset")
+        return Ack(list(ack.group_ids), ACK_FROM_PB[ack.status], trained_at, mismatch)
     if kind == "subscribe":
         raise InvalidArgument("subscribe may only be the first message of a stream")
     raise InvalidArgument("empty StreamSamplesRequest: set one of subscribe, credit or ack")

@@ -106,7 +106,11 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
 
 def assert_ledger_balances(ledger: pb.GoodputLedger) -> None:
     """Every token and engine second that came in is in exactly one place."""
-    entries = {field.name: getattr(ledger, field.name) for field in ledger.DESCRIPTOR.fields if field.message_type}
+    entries = {
+        field.name: getattr(ledger, field.name)
+        for field in ledger.DESCRIPTOR.fields
+        if field.message_type is pb.LedgerEntry.DESCRIPTOR
+    }
     incoming = [entries.pop(name) for name in ("generated", "restored")]
     entries.pop("trained_zero_advantage")  # a part of trained
     assert sum(e.tokens for e in entries.values()) == sum(e.tokens for e in incoming), ledger
@@ -152,7 +156,8 @@ def cpu_list(text: str) -> frozenset[int]:
 async def test_data_parallel_ranks_train_disjoint_groups_in_step(
     service_process: str, tiny_model: Path, tmp_path: Path
 ) -> None:
-    """Two ranks under torchrun (gloo DDP on CPU) consume one run: disjoint groups, equal weights."""
+    """Two ranks under torchrun (gloo DDP on CPU) consume one run: disjoint groups, equal weights.
+    Their acks carry each step's mismatch, which a bound no run can meet turns into lookahead cuts."""
     await wait_until(lambda: serving(service_process), 60, "the service process to serve")
     out = tmp_path / "train"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer_client.cli"]
@@ -160,7 +165,7 @@ async def test_data_parallel_ranks_train_disjoint_groups_in_step(
     command += tiny_model_flags(
         max_steps=STEPS, num_generations=4, per_device_train_batch_size=4, max_completion_length=16
     )
-    command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out)]
+    command += ["--max-staleness", str(MAX_STALENESS), "--output-dir", str(out), "--max-mismatch-kl", "1e-9"]
     returncode, output = await run_to_end(command, 240)
     assert returncode == 0, output[-3000:]
 
@@ -183,4 +188,8 @@ async def test_data_parallel_ranks_train_disjoint_groups_in_step(
         assert stats.groups_dropped_stale == summary["groups_dropped_stale"]
         held = stats.groups_buffered + stats.groups_leased
         assert stats.groups_scored == stats.groups_trained + stats.groups_dropped_stale + held
+        control = stats.ledger.control
+        assert control.max_mismatch_kl == 1e-9 and control.mismatch_kl > 1e-9 and control.cuts >= 1, control
+        assert control.lookahead_versions == stats.lookahead_versions < MAX_STALENESS
+        assert records[-1]["goodput"] > 0
         await restore_base_weights(client, summary["run_id"], tiny_model)

@@ -281,11 +281,13 @@ class GroupFeed:
             policy_version, self.training_version, self.max_staleness
         )
 
-    def ack_trained(self, group_ids: list[str], version: int | None = None) -> None:
-        """``version``: the policy version they were trained at (default: the trainer's now)."""
+    def ack_trained(self, group_ids: list[str], version: int | None = None, mismatch_kl: float | None = None) -> None:
+        """``version``: the policy version they were trained at (default: the trainer's now);
+        ``mismatch_kl``: the sampler-trainer mismatch measured training them (None: not measured)."""
         self.counters.trained += len(group_ids)
         self.counters.trained_group_ids.extend(group_ids)
-        self._ack(group_ids, pb.ACK_STATUS_TRAINED, self.training_version if version is None else version)
+        version = self.training_version if version is None else version
+        self._ack(group_ids, pb.ACK_STATUS_TRAINED, version, mismatch_kl)
 
     def ack_dropped_stale(self, group_ids: list[str]) -> None:
         self.counters.dropped_stale += len(group_ids)
@@ -303,10 +305,18 @@ class GroupFeed:
             flushed.cancel()
             logger.warning("acks not written within %.0fs; the stream may be down", timeout_s)
 
-    def _ack(self, group_ids: list[str], status: pb.AckStatus.ValueType, version: int | None = None) -> None:
+    def _ack(
+        self,
+        group_ids: list[str],
+        status: pb.AckStatus.ValueType,
+        version: int | None = None,
+        mismatch_kl: float | None = None,
+    ) -> None:
         stream = self._stream
         assert stream is not None
         for group_id in group_ids:
             self._acked[status].add(group_id)
         with self.clock.measure("ack"):
-            self._loop.call_soon_threadsafe(functools.partial(stream.ack, group_ids, status, policy_version=version))
+            self._loop.call_soon_threadsafe(
+                functools.partial(stream.ack, group_ids, status, policy_version=version, mismatch_kl=mismatch_kl)
+            )

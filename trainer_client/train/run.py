@@ -89,6 +89,7 @@ async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions,
         min_group_size=options.min_group_size,
         serve_adapter=serve_adapter,
         admission=ADMISSION_MODES[options.admission],
+        max_mismatch_kl=options.max_mismatch_kl,
         await_first_update=options.push,  # groups made before this trainer's first push would only be dropped
     )
     if options.streams_prompts:

@@ -184,7 +184,7 @@ class SyncAndAck(TrainerCallback):
         if due and not background:
             # Push before acking: an ack frees admission for groups that must sample the new weights.
             self._push(state)
-        trainer.feed.ack_trained(list(book.group_ids), trained_at)
+        trainer.feed.ack_trained(list(book.group_ids), trained_at, book.mismatch_kl)
         trainer.feed.ack_dropped_stale(list(book.stale_group_ids))
         trainer.feed.flush_acks()
         record = trainer.step_record(state.global_step, book, trained_at)

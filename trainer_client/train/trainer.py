@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import statistics
 import time
 from typing import Any
@@ -47,6 +48,12 @@ class StepBook:
         self.rewards: list[float] = []
         self.staleness: list[int] = []
         self.loss_metrics: dict[str, list[float]] = {}
+
+    @property
+    def mismatch_kl(self) -> float | None:
+        """The step's sampler-trainer mismatch over this rank's micro-batches; None where vLLM gave no log-probs."""
+        values = [v for v in self.loss_metrics.get("sampling/mismatch_kl", []) if math.isfinite(v)]
+        return statistics.fmean(values) if values else None
 
 
 class StreamGRPOTrainer(Trainer):

@@ -6,7 +6,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from rollout_api import rollout_pb2 as pb
-from rollout_api.client import RolloutClient
+from rollout_api.client import RolloutClient, ledger_record
 from rollout_api.top import render, snapshot
 from rollout_service.config import SecuritySettings
 from rollout_service.edge.cli import app
@@ -85,3 +85,19 @@ def test_a_stalled_run_says_which_side_stopped() -> None:
     rows = {line.split()[0]: line for line in runs_table if line.strip().startswith("run-")}
     assert "running" in rows["run-a"] and "stalled" not in rows["run-a"]
     assert "running (stalled: generation)" in rows["run-b"]
+
+
+def test_a_ledger_flattens_into_a_metrics_record() -> None:
+    ledger = pb.GoodputLedger(
+        generated=pb.LedgerEntry(tokens=100, engine_seconds=2.0),
+        trained=pb.LedgerEntry(tokens=60, engine_seconds=1.25, groups=3),
+        goodput=0.6,
+        goodput_seconds=0.625,
+    )
+    record = ledger_record(ledger)
+    assert record["goodput"] == 0.6 and record["ledger_tokens/trained"] == 60
+    assert record["ledger_engine_seconds/generated"] == 2.0 and record["ledger_tokens/leased"] == 0
+    assert not any(key.startswith("control/") for key in record)  # no bound, no controller
+    ledger.control.CopyFrom(pb.MismatchControl(max_mismatch_kl=0.05, mismatch_kl=0.07, lookahead_versions=1.0, cuts=2))
+    record = ledger_record(ledger)
+    assert (record["control/mismatch_kl"], record["control/cuts"], record["control/lookahead_versions"]) == (0.07, 2, 1)

@@ -167,6 +167,8 @@ def test_bf16_follows_the_flag_or_the_hardware(
     [
         (["--vllm_importance_sampling_mode", "sequence"], "choose one of token_truncate, token_mask"),
         (["--vllm_importance_sampling_clip_max", "0.5"], "it must be > 1"),
+        (["--max_mismatch_kl", "0.1", "--admission", "staleness"], "bounds paced admission's lookahead"),
+        (["--max_mismatch_kl", "-1"], "max_mismatch_kl is -1.0; give a KL >= 0"),
         (["--vllm_importance_sampling_cap", "0.5"], "vllm_importance_sampling_clip_max is 0.5; it must be > 1"),
         (["--vllm_importance_sampling_clip_min", "1.5"], "vllm_importance_sampling_clip_min is 1.5; it must be in"),
         (["--num_generations", "4", "--per_device_train_batch_size", "6"], "must be a multiple of num_generations 4"),

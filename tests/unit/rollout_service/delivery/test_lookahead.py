@@ -2,17 +2,23 @@
 checked against worked numbers (gain 0.5, target slack 0.1 of a step)."""
 
 import asyncio
+import re
 
 import pytest
 
+from rollout_api import rollout_pb2 as pb
 from rollout_service.delivery.admission import RunAdmission
 from rollout_service.delivery.broker import ACK_TRAINED, RunBroker
+from rollout_service.delivery.consumer import Ack
 from rollout_service.delivery.lookahead import Lookahead
+from rollout_service.edge.convert import consumer_request_from_pb, run_spec_from_pb, run_spec_to_pb
+from rollout_service.errors import InvalidArgument
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.runs import RunSpec
 from rollout_service.types import SamplingParams
 from tests.support import wait_until
+from tests.unit.rollout_service.builders import spec
 from tests.unit.rollout_service.delivery.broker_helpers import Clock, produce
 from tests.unit.scripted import ScriptedGroupEngine, make_service
 
@@ -93,6 +99,48 @@ def test_a_wait_that_spans_a_version_end_counts_in_both_versions() -> None:
     clock.now += 0.5
     lookahead.version_ended()  # (0.1 + 0.5) / 1 -> +0.3
     assert lookahead.versions == pytest.approx(0.85)
+
+
+async def test_a_mismatch_over_the_bound_cuts_a_version_whatever_pacing_asks() -> None:
+    """Bound 0.02: over it, a version off (though the trainer starved and pacing would raise
+    it); between 0.01 and 0.02, held; under 0.01, pacing decides again."""
+    clock = Clock()
+    lookahead = Lookahead(4, clock=clock, max_mismatch_kl=0.02)
+    lookahead.mismatch_reported(0.01)
+    lookahead.mismatch_reported(0.03)  # the version's worst counts
+    version(lookahead, clock, 1.0, slack=None, starved=0.5)  # pacing alone: +0.5 * (0.1 + 0.5) = +0.3
+    assert (lookahead.versions, lookahead.cuts, lookahead.mismatch_kl) == (3.0, 1, 0.03)
+    lookahead.mismatch_reported(0.015)
+    version(lookahead, clock, 1.0, slack=None, starved=0.5)  # no headroom: not raised
+    assert (lookahead.versions, lookahead.cuts) == (3.0, 1)
+    lookahead.mismatch_reported(0.004)
+    version(lookahead, clock, 1.0, slack=None, starved=0.5)  # headroom: pacing raises it
+    assert lookahead.versions == pytest.approx(3.3) and lookahead.mismatch_kl == 0.004
+    for _ in range(5):  # it never goes below 0
+        lookahead.mismatch_reported(1.0)
+        version(lookahead, clock, 1.0, slack=None)  # nothing taken, nobody waited: only the bound speaks
+    assert lookahead.versions == 0.0 and lookahead.cuts == 6
+    version(lookahead, clock, 1.0, slack=0.1)  # no report: pacing's (0.1 - min(0.1, 0)) / 1, halved
+    assert lookahead.versions == pytest.approx(0.05) and lookahead.mismatch_kl == 1.0
+
+
+def test_without_a_bound_the_reports_change_nothing() -> None:
+    clock, bounded = Clock(), Clock()
+    free, reported = Lookahead(2, clock=clock), Lookahead(2, clock=bounded)
+    for lookahead, c in ((free, clock), (reported, bounded)):
+        lookahead.mismatch_reported(5.0)
+        version(lookahead, c, 2.0, slack=1.2)
+    assert free.versions == reported.versions and reported.cuts == 0
+
+
+def test_acks_carry_their_mismatch_to_the_lookahead() -> None:
+    metrics = ServiceMetrics()
+    lookahead = Lookahead(2, max_mismatch_kl=0.1)
+    admission = RunAdmission("r", metrics, max_staleness=2, lookahead=lookahead)
+    admission.trained(0, mismatch_kl=0.5)
+    admission.trained(0)  # unmeasured: no report
+    admission.set_trainer_version(1)  # the version ends
+    assert (lookahead.cuts, lookahead.versions, lookahead.mismatch_kl) == (1, 1.0, 0.5)
 
 
 async def test_groups_that_waited_in_the_broker_lower_what_admission_lets_start() -> None:
@@ -202,3 +250,28 @@ async def test_a_trainer_slower_than_generation_trains_fresher_groups_under_pace
     assert full_lookahead == 2.0 and full >= 1.9
     # Paced admission starts them about one step ahead, or just in time.
     assert paced_lookahead < 1.5 and paced <= 1.0, (paced, paced_lookahead)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_mismatch_kl": -0.1}, "max_mismatch_kl is -0.1; it must be a finite number in [0, 100]"),
+        ({"max_mismatch_kl": float("nan")}, "max_mismatch_kl is nan"),
+        ({"max_mismatch_kl": 0.1, "admission": "staleness"}, "set admission ADMISSION_MODE_PACED"),
+        ({"max_mismatch_kl": 0.1, "max_staleness": 0}, "and max_staleness > 0"),
+    ],
+)
+def test_a_bad_mismatch_bound_says_what_to_change(fields, message) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        spec([[1]], **fields).validate()
+
+
+def test_the_bound_and_the_acks_mismatch_go_over_the_wire() -> None:
+    message = pb.RunSpec(group_size=2, max_mismatch_kl=0.05)
+    message.prompt_source.dataset = "letters"
+    assert run_spec_to_pb(run_spec_from_pb(message)).max_mismatch_kl == 0.05
+    ack = consumer_request_from_pb(pb.StreamSamplesRequest(ack=pb.Ack(group_ids=["g"], mismatch_kl=0.25)))
+    assert isinstance(ack, Ack) and ack.mismatch_kl == 0.25
+    assert consumer_request_from_pb(pb.StreamSamplesRequest(ack=pb.Ack(group_ids=["g"]))).mismatch_kl is None
+    with pytest.raises(InvalidArgument, match=re.escape("ack.mismatch_kl is nan; send a finite KL >= 0")):
+        consumer_request_from_pb(pb.StreamSamplesRequest(ack=pb.Ack(group_ids=["g"], mismatch_kl=float("nan"))))
