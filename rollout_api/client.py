@@ -112,15 +112,28 @@ def paced_lookahead(run: pb.Run | None) -> float | None:
     return run.stats.lookahead_versions
 
 
-async def ledger_now(client: RolloutClient, run_id: str) -> dict[str, float]:
-    """The run's goodput ledger as ``ledger_record`` flattens it; empty while the service does not
-    answer (a trainer's stream reports that itself)."""
+async def books_now(client: RolloutClient, run_id: str) -> dict[str, float | str]:
+    """The run's goodput ledger and bias audit as ``ledger_record`` and ``audit_record`` flatten
+    them; empty while the service does not answer (a trainer's stream reports that itself)."""
     try:
         run = await client.get_run(run_id)
     except (grpc.RpcError, TimeoutError) as exc:
         logger.debug("no ledger of run %s now: %r", run_id, exc)
         return {}
-    return ledger_record(run.stats.ledger)
+    return {**ledger_record(run.stats.ledger), **audit_record(run.stats.audit)}
+
+
+def audit_record(audit: pb.BiasAudit) -> dict[str, float | str]:
+    """The bias audit as flat values for a metrics record: ``audit/<feature>/smd`` and ``/ks``,
+    ``audit/prompt_coverage``, ``audit/staleness_mean`` and ``audit/flagged`` (comma-separated)."""
+    record: dict[str, float | str] = {}
+    for drift in audit.features:
+        record[f"audit/{drift.feature}/smd"] = drift.smd
+        record[f"audit/{drift.feature}/ks"] = drift.ks
+    record["audit/prompt_coverage"] = audit.prompt_coverage
+    record["audit/staleness_mean"] = audit.staleness_mean
+    record["audit/flagged"] = ",".join(audit.flagged)
+    return record
 
 
 def ledger_record(ledger: pb.GoodputLedger) -> dict[str, float]:

@@ -47,8 +47,10 @@ LEDGER_COLUMNS = (
     "filtered",
     "in flight",
     "held",
+    "drift",
 )
-"""The goodput ledger in tokens: where each run's generated tokens went."""
+"""The goodput ledger in tokens: where each run's generated tokens went; and what the bias audit
+flags (trained groups unlike the started ones)."""
 
 
 def render(stats: pb.GetStatsResponse, runs: Mapping[str, pb.Run]) -> Group:
@@ -98,6 +100,7 @@ def ledger_table(stats: pb.GetStatsResponse) -> Table:
             *(str(entry.tokens) for entry in settled),
             str(ledger.in_flight.tokens),
             str(ledger.buffered.tokens + ledger.leased.tokens),
+            ",".join(stats.runs[run_id].audit.flagged) or "-",
         )
     return table
 

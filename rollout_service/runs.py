@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from rollout_service.delivery.admission import RunAdmission
+from rollout_service.delivery.audit import BiasAudit
 from rollout_service.delivery.broker import RunBroker
 from rollout_service.delivery.ledger import GoodputLedger
 from rollout_service.errors import InvalidArgument, NotFound, echo
@@ -263,6 +264,11 @@ class Run:
     def admission(self) -> RunAdmission:
         """The run's versions and staleness bound (its broker consults them)."""
         return self.broker.admission
+
+    @property
+    def audit(self) -> BiasAudit:
+        """Whether what the run trains looks like what it starts (its broker reports the trained)."""
+        return self.broker.audit
 
     @property
     def ledger(self) -> GoodputLedger:

@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from rollout_service.delivery.admission import RunAdmission
+from rollout_service.delivery.audit import BiasAudit
 from rollout_service.delivery.ledger import GoodputLedger, LedgerSnapshot
 from rollout_service.delivery.state_store import ACKED_KEPT, MemoryStore, StateStore
 from rollout_service.errors import AlreadyExists, FailedPrecondition, echo
@@ -73,6 +74,8 @@ class RunBroker:
         """group id -> when ``put`` buffered it (paced admission's slack)."""
         self.ledger = GoodputLedger()
         """Where the run's generated tokens went; the broker settles what consumers ack."""
+        self.audit = BiasAudit(run_id)
+        """Whether what the run trains looks like what it starts; the broker tells it what is trained."""
         self.reserved = 0
         self.closed = False
         self.draining = False
@@ -269,6 +272,8 @@ class RunBroker:
             self.ledger.acked(group, status)
             if status == ACK_TRAINED:
                 self.admission.trained(trained_at, mismatch_kl)
+                version = self.admission.trainer_version if trained_at is None else trained_at
+                self.audit.trained(group, max(0, version - group.policy_version))
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             self.store.ack(self.run_id, [group_id], status)
             newly += 1

@@ -13,6 +13,7 @@ from google.protobuf.descriptor import Descriptor
 from rollout_api import rollout_pb2 as pb
 from rollout_common.staleness import DEFAULT_MAX_STALENESS
 from rollout_service import __version__
+from rollout_service.delivery.audit import AuditReport
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequest, Credit, WeightsWanted
 from rollout_service.delivery.ledger import LedgerSnapshot
@@ -242,6 +243,12 @@ def ledger_to_pb(snapshot: LedgerSnapshot) -> pb.GoodputLedger:
     return pb.GoodputLedger(**fields, goodput=snapshot.goodput, goodput_seconds=snapshot.goodput_seconds)
 
 
+def audit_to_pb(report: AuditReport) -> pb.BiasAudit:
+    fields = {name: value for name, value in vars(report).items() if name not in ("features", "flagged")}
+    features = [pb.FeatureDrift(**vars(drift)) for drift in report.features]
+    return pb.BiasAudit(**fields, features=features, flagged=list(report.flagged))
+
+
 def mismatch_control_to_pb(lookahead: Lookahead) -> pb.MismatchControl:
     return pb.MismatchControl(
         max_mismatch_kl=lookahead.max_mismatch_kl,
@@ -258,6 +265,7 @@ def run_stats_to_pb(run: Run) -> pb.RunStats:
         **asdict(run.counters),  # named as in the message
         tokens_generated=ledger.generated.tokens,
         ledger=ledger_to_pb(ledger),
+        audit=audit_to_pb(b.audit.report()),
         groups_trained=b.ack_counts[ACK_TRAINED],
         groups_dropped_stale=b.ack_counts[ACK_DROPPED_STALE],
         groups_buffered=len(b.buffered),

@@ -319,6 +319,8 @@ class ExternalEpisodes:
         run.counters.groups_scored += 1
         self.metrics.groups_scored.labels(run.run_id).inc()
         run.ledger.external_group(tokens, None)
+        run.audit.started(scored.prompt)
+        run.audit.scored(scored)
         await run.broker.put(scored)
         logger.info("external group %s of run %s: %d episodes scored", group_id, run.run_id, len(episodes))
 

@@ -188,6 +188,7 @@ class Scheduler:
         group_id = f"{run.run_id}/{prompt.index}/{uuid.uuid4().hex[:8]}"
         run.counters.groups_started += 1
         self.metrics.groups_started.labels(run.run_id).inc()
+        run.audit.started(prompt)
         started = time.monotonic()
         if self._samples_group_at_once(run):
             members, expected = await self._start_group_request(run, prompt, group_id), 1
@@ -387,6 +388,7 @@ class Scheduler:
             if run.eval is not None:
                 self.evaluations.record(run, scored)
             scored.engine_seconds = run.ledger.group_scored(group_id)
+            run.audit.scored(scored)
             await run.broker.put(scored)
         finally:
             run.ledger.group_dropped(group_id, "cancelled")  # a no-op unless the run's stop cancelled it

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import (
     RolloutClient,
+    audit_record,
     dataset_run_spec,
     final_run,
     ledger_record,
@@ -239,6 +240,7 @@ def train(config: AsyncGRPOConfig, options: RunOptions, model_options: ModelOpti
     run = asyncio.run(final_run(target, run_id))
     summary["time_split"] = with_lookahead(summary["time_split"], paced_lookahead(run), config.max_staleness)
     summary["ledger"] = ledger_record(run.stats.ledger) if run is not None else None
+    summary["audit"] = audit_record(run.stats.audit) if run is not None else None
     summary["torch_threads"] = threads
     summary["precision"] = precision.name(config.bf16)
     if evaluator is not None:

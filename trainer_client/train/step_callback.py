@@ -13,7 +13,7 @@ from typing import Any
 from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 
-from rollout_api.client import ledger_now
+from rollout_api.client import books_now
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.step_timing import COMPUTE_CPU, step_seconds
 from trainer_client.train import fsdp
@@ -202,7 +202,7 @@ class SyncAndAck(TrainerCallback):
         self._step_started = now
         if state.is_world_process_zero:
             # as the service has it now: this step's acks may still be on their way
-            record.update(trainer.feed.call(ledger_now(trainer.feed.client, trainer.feed.run_id)))
+            record.update(trainer.feed.call(books_now(trainer.feed.client, trainer.feed.run_id)))
         trainer.step_metrics = scalar_metrics(record)
         if state.is_world_process_zero:
             path = Path(args.output_dir) / "metrics.jsonl"
