@@ -97,13 +97,18 @@ MODEL_SIZES = {
 }
 
 
-async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dict[str, Any]]]:
+async def benchmark(
+    args: argparse.Namespace, variants: dict[str, list[str]] | None = None, alone: bool = True
+) -> tuple[list[RunResult], list[dict[str, Any]]]:
+    """``variants``: the project's contenders (default: its defaults and ``--variant``s); ``alone``:
+    measure each side alone before every seed (other benchmarks reuse this one without it)."""
     from rich.progress import Progress
 
     from rollout_service.app import running_service
     from rollout_service.config import load_settings
 
-    variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
+    if variants is None:
+        variants = {"project": [], **{name: shlex.split(flags) for name, flags in args.variant}}
     contenders = trl_contenders(args) + list(variants)
     results: list[RunResult] = []
     alone_rounds: list[dict[str, Any]] = []
@@ -125,8 +130,10 @@ async def benchmark(args: argparse.Namespace) -> tuple[list[RunResult], list[dic
                     # Each side alone, again before every seed's runs (round i before seed i):
                     # this machine's speed drifts by 10-20% between sittings, and a ratio to an
                     # ideal measured minutes earlier carries that drift.
-                    progress.update(task, description=f"seed {seed}: each side alone")
-                    alone_rounds.append(await measure_alone(args, service.grpc_target, engine_url, one_step=seed == 0))
+                    if alone:
+                        progress.update(task, description=f"seed {seed}: each side alone")
+                        one_step = seed == 0
+                        alone_rounds.append(await measure_alone(args, service.grpc_target, engine_url, one_step))
                     shift = seed % len(contenders)
                     for name in contenders[shift:] + contenders[:shift]:  # rotate: no contender always first
                         progress.update(task, description=f"seed {seed}: {name}")

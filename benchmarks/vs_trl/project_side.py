@@ -103,5 +103,9 @@ async def run_project(
             "correction": correction_over_run(records),
             "lookahead_versions": run.stats.lookahead_versions,
             "staleness_trained": statistics.fmean(r["mean_staleness_trained"] for r in records[1:] or records),
+            "mismatch_kl": [r.get("sampling/mismatch_kl", float("nan")) for r in records],
+            "staleness_by_step": [r["mean_staleness_trained"] for r in records],
+            "goodput": run.stats.ledger.goodput,
+            "control": {field.name: value for field, value in run.stats.ledger.control.ListFields()},
         },
     )

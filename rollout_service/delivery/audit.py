@@ -35,7 +35,7 @@ COVERAGE_MIN_REPEATS = 4.0
 with fewer, a uniformly dropped prompt is often missing from the trained window by chance (e^-4
 of them at 4), and with a prompt set much larger than the window coverage is just the share of
 groups trained."""
-ADVICE = "drops are biased: prefer paced admission or a larger max_staleness"
+ADVICE = "drops are biased toward fast prompts: a larger max_staleness lets slow groups finish"
 
 
 def prompt_key(prompt: PromptItem) -> PromptKey:

@@ -8,9 +8,10 @@ version or the one before sat buffered (two versions, so a version whose trainer
 not cut the lookahead right back). Each version of ``step`` seconds moves it by
 ``GAIN * (TARGET_SLACK * step - slack + starved) / step``.
 
-With ``max_mismatch_kl``, the largest mismatch the consumers report in a version (the k3
-KL(pi_vllm || pi_trainer) of what they trained, which grows with staleness) has the last word:
-over the bound the lookahead drops a version; within half of it of the bound it may not grow.
+With ``max_mismatch_kl`` (which starts the lookahead at one version), the largest mismatch the
+consumers report in a version (the k3 KL(pi_vllm || pi_trainer) of what they trained, which
+grows with staleness) has the last word: over the bound the lookahead drops a version; within
+half of it of the bound it may not grow.
 Pacing keeps the trainer busy; the bound keeps what it trains near enough on-policy.
 """
 
@@ -41,7 +42,9 @@ class Lookahead:
         self._version_mismatch: float | None = None
         self.clock = clock
         now = clock()
-        self.versions = float(max_versions)
+        # A bound starts one version ahead and lets pacing earn the rest: groups admitted at the
+        # full lookahead before the first report would train that stale whatever it says.
+        self.versions = float(min(1, max_versions) if max_mismatch_kl else max_versions)
         self._version_started = now
         self._starved = 0.0
         self.consumers_waiting = 0

@@ -106,6 +106,8 @@ async def test_a_mismatch_over_the_bound_cuts_a_version_whatever_pacing_asks() -
     it); between 0.01 and 0.02, held; under 0.01, pacing decides again."""
     clock = Clock()
     lookahead = Lookahead(4, clock=clock, max_mismatch_kl=0.02)
+    assert lookahead.versions == 1.0  # a bound starts one version ahead, not at max_staleness
+    lookahead.versions = 4.0
     lookahead.mismatch_reported(0.01)
     lookahead.mismatch_reported(0.03)  # the version's worst counts
     version(lookahead, clock, 1.0, slack=None, starved=0.5)  # pacing alone: +0.5 * (0.1 + 0.5) = +0.3
@@ -140,7 +142,7 @@ def test_acks_carry_their_mismatch_to_the_lookahead() -> None:
     admission.trained(0, mismatch_kl=0.5)
     admission.trained(0)  # unmeasured: no report
     admission.set_trainer_version(1)  # the version ends
-    assert (lookahead.cuts, lookahead.versions, lookahead.mismatch_kl) == (1, 1.0, 0.5)
+    assert (lookahead.cuts, lookahead.versions, lookahead.mismatch_kl) == (1, 0.0, 0.5)
 
 
 async def test_groups_that_waited_in_the_broker_lower_what_admission_lets_start() -> None:
