@@ -152,7 +152,7 @@ def test_drops_planted_on_long_hard_prompts_are_flagged_once(caplog: pytest.LogC
     assert len(messages) == 2, messages
     assert sum("completion_length" in m for m in messages) == 1
     assert sum(" reward " in m for m in messages) == 1
-    assert all("run-bias" in m and "paced admission" in m for m in messages)
+    assert all("run-bias" in m and "a larger max_staleness" in m for m in messages)
     assert infos(caplog) == []
 
 
