@@ -205,7 +205,7 @@ class LedgerCollector:
         self.snapshots = snapshots
 
     def collect(self) -> Iterator[Metric]:
-        run_entry = ["run", "entry"]
+        run_entry, run_place = ["run", "entry"], ["run", "place"]
         tokens = CounterMetricFamily(
             "rollout_ledger_tokens", "Tokens each run generated, restored, and settled by outcome", labels=run_entry
         )
@@ -213,10 +213,10 @@ class LedgerCollector:
             "rollout_ledger_engine_seconds", "Engine slot seconds behind the ledger's tokens", labels=run_entry
         )
         held_tokens = GaugeMetricFamily(
-            "rollout_ledger_held_tokens", "Tokens in flight, buffered or leased now", labels=["run", "place"]
+            "rollout_ledger_held_tokens", "Tokens in flight, buffered or leased now", labels=run_place
         )
         held_seconds = GaugeMetricFamily(
-            "rollout_ledger_held_engine_seconds", "Engine seconds in flight, buffered or leased now", ["run", "place"]
+            "rollout_ledger_held_engine_seconds", "Engine seconds in flight, buffered or leased now", labels=run_place
         )
         goodput = GaugeMetricFamily("rollout_goodput", "Trained tokens per generated token", labels=["run"])
         for run_id, snapshot in self.snapshots():

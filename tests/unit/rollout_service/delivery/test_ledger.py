@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from prometheus_client import generate_latest
 
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
 from rollout_service.delivery.ledger import GoodputLedger, LedgerSnapshot, drop_outcome
@@ -144,6 +145,9 @@ async def test_the_books_balance_through_failures_aborts_acks_and_deletion() -> 
             snapshot.buffered.tokens
         )
         assert sample("rollout_goodput", {"run": run.run_id}) == pytest.approx(snapshot.goodput)
+        exposition = generate_latest(service.metrics.registry).decode()  # as /metrics serves it
+        held = f'rollout_ledger_held_engine_seconds{{place="buffered",run="{run.run_id}"}} '
+        assert float(exposition.split(held)[1].split()[0]) == pytest.approx(snapshot.buffered.seconds)
     finally:
         await service.delete_run(run.run_id)
     gone = ledger()
