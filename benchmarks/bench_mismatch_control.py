@@ -56,7 +56,8 @@ def rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
     out = []
     for name in dict.fromkeys(r.contender for r in results):
         mine = [r for r in results if r.contender == name]
-        hits = [hit for r in mine if (hit := r.to_target(target)) is not None]
+        reached = [r.to_target(target) for r in mine]
+        hits = [hit for hit in reached if hit is not None]
         kls = [kl for r in mine for kl in r.extra["mismatch_kl"]]
         control = [r.extra["control"] for r in mine if r.extra["control"]] or [{}]
         out.append(
@@ -64,7 +65,7 @@ def rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
                 "contender": name,
                 "reached": f"{len(hits)}/{len(mine)}",
                 "steps_to_target": statistics.fmean(steps for _, steps in hits) if hits else math.nan,
-                "steps_by_seed": [h[1] if (h := r.to_target(target)) else None for r in mine],
+                "steps_by_seed": [hit[1] if hit else None for hit in reached],
                 "seconds_to_target": statistics.median(s for s, _ in hits) if hits else math.nan,
                 "steps_per_s": statistics.median(r.steps_per_s for r in mine),
                 "mismatch_kl_mean": finite_mean(kls),

@@ -5,6 +5,7 @@ Data flows one way through these; nothing here does I/O.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -101,6 +102,11 @@ class EpisodeResult:
     """The completion without special tokens: TRL's completion text."""
     reward_messages: tuple[dict[str, Any], ...] = ()
     """The completion as TRL's reward functions see it (without special tokens, TRL's ``tool_calls``)."""
+
+    @functools.cached_property
+    def policy_tokens(self) -> int:
+        """Tokens the policy generated (mask 1): counted once, though metrics, the ledger and the audit ask."""
+        return sum(self.mask)
 
 
 @dataclass(eq=False)

@@ -151,13 +151,14 @@ class RunAdmission:
         for old in [v for v in self.trained_by_version if v < ended]:
             del self.trained_by_version[old]
 
-    def trained(self, trained_at: int | None, mismatch_kl: float | None = None) -> None:
+    def trained(self, trained_at: int | None, mismatch_kl: float | None = None) -> int:
         """One group was acked as trained at this version (None: the current T), at this
-        sampler-trainer mismatch (None: not measured)."""
+        sampler-trainer mismatch (None: not measured); returns the version it is counted at."""
         version = self.trainer_version if trained_at is None else trained_at
         self.trained_by_version[version] = self.trained_by_version.get(version, 0) + 1
         if mismatch_kl is not None and self.lookahead is not None:
             self.lookahead.mismatch_reported(mismatch_kl)
+        return version
 
     def forget(self) -> None:
         self._stop_watching()

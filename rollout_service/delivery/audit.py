@@ -53,7 +53,7 @@ class PromptProfile:
     def add(self, group: ScoredGroup) -> None:
         for episode, reward in zip(group.episodes, group.rewards, strict=False):
             self.samples += 1
-            self.completion_length += (sum(episode.mask) - self.completion_length) / self.samples
+            self.completion_length += (episode.policy_tokens - self.completion_length) / self.samples
             self.reward += (reward - self.reward) / self.samples
 
 

@@ -271,8 +271,7 @@ class RunBroker:
             self.ack_counts[status] += 1
             self.ledger.acked(group, status)
             if status == ACK_TRAINED:
-                self.admission.trained(trained_at, mismatch_kl)
-                version = self.admission.trainer_version if trained_at is None else trained_at
+                version = self.admission.trained(trained_at, mismatch_kl)
                 self.audit.trained(group, max(0, version - group.policy_version))
             self.metrics.groups_acked.labels(self.run_id, status).inc()
             self.store.ack(self.run_id, [group_id], status)

@@ -10,6 +10,7 @@ vLLM returned its tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,16 @@ class LedgerSnapshot:
     """Trained groups whose advantages were all zero: trained, but with no learning signal."""
 
     @property
+    def flows(self) -> dict[str, Cost]:
+        """What came in and what settled, by entry (``trained_zero_advantage`` a part of ``trained``)."""
+        return {
+            "generated": self.generated,
+            "restored": self.restored,
+            **self.settled,
+            "trained_zero_advantage": self.trained_zero_advantage,
+        }
+
+    @property
     def stocks(self) -> dict[str, Cost]:
         """Where the tokens not settled yet are."""
         return {"in_flight": self.in_flight, "buffered": self.buffered, "leased": self.leased}
@@ -86,7 +97,7 @@ def drop_outcome(reason: str) -> str:
 
 
 def group_tokens(group: ScoredGroup) -> int:
-    return sum(sum(episode.mask) for episode in group.episodes)
+    return sum(episode.policy_tokens for episode in group.episodes)
 
 
 def group_cost(groups: Iterable[ScoredGroup]) -> Cost:
@@ -188,7 +199,7 @@ class GoodputLedger:
 
 
 def _copy(cost: Cost) -> Cost:
-    return Cost(cost.tokens, cost.seconds, cost.groups)
+    return dataclasses.replace(cost)
 
 
 def _total(costs: Iterable[Cost]) -> Cost:
@@ -220,9 +231,7 @@ class LedgerCollector:
         )
         goodput = GaugeMetricFamily("rollout_goodput", "Trained tokens per generated token", labels=["run"])
         for run_id, snapshot in self.snapshots():
-            flows = {"generated": snapshot.generated, "restored": snapshot.restored, **snapshot.settled}
-            flows["trained_zero_advantage"] = snapshot.trained_zero_advantage
-            for entry, cost in flows.items():
+            for entry, cost in snapshot.flows.items():
                 tokens.add_metric([run_id, entry], cost.tokens)
                 seconds.add_metric([run_id, entry], cost.seconds)
             for place, cost in snapshot.stocks.items():

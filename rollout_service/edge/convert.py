@@ -235,8 +235,7 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
 
 
 def ledger_to_pb(snapshot: LedgerSnapshot) -> pb.GoodputLedger:
-    entries = {"generated": snapshot.generated, "restored": snapshot.restored, **snapshot.settled, **snapshot.stocks}
-    entries["trained_zero_advantage"] = snapshot.trained_zero_advantage
+    entries = {**snapshot.flows, **snapshot.stocks}
     fields = {
         name: pb.LedgerEntry(tokens=c.tokens, engine_seconds=c.seconds, groups=c.groups) for name, c in entries.items()
     }

@@ -282,7 +282,7 @@ class ExternalEpisodes:
         seconds = time.monotonic() - min(m.started for m in members)
         run.counters.groups_started += 1
         self.metrics.groups_started.labels(run.run_id).inc()
-        tokens = sum(sum(e.mask) for e in episodes)
+        tokens = sum(e.policy_tokens for e in episodes)
         if not await run.broker.reserve():
             run.ledger.external_group(tokens, "cancelled")
             raise FailedPrecondition(f"run {run.run_id} is stopped; its groups are no longer taken")
@@ -305,10 +305,9 @@ class ExternalEpisodes:
                 scored = await self.scorer.score(run, members[0].prompt, group_id, episodes, seconds)
         except BaseException as exc:
             await run.broker.unreserve()
-            if not isinstance(exc, RewardError):
-                run.ledger.external_group(tokens, "failed")
-                raise
             run.ledger.external_group(tokens, "failed")
+            if not isinstance(exc, RewardError):
+                raise
             run.counters.groups_dropped += 1
             self.metrics.groups_dropped.labels(run.run_id, "reward").inc()
             logger.warning("external group %s of run %s could not be scored: %s", group_id, run.run_id, exc)

@@ -249,7 +249,7 @@ class Scheduler:
         if task.cancelled() or task.exception() is not None:
             run.ledger.member_cut(group_id, seconds)
         else:
-            run.ledger.member_finished(group_id, sum(sum(r.mask) for r in task.result()), seconds)
+            run.ledger.member_finished(group_id, sum(r.policy_tokens for r in task.result()), seconds)
 
     async def _run_member(
         self, run: Run, prompt: PromptItem, params: SamplingParams, group_id: str, index: int
@@ -294,7 +294,7 @@ class Scheduler:
         return results
 
     def _count_episode(self, run: Run, result: EpisodeResult) -> None:
-        tokens = sum(result.mask)
+        tokens = result.policy_tokens
         self.tokens.add(tokens)
         run.counters.turns += result.num_turns
         self.metrics.tokens_generated.labels(run.run_id).inc(tokens)
