@@ -37,6 +37,7 @@ from rollout_service.generation.environments import EnvironmentRegistry
 from rollout_service.generation.openenv import OpenEnvServer
 from rollout_service.generation.prompts import PromptRenderer
 from rollout_service.generation.tools import ToolRegistry
+from rollout_service.loop_lag import watch_loop_lag
 from rollout_service.metrics import ServiceMetrics, start_metrics_server
 from rollout_service.runs import RunTable
 from rollout_service.scoring.judge import LLMJudge
@@ -194,6 +195,8 @@ async def running_service(
             logger.info("restored %d runs from %s (policy version %d)", restored, settings.state_store, versions.served)
         watchdog = asyncio.create_task(service.watch_runs(), name="run-watchdog")
         stack.push_async_callback(_cancelled, watchdog)
+        lag = asyncio.create_task(watch_loop_lag(metrics.event_loop_lag), name="loop-lag")
+        stack.push_async_callback(_cancelled, lag)
         stack.push_async_callback(membership.close)  # after the weight plane's close, which may resume them
         stack.push_async_callback(weights.close)
         metrics.engines.set(len(pool.clients))

@@ -141,6 +141,11 @@ class ServiceMetrics:
             "Tool calls that came back as an error (unknown_tool, bad_json, bad_arguments, error, timeout)",
             ["run", "kind"],
         )
+        self.event_loop_lag = histogram(
+            "rollout_event_loop_lag_seconds",
+            "How late the service's event loop woke a due timer: how long RPCs and vLLM answers wait behind other work",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.tool_latency = histogram(
             "rollout_tool_seconds",
             "Duration of tool calls, failed ones included",
