@@ -252,7 +252,7 @@ async def raw_phase(work: Workload, round_index: int, metrics_session: aiohttp.C
             async with session.post(work.url + "/v1/completions", json=body) as resp:
                 if resp.status >= 400:
                     raise RuntimeError(f"vLLM answered HTTP {resp.status}: {(await resp.text())[:300]}")
-                completion = parse_completion(await resp.json(), work.url)
+                completion = parse_completion(await resp.read(), work.url)
             finished.append((time.monotonic() - origin, len(completion.token_ids)))
 
     poller, lag = RunningPoller(work.url, origin), LoopLagMonitor()

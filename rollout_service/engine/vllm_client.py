@@ -2,7 +2,8 @@
 
 Requests go to vLLM's token-in, token-out endpoint with detokenization off (the service
 decodes the ids itself); a server without it, and a request with stop strings (which need
-vLLM's text), use ``/v1/completions``. Bodies go through orjson: the answers are large.
+vLLM's text), use ``/v1/completions``. Answers are large (a dict per token): msgspec decodes
+them into typed structs of the few fields the service reads.
 Only what can succeed is retried (connection errors, timeouts, 5xx, 408, 429); any other 4xx
 fails at once as ``RequestRejected`` and does not count against the server's health.
 """
@@ -17,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 import aiohttp
-import orjson
+import msgspec
 
 from rollout_service.config import EngineSettings
 from rollout_service.engine.control import CONNECT_TIMEOUT_S
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 _JSON = {"Content-Type": "application/json"}
+_encode = msgspec.json.Encoder().encode
 
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -92,31 +94,79 @@ def generate_body(model: str, prompt_ids: list[int], params: SamplingParams, n: 
     return body
 
 
-def _parse_generated(choice: dict[str, Any], server: str) -> Completion:
-    logprobs = [float(entry["logprob"]) for entry in (choice.get("logprobs") or {}).get("content") or []]
-    return _completion(list(choice["token_ids"] or []), logprobs, choice.get("finish_reason"), server)
+class _SampledLogprob(msgspec.Struct, gc=False):  # one per token, and nothing to collect: untracked
+    logprob: float
 
 
-def parse_completion(payload: dict[str, Any], server: str) -> Completion:
-    return _parse_choice(payload["choices"][0], server)
+class _GenerateLogprobs(msgspec.Struct):
+    content: list[_SampledLogprob] | None = None
 
 
-def _choices(payload: dict[str, Any], server: str, n: int) -> list[dict[str, Any]]:
-    """The ``n`` choices of one answer, in index order."""
-    choices = sorted(payload["choices"], key=lambda choice: choice.get("index", 0))
+class _GenerateChoice(msgspec.Struct):
+    index: int = 0
+    token_ids: list[int] | None = None
+    logprobs: _GenerateLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _CompletionLogprobs(msgspec.Struct):
+    token_logprobs: list[float]
+
+
+class _CompletionChoice(msgspec.Struct):
+    index: int = 0
+    token_ids: list[int] | None = None
+    logprobs: _CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _GenerateAnswer(msgspec.Struct):
+    choices: list[_GenerateChoice]
+
+
+class _CompletionAnswer(msgspec.Struct):
+    choices: list[_CompletionChoice]
+
+
+# Typed decoders build only the fields read here: vLLM's per-token dicts (rank, top_logprobs) are skipped unbuilt.
+_DECODERS = {
+    GENERATE_PATH: msgspec.json.Decoder(_GenerateAnswer),
+    COMPLETIONS_PATH: msgspec.json.Decoder(_CompletionAnswer),
+}
+
+
+def parse_answer(path: str, body: bytes, server: str, n: int = 1) -> list[Completion]:
+    """The ``n`` completions of an answer of ``path`` (``GENERATE_PATH`` or ``COMPLETIONS_PATH``), in index order."""
+    try:
+        answer = _DECODERS[path].decode(body)
+    except msgspec.ValidationError as exc:
+        raise EngineError(
+            server, f"{path} answered with JSON that is not vLLM's answer ({exc}): {body[:200]!r}"
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise EngineError(server, f"{path} answered with a body that is not JSON: {exc}") from None
+    choices = sorted(answer.choices, key=lambda choice: choice.index)
     if len(choices) != n:
         raise EngineError(server, f"{len(choices)} choices for n={n}")
-    return choices
+    return [_completion(choice, server) for choice in choices]
 
 
-def _parse_choice(choice: dict[str, Any], server: str) -> Completion:
-    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-    return _completion(list(choice["token_ids"]), logprobs, choice.get("finish_reason"), server)
+def parse_completion(body: bytes, server: str) -> Completion:
+    """The first completion of a ``/v1/completions`` answer."""
+    return parse_answer(COMPLETIONS_PATH, body, server, n=1)[0]
 
 
-def _completion(token_ids: list[int], logprobs: list[float], reason: str | None, server: str) -> Completion:
+def _completion(choice: _GenerateChoice | _CompletionChoice, server: str) -> Completion:
+    token_ids = choice.token_ids or []
+    if choice.logprobs is None:
+        logprobs: list[float] = []
+    elif isinstance(choice.logprobs, _CompletionLogprobs):
+        logprobs = choice.logprobs.token_logprobs
+    else:
+        logprobs = [entry.logprob for entry in choice.logprobs.content or []]
     if len(logprobs) != len(token_ids):
         raise EngineError(server, f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+    reason = choice.finish_reason
     finish: FinishReason = reason if reason in ("stop", "length", "abort") else "stop"  # type: ignore[assignment]
     return Completion(token_ids, logprobs, finish, server)
 
@@ -213,16 +263,18 @@ class VLLMServerClient:
         if self.token_endpoint and not params.stop:
             body = generate_body(self.model, prompt_ids, params, n)
             try:
-                payload = await self._post_within_deadline(GENERATE_PATH, body)
-                return [_parse_generated(choice, self.base_url) for choice in _choices(payload, self.base_url, n)]
+                return parse_answer(
+                    GENERATE_PATH, await self._post_within_deadline(GENERATE_PATH, body), self.base_url, n
+                )
             except _NoTokenEndpoint as exc:
                 self.token_endpoint = False
                 logger.info("%s does not serve %s (%s); using %s", self.base_url, GENERATE_PATH, exc, COMPLETIONS_PATH)
         body = completion_body(self.model, prompt_ids, params)
         if n > 1:
             body["n"] = n
-        payload = await self._post_within_deadline(COMPLETIONS_PATH, body)
-        return [_parse_choice(choice, self.base_url) for choice in _choices(payload, self.base_url, n)]
+        return parse_answer(
+            COMPLETIONS_PATH, await self._post_within_deadline(COMPLETIONS_PATH, body), self.base_url, n
+        )
 
     async def drain_or_give_up(self, timeout_s: float, reason: str) -> int:
         """Let requests in flight finish within ``timeout_s``, then give up on the rest; returns how many."""
@@ -243,7 +295,7 @@ class VLLMServerClient:
         self._given_up.set()
         self._given_up = asyncio.Event()
 
-    async def _post_within_deadline(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_within_deadline(self, path: str, body: dict[str, Any]) -> bytes:
         given_up = self._given_up  # this request's: a later give_up sets it, not a newer one
         post = asyncio.ensure_future(self._post_with_retries(path, body))
         watch = asyncio.ensure_future(given_up.wait())
@@ -259,7 +311,7 @@ class VLLMServerClient:
             raise EngineError(self.base_url, f"request abandoned: the server {self._given_up_reason}")
         raise EngineError(self.base_url, f"no answer within {deadline:g}s (engine.request_deadline_s)")
 
-    async def _post_with_retries(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_with_retries(self, path: str, body: dict[str, Any]) -> bytes:
         attempts = self.settings.max_retries + 1
         for attempt in range(attempts):
             try:
@@ -273,11 +325,12 @@ class VLLMServerClient:
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _post_once(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_once(self, path: str, body: dict[str, Any]) -> bytes:
+        """The answer's body, unparsed: ``parse_answer`` decodes it into the fields the service reads."""
         if self._session is None:
             raise EngineError(self.base_url, "client used before start()")
         try:
-            async with self._session.post(self.base_url + path, data=orjson.dumps(body), headers=_JSON) as resp:
+            async with self._session.post(self.base_url + path, data=_encode(body), headers=_JSON) as resp:
                 if path == GENERATE_PATH and resp.status in (403, 404):
                     raise _NoTokenEndpoint(f"HTTP {resp.status}")
                 if resp.status in _RETRYABLE_STATUS:
@@ -286,23 +339,16 @@ class VLLMServerClient:
                     raise RequestRejected(self.base_url, f"vLLM refused the request: {await _reason(resp)}")
                 if resp.status >= 400:
                     raise EngineError(self.base_url, f"HTTP {resp.status}: {(await resp.text())[:500]}")
-                payload = await resp.read()
+                return await resp.read()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-        try:
-            answer = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise EngineError(self.base_url, f"{path} answered with a body that is not JSON: {exc}") from None
-        if not isinstance(answer, dict):
-            raise EngineError(self.base_url, f"{path} answered with JSON that is not an object: {payload[:200]!r}")
-        return answer
 
 
 async def _reason(resp: aiohttp.ClientResponse) -> str:
     """A refusal's status and vLLM's own message (``{"error": {"message"}}``, else the body's start)."""
     text = await resp.text()
     try:
-        message = orjson.loads(text)["error"]["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
+        message = msgspec.json.decode(text)["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError, IndexError):
         message = text
     return f"HTTP {resp.status}: {str(message)[:500]}"

@@ -105,7 +105,7 @@ class ForcedEngine:
         assert self._session is not None
         async with self._session.post(self.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
-            completion = parse_completion(await resp.json(), self.url)
+            completion = parse_completion(await resp.read(), self.url)
         if target is not None:
             assert self.tokenizer.decode(completion.token_ids) == target + self.tokenizer.eos_token
         if target is not None and self.canonical:  # the canonical tokenization of the text, then EOS

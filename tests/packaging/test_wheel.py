@@ -14,7 +14,7 @@ import pytest
 from tests.support import built_wheel
 from tests.support import run_checked as run
 
-SERVICE_ONLY = ("vllm", "aiohttp", "orjson", "uvloop", "prometheus_client", "pydantic_settings", "grpc_reflection")
+SERVICE_ONLY = ("vllm", "aiohttp", "msgspec", "uvloop", "prometheus_client", "pydantic_settings", "grpc_reflection")
 
 
 @pytest.fixture(scope="module")

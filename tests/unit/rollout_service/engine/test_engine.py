@@ -129,7 +129,7 @@ async def test_greedy_groups_are_one_sample_copied_as_vllm_refuses_n_above_1_whe
 
 @pytest.mark.parametrize(
     ("answer", "message"),
-    [(b"<html>proxy error</html>", "not JSON"), (b"[1, 2]", "not an object")],
+    [(b"<html>proxy error</html>", "not JSON"), (b"[1, 2]", "not vLLM.s answer")],
 )
 async def test_an_answer_that_is_not_a_json_object_fails_the_request_with_what_came(answer, message) -> None:
     async def completions(request: web.Request) -> web.Response:
