@@ -107,6 +107,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
+        self._decode = _decoder(tokenizer)
 
     def render(
         self, spec: PromptSpec, max_tokens: int, tools: list[dict[str, Any]] | None = None
@@ -167,7 +168,16 @@ class PromptRenderer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Special tokens are kept unless asked: samples and tool parsers see them, rewards do not."""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _decoder(tokenizer: Any) -> Callable[..., str]:
+    """The fast tokenizer's Rust decode where it gives what ``tokenizer.decode`` does (no space clean-up):
+    transformers first checks every id in Python, a per-token cost on the service's hot path."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend.decode  # type: ignore[no-any-return]
+    return tokenizer.decode  # type: ignore[no-any-return]
 
 
 def _check_roles(messages: list[dict[str, str]]) -> None:
