@@ -328,6 +328,19 @@ class StandinServer:
                 timer.cancel()
                 self._holding.discard(future)
 
+    async def _serve(
+        self, path: str, prompt_len: int, n: int, max_tokens: Any, strict: bool
+    ) -> tuple[list[int], list[int], list[str]]:
+        """One request of ``n`` sequences, both endpoints: each one's tape start, tokens generated and
+        finish reason, after holding it for its time; raises ``_BadRequest`` before holding."""
+        lengths, cap = self._plan(prompt_len, n, max_tokens, strict)
+        starts = self.tape.start_positions(self.rng, n)
+        aborted = await self._generate(n, lengths)
+        generated = lengths if aborted is None else aborted
+        reasons = ["abort" if aborted is not None else "length" if length == cap else "stop" for length in lengths]
+        self._count(path, prompt_len, generated, reasons)
+        return starts, generated, reasons
+
     def _count(self, path: str, prompt_len: int, generated: list[int], reasons: list[str]) -> None:
         self.requests[path] = self.requests.get(path, 0) + 1
         n = len(generated)
@@ -345,17 +358,13 @@ class StandinServer:
         prompt = body.get("token_ids")
         if not isinstance(prompt, list) or not prompt:
             return _error("token_ids: a non-empty list of token ids is required")
-        n = int(sampling.get("n") or 1)
         try:
-            lengths, cap = self._plan(len(prompt), n, sampling.get("max_tokens"), strict=False)
+            starts, generated, reasons = await self._serve(
+                request.path, len(prompt), int(sampling.get("n") or 1), sampling.get("max_tokens"), strict=False
+            )
         except _BadRequest as exc:
             return _error(str(exc))
         tape = self.tape
-        starts = tape.start_positions(self.rng, n)
-        aborted = await self._generate(n, lengths)
-        generated = lengths if aborted is None else aborted
-        reasons = ["abort" if aborted is not None else "length" if length == cap else "stop" for length in lengths]
-        self._count(request.path, len(prompt), generated, reasons)
         with_logprobs = sampling.get("logprobs") is not None
         label = msgspec.json.encode(self.weight_version)
         completion_tokens = sum(generated)
@@ -400,18 +409,14 @@ class StandinServer:
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt[:1]):
             return _error("prompt: the stand-in takes one prompt of token ids")
-        n = int(body.get("n") or 1)
         try:
-            lengths, cap = self._plan(len(prompt), n, body.get("max_tokens"), strict=True)
+            starts, generated, reasons = await self._serve(
+                request.path, len(prompt), int(body.get("n") or 1), body.get("max_tokens"), strict=True
+            )
         except _BadRequest as exc:
             return _error(str(exc))
         tape = self.tape
         pieces = tape.completion_pieces
-        starts = tape.start_positions(self.rng, n)
-        aborted = await self._generate(n, lengths)
-        generated = lengths if aborted is None else aborted
-        reasons = ["abort" if aborted is not None else "length" if length == cap else "stop" for length in lengths]
-        self._count(request.path, len(prompt), generated, reasons)
         with_logprobs = body.get("logprobs") is not None
         with_ids = bool(body.get("return_token_ids"))
         prompt_ids = msgspec.json.encode(prompt) if with_ids else b"null"
