@@ -101,6 +101,9 @@ class _SampledLogprob(msgspec.Struct, gc=False):  # one per token, and nothing t
 class _GenerateLogprobs(msgspec.Struct):
     content: list[_SampledLogprob] | None = None
 
+    def values(self) -> list[float]:
+        return [entry.logprob for entry in self.content or []]
+
 
 class _GenerateChoice(msgspec.Struct):
     index: int = 0
@@ -111,6 +114,9 @@ class _GenerateChoice(msgspec.Struct):
 
 class _CompletionLogprobs(msgspec.Struct):
     token_logprobs: list[float]
+
+    def values(self) -> list[float]:
+        return self.token_logprobs
 
 
 class _CompletionChoice(msgspec.Struct):
@@ -158,12 +164,7 @@ def parse_completion(body: bytes, server: str) -> Completion:
 
 def _completion(choice: _GenerateChoice | _CompletionChoice, server: str) -> Completion:
     token_ids = choice.token_ids or []
-    if choice.logprobs is None:
-        logprobs: list[float] = []
-    elif isinstance(choice.logprobs, _CompletionLogprobs):
-        logprobs = choice.logprobs.token_logprobs
-    else:
-        logprobs = [entry.logprob for entry in choice.logprobs.content or []]
+    logprobs = choice.logprobs.values() if choice.logprobs is not None else []
     if len(logprobs) != len(token_ids):
         raise EngineError(server, f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
     reason = choice.finish_reason
