@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_gloo_transfer.apply import WeightApplier
+from vllm_gloo_transfer.delta import ENCODINGS, DeltaBase, Encoding, WireSpec, wire_specs
 from vllm_gloo_transfer.groups import arrive, await_every_rank, gloo_group, local_address_towards
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 from vllm_gloo_transfer.shared_memory import SharedWeightsMapping, accept_shared_memory
@@ -123,6 +124,15 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    encodings: list[Encoding] | None = None
+    """A push of a trainer that sends deltas (``vllm_gloo_transfer.delta``): how each tensor
+    travels. The server keeps what such a push makes as the base of the next. None: a plain
+    full push, and nothing is kept."""
+    counts: list[int] | None = None
+    """With ``encodings``: how many elements each sparse tensor carries (0 for a full one)."""
+    checksums: list[int] | None = None
+    """With ``encodings``: the trainer's checksum of each tensor after this push, checked before
+    anything is applied."""
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -133,6 +143,25 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         for dtype_name in self.dtype_names:
             if not isinstance(getattr(torch, dtype_name, None), torch.dtype):
                 raise ValueError(f"unknown dtype name {dtype_name!r}")
+        delta = (self.encodings, self.counts, self.checksums)
+        if any(field is not None for field in delta):
+            if any(field is None or len(field) != len(self.names) for field in delta):
+                raise ValueError("a delta push gives encodings, counts and checksums, one per name")
+            if unknown := set(self.encodings or ()) - set(ENCODINGS):
+                raise ValueError(f"unknown encodings {sorted(unknown)}; use {list(ENCODINGS)}")
+            for shape, count in zip(self.shapes, self.counts or (), strict=True):
+                if not 0 <= count <= math.prod(shape):
+                    raise ValueError(f"a sparse count of {count} does not fit a tensor of shape {shape}")
+
+    @property
+    def keeps_base(self) -> bool:
+        return self.encodings is not None
+
+    def wire(self) -> list[WireSpec]:
+        """The tensors as they travel (``vllm_gloo_transfer.delta.wire_specs``)."""
+        dtypes = [getattr(torch, name) for name in self.dtype_names]
+        encodings: list[Encoding] = self.encodings or ["full"] * len(self.names)
+        return wire_specs(dtypes, self.shapes, encodings, self.counts or [0] * len(self.names))
 
     def specs(self) -> list[tuple[str, torch.dtype, list[int]]]:
         return [
@@ -158,6 +187,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._received = _Cost()
         """What receiving the pending update took, logged with its apply."""
         self._applier = WeightApplier()
+        self._base = DeltaBase()
+        """The last push as received, when the trainer pushes deltas: what the next one patches."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -222,14 +253,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         (``vllm_gloo_transfer.packing.broadcast_buckets``), and keep them for finish."""
         group = self._require_group()
         watch = _Stopwatch()
-        specs = update_info.specs()
-        numels = [math.prod(shape) for _, _, shape in specs]
-        received: list[tuple[str, torch.Tensor]] = []
+        wire = update_info.wire()
+        arrived: list[torch.Tensor] = []
         name = "<none>"
-        if self._shared is not None:
-            buckets = []  # the tensors are in the trainer's shared memory once the trailer arrives
-        else:
-            buckets = broadcast_buckets([(dtype, numel) for (_, dtype, _), numel in zip(specs, numels, strict=True)])
+        # Over shared memory, the tensors are in the trainer's file once the trailer arrives.
+        buckets = [] if self._shared is not None else broadcast_buckets([(spec.dtype, spec.numel) for spec in wire])
         try:
             if self._shared is not None and self._pending:
                 raise RuntimeError(
@@ -237,16 +265,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     "since the trainer's next write replaces the first call's tensors"
                 )
             for bucket in buckets:
-                name = specs[bucket[0]][0]
-                flat = torch.empty(sum(numels[i] for i in bucket), dtype=specs[bucket[0]][1])
+                name = f"wire tensor {bucket[0]}"
+                flat = torch.empty(sum(wire[i].numel for i in bucket), dtype=wire[bucket[0]].dtype)
                 group.broadcast(flat, 0).wait()
                 offset = 0
                 for i in bucket:
-                    tensor_name, _, shape = specs[i]
-                    received.append((tensor_name, flat[offset : offset + numels[i]].view(shape)))
-                    offset += numels[i]
+                    arrived.append(flat[offset : offset + wire[i].numel].view(wire[i].shape))
+                    offset += wire[i].numel
             name = "<trailer>"
-            announced = packing_trailer(sum(numels), len(buckets))
+            announced = packing_trailer(sum(spec.numel for spec in wire), len(buckets))
             sent = torch.empty_like(announced)
             group.broadcast(sent, 0).wait()
             if not torch.equal(sent, announced):
@@ -255,17 +282,41 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     "announced: the trainer and the server disagree on the packing; install the same version on both"
                 )
             if self._shared is not None:
-                views = self._shared.views([(dtype, shape) for _, dtype, shape in specs])
-                received = [(tensor_name, view) for (tensor_name, _, _), view in zip(specs, views, strict=True)]
+                arrived = self._shared.views([(spec.dtype, spec.shape) for spec in wire])
+            name = "<delta base>"
+            received = self._assemble(update_info, arrived)
         except Exception as exc:
             self._abandon()
             raise RuntimeError(
-                f"gloo weight receive failed at {name!r} ({len(received)}/{len(update_info.names)} received): "
+                f"gloo weight receive failed at {name!r} ({len(arrived)}/{len(wire)} tensors received): "
                 f"{exc}; the update is dropped and the old weights stay. Re-run /init_weight_transfer_engine "
                 "before the next update."
             ) from exc
         self._pending.extend(received)
         self._received += watch.elapsed()
+
+    def _assemble(
+        self, update_info: GlooWeightTransferUpdateInfo, arrived: list[torch.Tensor]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The whole tensors a push makes: as they arrived, or patched into the delta base
+        (``vllm_gloo_transfer.delta.DeltaBase``), which checks them against the trainer's checksums."""
+        if not update_info.keeps_base:
+            self._base.clear()  # the trainer pushes in full: nothing to keep
+            return list(zip(update_info.names, arrived, strict=True))
+        encodings = update_info.encodings or ["full"] * len(update_info.names)
+        checksums: list[int | None] = list(update_info.checksums or [None] * len(update_info.names))
+        whole: list[tuple[str, torch.Tensor]] = []
+        pieces = iter(arrived)
+        try:
+            for name, shape, encoding, expected in zip(
+                update_info.names, update_info.shapes, encodings, checksums, strict=True
+            ):
+                wire = [next(pieces)] if encoding == "full" else [next(pieces), next(pieces)]
+                whole.append((name, self._base.patch(name, encoding, wire, shape, expected)))
+        except Exception:
+            self._base.clear()  # patched in part: only a full push can be trusted again
+            raise
+        return whole
 
     def finish_weight_update(self) -> None:
         """Apply every buffered tensor (``vllm_gloo_transfer.apply``)."""
@@ -286,8 +337,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         )
 
     def shutdown(self) -> None:
-        """Destroy the group (if any) and drop any buffered update."""
+        """Destroy the group (if any) and drop any buffered update and delta base (a delta
+        after a join would meet servers that missed pushes: the first push of a join is full)."""
         self._pending = []
+        self._base.clear()
         group, self._group = self._group, None
         shared, self._shared = self._shared, None
         if shared is not None:
