@@ -236,6 +236,13 @@ class WeightSyncSettings(Section):
     """Longest a weight update waits for evaluation runs holding the current policy version
     (``weights.version_holds``); then those evaluations stop with what they scored and the
     update goes on. Keep it below transfer_timeout_s, which bounds a commit's progress."""
+    delta: bool = False
+    """Let trainers push only the elements that changed since their last push (indices and
+    values, ``vllm_gloo_transfer.delta``), each server checking a checksum per tensor before it
+    applies anything. A push after a join (a server joined or restarted, or an update failed)
+    is full, as is every full_push_every-th. gloo backend only."""
+    full_push_every: int = Field(default=20, ge=1)
+    """With delta: a full push after this many pushes in a row that were deltas."""
     partitions: bool = False
     """Split the servers among the full-weight runs in proportion to their weight, each run
     pushing into and sampling from its own: several full-weight trainers on one pool. Off: one
@@ -246,6 +253,11 @@ class WeightSyncSettings(Section):
     def _pause_mode_fits_backend(self) -> WeightSyncSettings:
         if self.pause_mode == "none" and self.backend not in APPLIES_AT_FINISH:
             raise ValueError(no_pause_refused(self.backend))
+        if self.delta and self.backend != "gloo":
+            raise ValueError(
+                f"weight_sync.delta needs the gloo backend, which applies deltas; the {self.backend!r} backend "
+                "takes full pushes: unset weight_sync.delta"
+            )
         return self
 
     def default_pause_mode(self) -> PauseModeName:

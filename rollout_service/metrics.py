@@ -111,6 +111,18 @@ class ServiceMetrics:
             "again, for a restarted server; aborted)",
             ["outcome"],
         )
+        self.weight_update_bytes = counter(
+            "rollout_weight_update_bytes",
+            "Bytes the trainers announced for weight updates that began (push: full, or delta: only the "
+            "changed elements' indices and values)",
+            ["push"],
+        )
+        self.weight_delta_refused = counter(
+            "rollout_weight_delta_refused",
+            "Delta pushes refused, the trainer then pushing in full (reason: join, a server holds no base; "
+            "due, full_push_every; mismatch, a server's checksum after a delta differed from the trainer's)",
+            ["reason"],
+        )
         self.weight_update_paused_seconds = counter(
             "rollout_weight_update_paused_seconds",
             "Seconds the vLLM servers were paused for weight updates (first pause call to end of resume)",

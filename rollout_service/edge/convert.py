@@ -19,7 +19,7 @@ from rollout_service.delivery.consumer import Ack, ConsumerMessage, ConsumerRequ
 from rollout_service.delivery.ledger import LedgerSnapshot
 from rollout_service.delivery.lookahead import Lookahead
 from rollout_service.edge.group_wire import delivery_response
-from rollout_service.errors import InvalidArgument
+from rollout_service.errors import InvalidArgument, echo
 from rollout_service.eval_tally import EvalSpec
 from rollout_service.evaluation import EvalResult, eval_result
 from rollout_service.generation.prompts import PromptSpec
@@ -108,8 +108,20 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
             return value, position
 
 
+_ENCODING_FROM_PB = {
+    pb.TENSOR_ENCODING_UNSPECIFIED: "",
+    pb.TENSOR_ENCODING_FULL: "full",
+    pb.TENSOR_ENCODING_SPARSE: "sparse",
+}
+
+
 def tensors_from_pb(tensors: list[pb.TensorMeta]) -> list[TensorSpec]:
-    return [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in tensors]
+    specs = []
+    for t in tensors:
+        if t.encoding not in _ENCODING_FROM_PB:
+            raise InvalidArgument(f"tensor {echo(t.name)} has encoding {t.encoding}, not a known TensorEncoding")
+        specs.append(TensorSpec(t.name, t.dtype, tuple(t.shape), _ENCODING_FROM_PB[t.encoding], t.changed, t.checksum))
+    return specs
 
 
 def prompt_from_pb(prompt: pb.Prompt) -> PromptSpec:

@@ -288,6 +288,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             backend=ticket.backend,
             policy_version=ticket.policy_version,
             group_epoch=ticket.group_epoch,
+            delta_allowed=ticket.delta_allowed,
+            served_dtype=ticket.served_dtype,
         )
 
     @_edge

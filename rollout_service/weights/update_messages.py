@@ -4,12 +4,16 @@ bodies. The edge converts them to and from the proto; ``weight_sync`` drives vLL
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rollout_service.errors import InvalidArgument, echo
 
-TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
+DTYPE_BYTES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+TORCH_DTYPES = set(DTYPE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,30 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    encoding: Literal["", "full", "sparse"] = ""
+    """How it travels (``vllm_gloo_transfer.delta``); "": a plain full push."""
+    changed: int = 0
+    """Sparse: the elements that travel."""
+    checksum: int = 0
+    """With an encoding: the trainer's checksum of the tensor after the push."""
+
+
+def is_delta(tensors: list[TensorSpec]) -> bool:
+    """Some tensor travels sparse: the servers must hold the last push to apply it."""
+    return any(tensor.encoding == "sparse" for tensor in tensors)
+
+
+def wire_bytes(tensors: list[TensorSpec]) -> int:
+    """The bytes a push sends: a sparse tensor's indices and values, any other whole."""
+    total = 0
+    for tensor in tensors:
+        itemsize = DTYPE_BYTES[tensor.dtype]
+        numel = math.prod(tensor.shape)
+        if tensor.encoding == "sparse":
+            total += tensor.changed * (itemsize + (4 if numel < 2**31 else 8))
+        else:
+            total += numel * itemsize
+    return total
 
 
 @dataclass(frozen=True)
@@ -31,6 +59,9 @@ class UpdateTicket:
     backend: str
     policy_version: int
     group_epoch: int
+    delta_allowed: bool = False
+    served_dtype: str = ""
+    """With delta_allowed: the dtype every server runs in ("": unknown, or they differ)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +91,33 @@ def validate_begin(address: str, port: int, tensors: list[TensorSpec]) -> None:
             )
         if not tensor.name:
             raise InvalidArgument("a tensor has an empty name")
+        if tensor.encoding == "sparse" and tensor.changed > math.prod(tensor.shape):
+            raise InvalidArgument(
+                f"tensor {echo(tensor.name)} is sparse with {tensor.changed} changed elements, more than its "
+                f"shape {list(tensor.shape)} holds"
+            )
+    if len({tensor.encoding == "" for tensor in tensors}) > 1:
+        raise InvalidArgument(
+            "some tensors give an encoding and some do not: a push gives one for every tensor (a delta, or a full "
+            "push the servers keep as a delta base) or for none (a plain full push)"
+        )
+
+
+def update_info(tensors: list[TensorSpec], keep_base: bool) -> dict[str, Any]:
+    """The ``/update_weights`` body announcing the tensors; ``keep_base``: with their encodings and
+    checksums, so the servers keep what the push makes as the base of the next delta."""
+    info: dict[str, Any] = {
+        "names": [t.name for t in tensors],
+        "dtype_names": [t.dtype for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+    }
+    if keep_base:
+        info |= {
+            "encodings": [t.encoding for t in tensors],
+            "counts": [t.changed if t.encoding == "sparse" else 0 for t in tensors],
+            "checksums": [t.checksum for t in tensors],
+        }
+    return info
 
 
 def init_info(

@@ -28,6 +28,10 @@ class Update:
     pipeline: asyncio.Task[None] | None = None
     resend: bool = False
     """The weights of the current version again (``BeginWeightUpdateRequest.resend``)."""
+    delta: bool = False
+    """Some tensors travel sparse (``update_messages.is_delta``)."""
+    keeps_base: bool = False
+    """The servers keep what it makes as the base of the next delta."""
     paused: set[str] = field(default_factory=set)
     in_vllm: dict[str, str] = field(default_factory=dict)
     """Servers running a call of this update that keeps their engine busy, by URL: which call."""

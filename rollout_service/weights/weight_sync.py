@@ -25,11 +25,25 @@ from rollout_service.errors import FailedPrecondition, echo
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.versions import PolicyVersion
 from rollout_service.weights.server_repair import ServerRepair
-from rollout_service.weights.update_messages import TensorSpec, UpdateTicket, UpdateTimes, validate_begin
+from rollout_service.weights.update_messages import (
+    TensorSpec,
+    UpdateTicket,
+    UpdateTimes,
+    is_delta,
+    update_info,
+    validate_begin,
+    wire_bytes,
+)
 from rollout_service.weights.update_pipeline import Update, UpdatePipeline
 from rollout_service.weights.version_holds import VersionHolds
 
 logger = logging.getLogger(__name__)
+
+
+DELTA_REFUSED = "this push is a delta, which the servers cannot take now"
+"""Begins every refusal of a delta push: the trainer pushes in full on seeing it."""
+DELTA_MISMATCH = "delta checksum mismatch"
+"""In the error of a server whose weights after a delta differ from the trainer's (``vllm_gloo_transfer.delta``)."""
 
 
 def not_in_progress(update_id: str) -> FailedPrecondition:
@@ -78,6 +92,10 @@ class WeightSyncCoordinator:
         # reuses an epoch of its predecessor in a reconnecting trainer's long-lived store.
         self._epoch = time.time_ns() // 1_000_000 % 2**31
         self._world_sizes: list[int] | None = None
+        self._served_dtype: str | None = None
+        """The dtype every server runs in, asked once when deltas are on ("": they differ)."""
+        self._deltas_in_a_row = 0
+        """Committed delta pushes since the last full push the servers kept as a base."""
         self._lock = asyncio.Lock()
         self._labelling: asyncio.Task[None] | None = None
         """The last commit's ``_label``: the next one waits for it, so labels land in order."""
@@ -112,21 +130,26 @@ class WeightSyncCoordinator:
                 if mode != "none":  # paused servers could not finish an evaluation: wait for it first
                     held_s = await self.holds.wait_released(self.settings.eval_hold_timeout_s)
                 world_sizes = await self._worker_world_sizes()
+                served_dtype = await self._pool_dtype() if self.settings.delta else ""
             except BaseException:
                 self.pausing_update_pending = False
                 raise
             join = join or self._group != (trainer_address, trainer_port)
-            update = Update(f"wu-{uuid.uuid4().hex[:10]}", run_id, self._clock(), resend=resend)
+            delta, keep_base = is_delta(tensors), self.settings.delta and tensors[0].encoding != ""
+            if delta and (refused := self._delta_refused(join)):
+                self.pausing_update_pending = False
+                raise refused
+            update = Update(
+                f"wu-{uuid.uuid4().hex[:10]}", run_id, self._clock(), resend=resend, delta=delta, keeps_base=keep_base
+            )
             if held_s:
                 update.phases["eval_hold"] = held_s
             if join:
                 self._epoch += 1
                 update.epoch = self._epoch
-            update_info = {
-                "names": [t.name for t in tensors],
-                "dtype_names": [t.dtype for t in tensors],
-                "shapes": [list(t.shape) for t in tensors],
-            }
+            announced = update_info(tensors, keep_base)
+            if self._metrics is not None:
+                self._metrics.weight_update_bytes.labels("delta" if delta else "full").inc(wire_bytes(tensors))
             if join:
                 self._group = None
 
@@ -134,23 +157,65 @@ class WeightSyncCoordinator:
                 self._group = (trainer_address, trainer_port)
 
             update.pipeline = self._spawn(
-                self._steps.run(update, join, trainer_address, trainer_port, world_sizes, update_info, mode, joined)
+                self._steps.run(update, join, trainer_address, trainer_port, world_sizes, announced, mode, joined)
             )
             update.pipeline.add_done_callback(lambda task: self._pipeline_done(update, task))
             self._set_current(update)
             self.versions.begin(resend)
             self._spawn(self._watchdog(update))
         logger.info(
-            "weight update %s begun for run %s (%d tensors, join=%s%s)",
+            "weight update %s begun for run %s (%d tensors, %s, join=%s%s)",
             update.update_id,
             run_id,
             len(tensors),
+            "a delta" if delta else "full",
             join,
             ", a resend of the current version" if resend else "",
         )
         return UpdateTicket(
-            update.update_id, join, 1 + sum(world_sizes), self.settings.backend, self.version, update.epoch
+            update.update_id,
+            join,
+            1 + sum(world_sizes),
+            self.settings.backend,
+            self.version,
+            update.epoch,
+            delta_allowed=self.settings.delta,
+            served_dtype=served_dtype,
         )
+
+    async def _pool_dtype(self) -> str:
+        """The dtype all servers run in, for a delta encoder ("" where they differ)."""
+        if self._served_dtype is None:
+            timeout = self.settings.control_timeout_s
+            try:
+                dtypes = set(await asyncio.gather(*(s.served_dtype(timeout) for s in self.servers)))
+            except WeightSyncError as exc:
+                raise FailedPrecondition(f"cannot ask a vLLM server its dtype: {exc}") from None
+            if len(dtypes) > 1:
+                logger.warning("the servers run in %s: delta pushes travel in the trainer's dtype", sorted(dtypes))
+            self._served_dtype = dtypes.pop() if len(dtypes) == 1 else ""
+        return self._served_dtype
+
+    def _delta_refused(self, join: bool) -> FailedPrecondition | None:
+        """Why a delta push cannot go now (the trainer then pushes in full), counted; None: it can."""
+        if not self.settings.delta:
+            reason, why = "off", "weight_sync.delta is off"
+        elif join:
+            reason, why = (
+                "join",
+                (
+                    "the servers join a fresh transfer group first (the first push, a server that joined or "
+                    "restarted, or a failed update), and a joined server holds no base to patch"
+                ),
+            )
+        elif self._deltas_in_a_row >= self.settings.full_push_every:
+            reason = "due"
+            why = f"a full push is due after {self._deltas_in_a_row} deltas (weight_sync.full_push_every)"
+        else:
+            return None
+        if self._metrics is not None:
+            self._metrics.weight_delta_refused.labels(reason).inc()
+        return FailedPrecondition(f"{DELTA_REFUSED}: {why}; push in full")
 
     async def prefetch_world_sizes(self) -> None:
         """Best effort at start-up, while the servers are idle: a busy server can be slow to answer."""
@@ -231,6 +296,8 @@ class WeightSyncCoordinator:
             await self._resume(update)
             self._set_current(None)
             self._labelling = self._spawn(self._label(new_version, self._labelling))
+            if update.keeps_base:
+                self._deltas_in_a_row = self._deltas_in_a_row + 1 if update.delta else 0
             if update.resend:
                 self.updates_resent += 1
             else:
@@ -255,6 +322,7 @@ class WeightSyncCoordinator:
         world_size = await server.world_size(self.settings.control_timeout_s)
         async with self._between_updates():
             self.servers.append(server)
+            self._served_dtype = None  # asked again: it may run in another
             if self._world_sizes is not None:
                 self._world_sizes.append(world_size)
             self._group = None
@@ -308,6 +376,8 @@ class WeightSyncCoordinator:
             return
         update.aborted = reason
         self._last_aborted = update
+        if DELTA_MISMATCH in reason and self._metrics is not None:
+            self._metrics.weight_delta_refused.labels("mismatch").inc()
         if update.pipeline is not None and not update.pipeline.done():
             update.pipeline.cancel()
             # The abort replaces the pipeline's outcome; a cancellation of this abort still propagates.

@@ -361,12 +361,14 @@ async def test_a_join_the_service_gave_up_frees_the_waiting_trainer(sync_service
 async def test_a_bf16_server_samples_from_the_float32_push(tiny_model: Path, base_model, tmp_path: Path) -> None:
     """A managed server's default on a CPU with bf16 instructions (``ManagedServerSettings.dtype``):
     the trainer pushes float32 weights, vLLM's loaders cast them, and vLLM then samples from the
-    pushed policy, to bf16's precision."""
+    pushed policy, to bf16's precision. With delta pushes on, the service reads the server's
+    dtype from vLLM, and the trainer's deltas travel in bf16: only the elements whose bf16 value
+    a small step changed."""
     server = second_vllm_server(tiny_model, tmp_path / "bf16.log", dtype="bfloat16")
     await asyncio.to_thread(server.start)
     try:
-        settings = service_settings([server.url], tiny_model, weight_sync={"transfer_timeout_s": 30})
-        async with service_with_client(settings) as (_, client):
+        settings = service_settings([server.url], tiny_model, weight_sync={"transfer_timeout_s": 30, "delta": True})
+        async with service_with_client(settings) as (service, client):
             run = await client.create_run(dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2))
             new_model = perturbed(base_model)
             gap_before = await vllm_matches(server.url, new_model)
@@ -374,5 +376,16 @@ async def test_a_bf16_server_samples_from_the_float32_push(tiny_model: Path, bas
             assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 1
             gap_after = await vllm_matches(server.url, new_model)
             assert gap_after <= BF16_LOGPROB_TOLERANCE < gap_before
+            assert pusher._delta is not None and pusher._delta.dtype == torch.bfloat16  # read from vLLM
+            assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 2  # the base
+            with torch.no_grad():
+                for param in new_model.parameters():
+                    param.add_(1e-6 * torch.randn_like(param))  # a step of AdamW at TRL's learning rate
+            assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 3
+            assert await vllm_matches(server.url, new_model) <= BF16_LOGPROB_TOLERANCE
+            sample = service.service.metrics.registry.get_sample_value
+            delta_bytes = sample("rollout_weight_update_bytes_total", {"push": "delta"})
+            full_float32 = sum(4 * p.numel() for p in new_model.parameters())
+            assert 0 < delta_bytes < 0.25 * full_float32 / 2  # a quarter of a bf16 push's bytes
     finally:
         await asyncio.to_thread(server.stop)

@@ -19,6 +19,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient
 from trainer_client.step_timing import PhaseClock
 from trainer_client.weights.backends import sender_for
+from trainer_client.weights.delta import DeltaEncoder, EncodedPush
 from trainer_client.weights.group_port import GroupPortClaim
 from trainer_client.weights.policy_weights import adapter_files, policy_weights
 from trainer_client.weights.sender import UpdateAbandoned, WeightSender, dtype_name
@@ -58,6 +59,10 @@ class WeightPusher:
         self.pause_mode = pause_mode
         self.shared_memory = shared_memory
         self._sender: WeightSender | None = None
+        self._delta: DeltaEncoder | None = None
+        """Set once the service keeps pushes as delta bases (``weight_sync.delta``)."""
+        self.delta_repairs = 0
+        """Delta pushes refused or failed, each then pushed in full at once."""
         self._port_claim = GroupPortClaim(trainer_address, group_port)
         logger.info("weight push rendezvous at %s:%d (vLLM's workers connect to it)", trainer_address, self.port)
 
@@ -72,8 +77,28 @@ class WeightPusher:
 
     async def push(self, named_tensors: Sequence[tuple[str, torch.Tensor]], resend: bool = False) -> int:
         """Send the tensors (HF names, broadcast order) and return the new policy version.
-        ``resend``: the current version's weights again, as the service asked; the version stays."""
+        ``resend``: the current version's weights again, as the service asked; the version stays.
+        Where the service keeps delta bases, only what changed since the last push travels; a
+        delta refused or failed (a server missed one) is pushed again in full at once."""
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
+        encoder = self._delta
+        encoded = None if encoder is None else encoder.encode(tensors, full=not encoder.has_base)
+        try:
+            return await self._push(tensors, encoded, resend)
+        except Exception as exc:
+            if encoder is not None:
+                encoder.forget()  # the servers may hold either version now
+            if encoded is None or not encoded.is_delta:
+                raise
+            self.delta_repairs += 1
+            logger.warning("a delta push failed; pushing in full: %s", exc)
+            assert encoder is not None
+            return await self._push(tensors, encoder.encode(tensors, full=True), resend)
+
+    async def _push(self, tensors: list[tuple[str, torch.Tensor]], encoded: EncodedPush | None, resend: bool) -> int:
+        """One attempt: begin, broadcast and commit ``tensors`` (``encoded``: as a delta encoder sends them)."""
+        meta = tensor_meta(tensors) if encoded is None else encoded.meta
+        wire = tensors if encoded is None else encoded.wire
         with self.clock.measure("push_begin"):
             # A trainer restarted on its fixed port has the last group's address and port,
             # but no group: it says so, or the servers would not join it.
@@ -82,7 +107,7 @@ class WeightPusher:
                 self.run_id,
                 self.address,
                 self.port,
-                tensor_meta(tensors),
+                meta,
                 self.pause_mode,
                 resend=resend,
                 join_group=not holds_group,
@@ -94,7 +119,7 @@ class WeightPusher:
         commit.add_done_callback(lambda _: abandoned.set())
         try:
             with self.clock.measure("push_transfer"):
-                await self._send(ticket, tensors, abandoned, commit)
+                await self._send(ticket, wire, abandoned, commit)
             with self.clock.measure("push_commit"):
                 committed = await commit
         except BaseException as exc:
@@ -109,10 +134,28 @@ class WeightPusher:
             if isinstance(exc, UpdateAbandoned) and refused is not None:
                 raise refused from None  # the service's reason, not "given up"
             raise
+        self._delta_kept(ticket, encoded)
+        share = "" if encoded is None else f" ({encoded.wire_bytes / max(1, encoded.full_bytes):.1%} of their bytes)"
         logger.info(
-            "pushed %d tensors: policy version %d (%.2fs)", len(tensors), committed.policy_version, committed.seconds
+            "pushed %d tensors%s: policy version %d (%.2fs)",
+            len(tensors),
+            share,
+            committed.policy_version,
+            committed.seconds,
         )
         return committed.policy_version
+
+    def _delta_kept(self, ticket: pb.BeginWeightUpdateResponse, encoded: EncodedPush | None) -> None:
+        """After a commit: hold what the servers now serve if they keep delta bases, else stop encoding."""
+        if not ticket.delta_allowed:
+            self._delta = None
+            return
+        dtype = getattr(torch, ticket.served_dtype, None) if ticket.served_dtype else None
+        dtype = dtype if isinstance(dtype, torch.dtype) else None  # one this torch does not know: unknown
+        if self._delta is None or self._delta.dtype != dtype:
+            self._delta = DeltaEncoder(dtype)  # the next push is full, and kept as the base
+        elif encoded is not None:
+            self._delta.committed(encoded)
 
     async def _send(
         self,

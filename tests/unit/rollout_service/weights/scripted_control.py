@@ -38,6 +38,10 @@ class ScriptedControl:
         self.clock = clock
         self.fail = fail
         self.received = asyncio.Event()
+        self.dtype = "bfloat16"
+        """What ``served_dtype`` answers."""
+        self.update_infos: list[dict] = []
+        """Each ``/update_weights`` body, in order."""
         self.resume_failures = resume_failures
         """Resume calls that fail before one works; -1: every one."""
         self.resume_error: Exception = WeightSyncError(self.base_url, "/resume", "HTTP 500")
@@ -62,6 +66,9 @@ class ScriptedControl:
     async def world_size(self, timeout_s: float) -> int:
         return 1
 
+    async def served_dtype(self, timeout_s: float) -> str:
+        return self.dtype
+
     async def init_weight_transfer(self, info, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
         await self._step("init_weight_transfer")
 
@@ -72,6 +79,7 @@ class ScriptedControl:
         await self._step("start_weight_update")
 
     async def update_weights(self, info, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+        self.update_infos.append(info)
         try:
             await self._step("update_weights")
         finally:
