@@ -36,9 +36,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_vs_trl's model sizes, run as a script
 
 from rollout_common.tiny_model import TINY_MODEL_TRAINING, TinyModelSpec, build_tiny_model
+from vllm_gloo_transfer.delta import index_dtype, sparse_pays
 
-INDEX_BYTES = 4
-"""An int32 element index per changed element."""
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -70,21 +69,23 @@ class Result:
 
 
 def break_even_density(dtype: torch.dtype) -> float:
-    """The share of changed elements above which a tensor is cheaper sent whole."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return size / (INDEX_BYTES + size)
+    """The share of changed elements above which a tensor is cheaper sent whole (int32 indices)."""
+    size = dtype.itemsize
+    return size / (index_dtype(1).itemsize + size)
 
 
 def step_bytes(previous: dict[str, torch.Tensor], served: dict[str, torch.Tensor]) -> Step:
+    """What the delta encoder (``trainer_client.weights.delta``) would send, by its own rule."""
     changed = elements = delta = full = sparse = 0
     for name, now in served.items():
         moved = int((now != previous[name]).sum())
-        size = now.element_size()
-        whole = now.numel() * size
-        as_delta = moved * (INDEX_BYTES + size)
+        whole = now.numel() * now.element_size()
         changed, elements, full = changed + moved, elements + now.numel(), full + whole
-        delta += min(whole, as_delta)
-        sparse += as_delta < whole
+        if sparse_pays(now.numel(), moved, now.dtype):
+            delta += moved * (index_dtype(now.numel()).itemsize + now.element_size())
+            sparse += 1
+        else:
+            delta += whole
     return Step(changed, elements, delta, full, sparse, len(served))
 
 

@@ -123,3 +123,17 @@ def built_wheel() -> Path:
     run_checked([sys.executable, "-m", "build", "--wheel", "--outdir", str(source / "dist"), str(source)], 300)
     (wheel,) = (source / "dist").glob("rollout_service-*.whl")
     return wheel
+
+
+def miss_one_change(push: Any) -> str:
+    """Plant a missed delta in an ``EncodedPush``: its first sparse tensor with a change loses that
+    change, its checksum staying the trainer's. Returns the tensor's name."""
+    from rollout_api import rollout_pb2 as pb
+
+    sparse = [i for i, meta in enumerate(push.meta) if meta.encoding == pb.TENSOR_ENCODING_SPARSE]
+    at = next(i for i in sparse if push.meta[i].changed > 0)
+    push.meta[at].changed -= 1
+    for position in (sparse.index(at), len(sparse) + at):  # its indices, then its values (``wire_specs``)
+        name, tensor = push.wire[position]
+        push.wire[position] = (name, tensor[1:].clone())
+    return str(push.meta[at].name)

@@ -25,7 +25,6 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHECKSUM_CHUNK = 1 << 18
 """Elements checksummed at once: their int64 copy stays in cache."""
 _MIX = 0x9E37_79B9_7F4A_7C15 - (1 << 64)  # odd, as int64: every element's weight is odd
-_MASK_63 = (1 << 63) - 1
 
 
 class DeltaMismatch(RuntimeError):
@@ -52,19 +51,29 @@ def as_words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """A 63-bit checksum of the tensor's bits and their positions, on its own device: the sum
-    of every element's bits times an odd, position-dependent weight (mod 2**64), so any
-    single changed element changes it. Both sides compute it the same way."""
-    words = as_words(tensor)
+    """A 64-bit checksum of the tensor's bits and their positions, on its own device: its bytes
+    read as 64-bit words (the last one zero-padded), each times an odd, position-dependent
+    weight, summed mod 2**64, so any single changed element changes it. Both sides compute it
+    the same way."""
+    flat = tensor.detach().reshape(-1)
+    if flat.storage_offset() * flat.element_size() % 8:
+        flat = flat.clone()  # a 64-bit view must start on a multiple of 8 bytes
+    raw = flat.view(torch.uint8)
+    aligned = raw.numel() // 8 * 8
+    words = raw[:aligned].view(torch.int64)
     weights = _chunk_weights(words.device)
     scratch = torch.empty(min(words.numel(), _CHECKSUM_CHUNK), dtype=torch.int64, device=words.device)
     total = torch.zeros((), dtype=torch.int64, device=words.device)
+    number = 0
     for number, start in enumerate(range(0, words.numel(), _CHECKSUM_CHUNK)):
-        chunk = words[start : start + _CHECKSUM_CHUNK]
-        mixed = scratch[: chunk.numel()]
-        mixed.copy_(chunk).mul_(weights[: chunk.numel()])
+        mixed = scratch[: min(_CHECKSUM_CHUNK, words.numel() - start)]
+        torch.mul(words[start : start + mixed.numel()], weights[: mixed.numel()], out=mixed)
         total += mixed.sum() * (2 * number + 1)
-    return int(total.item()) & _MASK_63
+    if aligned < raw.numel():  # the last bytes, as one more chunk of one word
+        last = torch.zeros(8, dtype=torch.uint8, device=raw.device)
+        last[: raw.numel() - aligned] = raw[aligned:]
+        total += last.view(torch.int64)[0] * (2 * number + 3)
+    return int(total.item()) % 2**64  # all 64 bits: a flipped sign bit of the last lane is bit 63
 
 
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -93,14 +102,18 @@ class WireSpec:
 def wire_specs(
     dtypes: list[torch.dtype], shapes: list[list[int]], encodings: list[Encoding], counts: list[int]
 ) -> list[WireSpec]:
-    """What travels, in order: a full tensor as itself, a sparse one as its indices then its values."""
-    wire: list[WireSpec] = []
-    for dtype, shape, encoding, count in zip(dtypes, shapes, encodings, counts, strict=True):
-        if encoding == "full":
-            wire.append(WireSpec(dtype, shape))
-        else:
-            wire += [WireSpec(index_dtype(math.prod(shape)), [count]), WireSpec(dtype, [count])]
-    return wire
+    """What travels, in order: the indices of every sparse tensor, then each tensor's values (a
+    sparse one's) or itself (a full one's). Indices first, so that the gloo path packs them in one
+    bucket and the values in another instead of a broadcast per tensor
+    (``vllm_gloo_transfer.packing``)."""
+    entries = list(zip(dtypes, shapes, encodings, counts, strict=True))
+    indices = [
+        WireSpec(index_dtype(math.prod(shape)), [count])
+        for _, shape, encoding, count in entries
+        if encoding == "sparse"
+    ]
+    values = [WireSpec(dtype, shape if encoding == "full" else [count]) for dtype, shape, encoding, count in entries]
+    return indices + values
 
 
 @dataclass

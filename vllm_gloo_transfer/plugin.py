@@ -306,12 +306,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         encodings = update_info.encodings or ["full"] * len(update_info.names)
         checksums: list[int | None] = list(update_info.checksums or [None] * len(update_info.names))
         whole: list[tuple[str, torch.Tensor]] = []
-        pieces = iter(arrived)
+        sparse = sum(encoding == "sparse" for encoding in encodings)
+        indices, values = iter(arrived[:sparse]), iter(arrived[sparse:])  # ``delta.wire_specs``' order
         try:
             for name, shape, encoding, expected in zip(
                 update_info.names, update_info.shapes, encodings, checksums, strict=True
             ):
-                wire = [next(pieces)] if encoding == "full" else [next(pieces), next(pieces)]
+                wire = [next(values)] if encoding == "full" else [next(indices), next(values)]
                 whole.append((name, self._base.patch(name, encoding, wire, shape, expected)))
         except Exception:
             self._base.clear()  # patched in part: only a full push can be trusted again

@@ -61,7 +61,7 @@ class UpdateTicket:
     group_epoch: int
     delta_allowed: bool = False
     served_dtype: str = ""
-    """With delta_allowed: the dtype every server runs in ("": unknown, or they differ)."""
+    """The dtype every server runs in ("": unknown, or they differ)."""
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class WeightSyncCoordinator:
         self._epoch = time.time_ns() // 1_000_000 % 2**31
         self._world_sizes: list[int] | None = None
         self._served_dtype: str | None = None
-        """The dtype every server runs in, asked once when deltas are on ("": they differ)."""
+        """The dtype every server runs in, asked at the first begin ("": unknown, or they differ)."""
         self._deltas_in_a_row = 0
         """Committed delta pushes since the last full push the servers kept as a base."""
         self._lock = asyncio.Lock()
@@ -130,7 +130,7 @@ class WeightSyncCoordinator:
                 if mode != "none":  # paused servers could not finish an evaluation: wait for it first
                     held_s = await self.holds.wait_released(self.settings.eval_hold_timeout_s)
                 world_sizes = await self._worker_world_sizes()
-                served_dtype = await self._pool_dtype() if self.settings.delta else ""
+                served_dtype = await self._pool_dtype()
             except BaseException:
                 self.pausing_update_pending = False
                 raise
@@ -184,15 +184,16 @@ class WeightSyncCoordinator:
         )
 
     async def _pool_dtype(self) -> str:
-        """The dtype all servers run in, for a delta encoder ("" where they differ)."""
+        """The dtype all servers run in, which the trainer pushes in ("": unknown, or they differ)."""
         if self._served_dtype is None:
             timeout = self.settings.control_timeout_s
             try:
                 dtypes = set(await asyncio.gather(*(s.served_dtype(timeout) for s in self.servers)))
             except WeightSyncError as exc:
-                raise FailedPrecondition(f"cannot ask a vLLM server its dtype: {exc}") from None
+                logger.info("pushes travel in the trainer's dtype: cannot ask a vLLM server its own: %s", exc)
+                dtypes = set()
             if len(dtypes) > 1:
-                logger.warning("the servers run in %s: delta pushes travel in the trainer's dtype", sorted(dtypes))
+                logger.warning("the servers run in %s: pushes travel in the trainer's dtype", sorted(dtypes))
             self._served_dtype = dtypes.pop() if len(dtypes) == 1 else ""
         return self._served_dtype
 

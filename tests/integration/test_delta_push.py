@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_service.app import RunningService
 from tests.integration.conftest import service_settings, service_with_client
 from tests.integration.test_weight_sync import vllm_matches
+from tests.support import miss_one_change
 from trainer_client.weights.delta import EncodedPush
 from trainer_client.weights.policy_weights import policy_weights
 from trainer_client.weights.push import WeightPusher
@@ -126,12 +126,7 @@ async def test_a_missed_delta_is_caught_and_repaired_by_a_full_push(
         def missing_one_change(named, full: bool = False) -> EncodedPush:  # type: ignore[no-untyped-def]
             """The delta without one changed element, its checksums those of the whole step."""
             encoded = encode(named, full)
-            at = next(i for i, meta in enumerate(encoded.meta) if meta.changed > 0)
-            encoded.meta[at].changed -= 1
-            wire_at = sum(2 if meta.encoding == pb.TENSOR_ENCODING_SPARSE else 1 for meta in encoded.meta[:at])
-            for offset in (0, 1):
-                name, tensor = encoded.wire[wire_at + offset]
-                encoded.wire[wire_at + offset] = (name, tensor[1:].clone())
+            miss_one_change(encoded)
             monkeypatch.undo()  # only this push misses one
             return encoded
 

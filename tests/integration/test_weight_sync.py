@@ -376,7 +376,7 @@ async def test_a_bf16_server_samples_from_the_float32_push(tiny_model: Path, bas
             assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 1
             gap_after = await vllm_matches(server.url, new_model)
             assert gap_after <= BF16_LOGPROB_TOLERANCE < gap_before
-            assert pusher._delta is not None and pusher._delta.dtype == torch.bfloat16  # read from vLLM
+            assert pusher._served_dtype == torch.bfloat16  # read from vLLM's /server_info
             assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 2  # the base
             with torch.no_grad():
                 for param in new_model.parameters():
@@ -387,5 +387,7 @@ async def test_a_bf16_server_samples_from_the_float32_push(tiny_model: Path, bas
             delta_bytes = sample("rollout_weight_update_bytes_total", {"push": "delta"})
             full_float32 = sum(4 * p.numel() for p in new_model.parameters())
             assert 0 < delta_bytes < 0.25 * full_float32 / 2  # a quarter of a bf16 push's bytes
+            # the first push in the trainer's float32, the base in the server's bf16: half the bytes
+            assert sample("rollout_weight_update_bytes_total", {"push": "full"}) == full_float32 * 1.5
     finally:
         await asyncio.to_thread(server.stop)

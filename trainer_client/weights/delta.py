@@ -28,7 +28,8 @@ class EncodedPush:
 
     meta: list[pb.TensorMeta]
     wire: NamedTensors
-    """The tensors in broadcast order: a whole tensor, or a sparse one's indices then values."""
+    """The tensors in broadcast order (``vllm_gloo_transfer.delta.wire_specs``): every sparse
+    tensor's indices, then each tensor's values, or itself."""
     weights: dict[str, torch.Tensor] = field(repr=False)
     """Every tensor as the servers will hold it after this push (the encoder's next copy)."""
     checksums: dict[str, int] = field(repr=False)
@@ -47,12 +48,11 @@ class EncodedPush:
 
 
 class DeltaEncoder:
-    """Encodes pushes against the weights the servers hold (the last committed push).
-    ``dtype``: the servers' (None: unknown); floating-point weights are kept and sent in it,
-    as vLLM's loaders would cast them, so an element whose cast value stays travels not."""
+    """Encodes pushes against the weights the servers hold (the last committed push), in the
+    dtype they are given in: the servers' (``WeightPusher`` casts to it), so an element whose
+    cast value stays need not travel."""
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
-        self.dtype = dtype
+    def __init__(self) -> None:
         self._held: dict[str, torch.Tensor] = {}
         self._checksums: dict[str, int] = {}
 
@@ -74,13 +74,12 @@ class DeltaEncoder:
         """The push of ``named_tensors``: a delta against the held weights where they allow it,
         else (``full``, no base, another name, dtype or shape) whole."""
         meta: list[pb.TensorMeta] = []
-        wire: NamedTensors = []
+        indices_wire: NamedTensors = []
+        values_wire: NamedTensors = []
         weights: dict[str, torch.Tensor] = {}
         checksums: dict[str, int] = {}
         for name, tensor in named_tensors:
-            # A copy, always: the servers' weights must not follow later steps.
-            target = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
-            new = tensor.detach().to(dtype=target, copy=True)
+            new = tensor.detach().clone()  # the servers' weights must not follow later steps
             weights[name] = new
             held = None if full else self._held.get(name)
             encoding: Encoding = "full"
@@ -89,12 +88,10 @@ class DeltaEncoder:
                 indices = (as_words(new) != as_words(held)).nonzero().squeeze(1)
                 if sparse_pays(new.numel(), indices.numel(), new.dtype):
                     encoding, changed = "sparse", indices.numel()
-                    wire += [
-                        (f"{name}:indices", indices.to(index_dtype(new.numel()))),
-                        (f"{name}:values", new.reshape(-1)[indices]),
-                    ]
+                    indices_wire.append((f"{name}:indices", indices.to(index_dtype(new.numel()))))
+                    values_wire.append((f"{name}:values", new.reshape(-1)[indices]))
             if encoding == "full":
-                wire.append((name, new))
+                values_wire.append((name, new))
             checksums[name] = self._checksums[name] if encoding == "sparse" and not changed else checksum(new)
             meta.append(
                 pb.TensorMeta(
@@ -106,4 +103,4 @@ class DeltaEncoder:
                     checksum=checksums[name],
                 )
             )
-        return EncodedPush(meta, wire, weights, checksums)
+        return EncodedPush(meta, indices_wire + values_wire, weights, checksums)

@@ -59,6 +59,8 @@ class WeightPusher:
         self.pause_mode = pause_mode
         self.shared_memory = shared_memory
         self._sender: WeightSender | None = None
+        self._served_dtype: torch.dtype | None = None
+        """The servers' dtype, as the last begin said: floating-point weights travel in it."""
         self._delta: DeltaEncoder | None = None
         """Set once the service keeps pushes as delta bases (``weight_sync.delta``)."""
         self.delta_repairs = 0
@@ -81,6 +83,8 @@ class WeightPusher:
         Where the service keeps delta bases, only what changed since the last push travels; a
         delta refused or failed (a server missed one) is pushed again in full at once."""
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
+        if (dtype := self._served_dtype) is not None:  # as vLLM's loaders would cast them
+            tensors = [(name, t.to(dtype) if t.is_floating_point() else t) for name, t in tensors]
         encoder = self._delta
         encoded = None if encoder is None else encoder.encode(tensors, full=not encoder.has_base)
         try:
@@ -134,7 +138,7 @@ class WeightPusher:
             if isinstance(exc, UpdateAbandoned) and refused is not None:
                 raise refused from None  # the service's reason, not "given up"
             raise
-        self._delta_kept(ticket, encoded)
+        self._committed(ticket, encoded)
         share = "" if encoded is None else f" ({encoded.wire_bytes / max(1, encoded.full_bytes):.1%} of their bytes)"
         logger.info(
             "pushed %d tensors%s: policy version %d (%.2fs)",
@@ -145,15 +149,15 @@ class WeightPusher:
         )
         return committed.policy_version
 
-    def _delta_kept(self, ticket: pb.BeginWeightUpdateResponse, encoded: EncodedPush | None) -> None:
-        """After a commit: hold what the servers now serve if they keep delta bases, else stop encoding."""
+    def _committed(self, ticket: pb.BeginWeightUpdateResponse, encoded: EncodedPush | None) -> None:
+        """After a commit: the servers' dtype, and hold what they now serve if they keep delta bases."""
+        dtype = getattr(torch, ticket.served_dtype, None) if ticket.served_dtype else None
+        self._served_dtype = dtype if isinstance(dtype, torch.dtype) else None  # unknown to this torch: unknown
         if not ticket.delta_allowed:
             self._delta = None
             return
-        dtype = getattr(torch, ticket.served_dtype, None) if ticket.served_dtype else None
-        dtype = dtype if isinstance(dtype, torch.dtype) else None  # one this torch does not know: unknown
-        if self._delta is None or self._delta.dtype != dtype:
-            self._delta = DeltaEncoder(dtype)  # the next push is full, and kept as the base
+        if self._delta is None:
+            self._delta = DeltaEncoder()  # the next push is full, and kept as the base
         elif encoded is not None:
             self._delta.committed(encoded)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rollout_api import rollout_pb2 as pb
+from tests.support import miss_one_change
 from trainer_client.weights.delta import DeltaEncoder, EncodedPush
 from trainer_client.weights.gloo import GlooWeightSender
 from vllm_gloo_transfer.delta import checksum, sparse_pays, wire_specs
@@ -101,15 +102,9 @@ def test_a_missed_delta_is_caught_by_the_checksum_before_anything_is_applied() -
         encoder.committed(push)
         current = step(current, 7, share=0.02)
         missed = encoder.encode(current)
-        # Plant it: the first sparse tensor loses its first changed element, its checksum stays.
-        at = next(i for i, meta in enumerate(missed.meta) if meta.encoding == pb.TENSOR_ENCODING_SPARSE)
-        missed.meta[at].changed -= 1
-        wire_at = sum(2 if meta.encoding == pb.TENSOR_ENCODING_SPARSE else 1 for meta in missed.meta[:at])
-        for offset in (0, 1):
-            name, tensor = missed.wire[wire_at + offset]
-            missed.wire[wire_at + offset] = (name, tensor[1:].clone())
+        name = miss_one_change(missed)
         (error,) = send(sender, engines, missed)
-        assert "delta checksum mismatch at 'embed.weight'" in str(error), error
+        assert f"delta checksum mismatch at {name!r}" in str(error), error
         assert engines[0]._base.tensors == {}, "a base that failed its check is kept"
         assert engines[0]._group is None  # the service aborts the update and re-joins, then pushes in full
 
@@ -144,8 +139,8 @@ def test_a_tensor_that_changes_densely_travels_whole() -> None:
     assert [meta.changed for meta in push.meta] == [0, 0, 0]
     assert [name for name, _ in push.wire] == [
         "embed.weight:indices",
-        "embed.weight:values",
         "norm.weight:indices",
+        "embed.weight:values",
         "norm.weight:values",
         "proj.weight",
     ]
@@ -155,15 +150,16 @@ def test_a_tensor_that_changes_densely_travels_whole() -> None:
     assert [(spec.dtype, spec.shape) for spec in specs] == [(t.dtype, list(t.shape)) for _, t in push.wire]
 
 
-def test_weights_travel_in_the_served_dtype_and_only_elements_whose_cast_changed() -> None:
-    """float32 master weights, a bf16 server: a small step leaves most bf16 values as they were."""
+def test_only_the_elements_whose_served_value_changed_travel() -> None:
+    """float32 master weights pushed to a bf16 server (the pusher casts them): a small step
+    leaves most bf16 values as they were."""
     master = torch.randn(1000, generator=torch.Generator().manual_seed(5))
-    encoder = DeltaEncoder(torch.bfloat16)
-    first = encoder.encode([("w", master)])
-    assert first.meta[0].dtype == "bfloat16" and torch.equal(first.wire[0][1], master.to(torch.bfloat16))
+    encoder = DeltaEncoder()
+    first = encoder.encode([("w", master.to(torch.bfloat16))])
+    assert first.meta[0].dtype == "bfloat16"
     encoder.committed(first)
     stepped = master + 1e-4 * torch.randn(1000, generator=torch.Generator().manual_seed(6))
-    push = encoder.encode([("w", stepped)])
+    push = encoder.encode([("w", stepped.to(torch.bfloat16))])
     changed = int((stepped.to(torch.bfloat16) != master.to(torch.bfloat16)).sum())
     assert 0 < push.meta[0].changed == changed < 100  # about 3% of the elements, where float32 changes all
     assert push.meta[0].checksum == checksum(stepped.to(torch.bfloat16))
