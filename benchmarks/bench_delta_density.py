@@ -1,10 +1,10 @@
 """How much of a push a delta would save: the share of served-dtype weights that change per
 optimizer step, and the bytes of a per-tensor delta against a full push, by learning rate.
 
-Why: a delta push (issue 60) pays only while few served weights change between pushes. In
-bf16 a weight moves only when its update crosses half a unit in its last place, so at a real
-learning rate most do not (verl and NeMo-RL report 1-3% a step on large models). This measures
-that share on the project's models before any delta is built, to set the fallback's threshold.
+Why: a delta push (``weight_sync.delta``) pays only while few served weights change between
+pushes. In bf16 a weight moves only when its update crosses half a unit in its last place, so at
+a real learning rate most do not (verl and NeMo-RL report 1-3% a step on large models). This
+counts that share on the project's models without pushing; ``bench_delta_push.py`` pushes them.
 
 What runs: the model trains with AdamW (transformers' defaults: betas 0.9/0.999, eps 1e-8, no
 weight decay), float32 master weights, on a causal-LM loss over random token batches. Adam's

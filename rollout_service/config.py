@@ -111,8 +111,8 @@ class ManagedServerSettings(Section):
     dtype: str | None = None
     """vLLM's ``--dtype``. None: bfloat16 on a CPU that multiplies bf16 in hardware (AVX512-BF16
     or AMX, ``rollout_common.cpu_features``; there the trainer's default is bf16 autocast too),
-    where it generates faster, and float32 elsewhere. Pushed weights stay float32 (vLLM's
-    loaders cast them); float32 keeps vLLM's logprobs within 1e-4 of a float32 trainer's."""
+    where it generates faster, and float32 elsewhere. Pushes travel in it (the trainer casts as
+    vLLM's loaders would); float32 keeps vLLM's logprobs within 1e-4 of a float32 trainer's."""
     startup_timeout_s: float = 300.0
     """How long to wait for /health before giving up."""
     max_loras: int = Field(default=0, ge=0)
