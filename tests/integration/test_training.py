@@ -72,6 +72,10 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         assert r["step"] == 1 or seconds["push_snapshot"] > 0  # the previous step started a background push
         compute_wall = seconds["forward"] + seconds["backward"] + seconds["optimizer"]
         assert 0 < r["compute_cpu_seconds"] <= compute_wall + 1e-3  # one thread's CPU time within its wall time
+    # The bytes pushed so far: the first push, before step 1, then one a step (no deltas: none repaired).
+    pushed = [r["push_bytes"] for r in records]
+    assert 0 < pushed[0] < pushed[-1] and pushed == sorted(pushed)
+    assert all(r["delta_repairs"] == 0 for r in records)
     split = summary["time_split"]
     assert split["steps"] == STEPS - 1 and split["bound"] in ("training", "generation")
     assert sum(split["fraction"][p] for p in (*ON_STEP_PATH, "other")) == pytest.approx(1.0, abs=0.01)

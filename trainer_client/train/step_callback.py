@@ -199,6 +199,8 @@ class SyncAndAck(TrainerCallback):
         phases = trainer.clock.take()
         record["seconds"] = step_seconds(phases, now - self._step_started, not background)
         record["compute_cpu_seconds"] = round(phases.get(COMPUTE_CPU, 0.0), 6)
+        if isinstance(pusher := trainer.pusher, WeightPusher):  # so far: a push in flight lands in a later record
+            record["push_bytes"], record["delta_repairs"] = pusher.bytes_pushed, pusher.delta_repairs
         self._step_started = now
         if state.is_world_process_zero:
             # as the service has it now: this step's acks may still be on their way

@@ -65,6 +65,8 @@ class WeightPusher:
         """Set once the service keeps pushes as delta bases (``weight_sync.delta``)."""
         self.delta_repairs = 0
         """Delta pushes refused or failed, each then pushed in full at once."""
+        self.bytes_pushed = 0
+        """Bytes of the committed pushes' tensors, as they travelled (a delta's indices and values)."""
         self._port_claim = GroupPortClaim(trainer_address, group_port)
         logger.info("weight push rendezvous at %s:%d (vLLM's workers connect to it)", trainer_address, self.port)
 
@@ -139,6 +141,7 @@ class WeightPusher:
                 raise refused from None  # the service's reason, not "given up"
             raise
         self._committed(ticket, encoded)
+        self.bytes_pushed += sum(tensor.numel() * tensor.element_size() for _, tensor in wire)
         share = "" if encoded is None else f" ({encoded.wire_bytes / max(1, encoded.full_bytes):.1%} of their bytes)"
         logger.info(
             "pushed %d tensors%s: policy version %d (%.2fs)",
