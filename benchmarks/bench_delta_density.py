@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -89,26 +90,35 @@ def step_bytes(previous: dict[str, torch.Tensor], served: dict[str, torch.Tensor
     return Step(changed, elements, delta, full, sparse, len(served))
 
 
+def adamw_steps(model: torch.nn.Module, learning_rate: float, args: argparse.Namespace) -> Iterator[None]:
+    """Trains ``model`` one AdamW step a ``next``: a causal-LM loss over seeded random tokens
+    (``args.batch`` sequences of ``args.tokens``)."""
+    torch.manual_seed(args.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    vocab = model.config.vocab_size  # type: ignore[union-attr]
+    while True:
+        batch = torch.randint(0, vocab, (args.batch, args.tokens))
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        yield
+
+
 def measure(model_dir: Path, learning_rate: float, args: argparse.Namespace) -> Result:
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    training = adamw_steps(model, learning_rate, args)
     dtype = DTYPES[args.served_dtype]
-    vocab = model.config.vocab_size
 
     def served() -> dict[str, torch.Tensor]:
         return {name: p.detach().to(dtype).clone() for name, p in model.named_parameters()}
 
     previous, steps = served(), []
     for _ in range(args.steps):
-        batch = torch.randint(0, vocab, (args.batch, args.tokens))
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        next(training)
         now = served()
         steps.append(step_bytes(previous, now))
         previous = now
@@ -145,28 +155,40 @@ def report(results: list[Result], args: argparse.Namespace, console: Console) ->
     console.print(table)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and its training, as this benchmark and ``bench_delta_push.py`` take them."""
     from bench_vs_trl import MODEL_SIZES
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small", help="built locally if missing")
     parser.add_argument(
         "--learning-rates",
         default=f"1e-6,1e-5,{TINY_MODEL_TRAINING['learning_rate']}",
         help="comma-separated; the default ends with the demo's",
     )
-    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="sequences a step")
     parser.add_argument("--tokens", type=int, default=64, help="tokens a sequence")
-    parser.add_argument("--served-dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, help="results.json goes here")
-    args = parser.parse_args(argv)
+
+
+def read_training_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.learning_rates`` as numbers and ``args.model`` as (folder, spec); a bad list exits with a usage error."""
+    from bench_vs_trl import MODEL_SIZES
+
     try:
         args.learning_rates = [float(lr) for lr in args.learning_rates.split(",") if lr.strip()]
     except ValueError:
         parser.error(f"--learning-rates: {args.learning_rates!r} is not a comma-separated list of numbers")
     args.model = MODEL_SIZES[args.model_size]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_training_arguments(parser)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--served-dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--output", type=Path, help="results.json goes here")
+    args = parser.parse_args(argv)
+    read_training_arguments(parser, args)
     return args
 
 

@@ -43,10 +43,11 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmarks, run as a script
 
+from bench_delta_density import adamw_steps, add_training_arguments, read_training_arguments
 from bench_weight_push import hf_logprobs, max_abs_diff, vllm_completion
 from vllm_push_log import PushLog
 
-from rollout_common.tiny_model import TINY_MODEL_TRAINING, TinyModelSpec, build_tiny_model
+from rollout_common.tiny_model import TinyModelSpec, build_tiny_model
 
 logger = logging.getLogger("bench_delta_push")
 SERVED_NAME = "bench"
@@ -73,20 +74,6 @@ class Run:
     logprob_gap: float
 
 
-def adamw_steps(model: torch.nn.Module, learning_rate: float, seed: int, batch: int, tokens: int):  # type: ignore[no-untyped-def]
-    """Yields after each AdamW step on a causal-LM loss over seeded random tokens."""
-    torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    vocab = model.config.vocab_size  # type: ignore[union-attr]
-    while True:
-        ids = torch.randint(0, vocab, (batch, tokens))
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        yield
-
-
 async def one_run(
     args: argparse.Namespace, server_url: str, model_dir: Path, learning_rate: float, transport: str, mode: str
 ) -> Run:
@@ -105,7 +92,7 @@ async def one_run(
         weight_sync={"delta": mode == "delta", "full_push_every": 1_000_000},
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    steps = adamw_steps(model.train(), learning_rate, args.seed, args.batch, args.tokens)
+    steps = adamw_steps(model, learning_rate, args)
     push_log = PushLog(args.vllm_log)
     seconds: list[float] = []
     async with running_service(settings) as running, RolloutClient(running.grpc_target, timeout_s=60) as client:
@@ -173,33 +160,19 @@ def report(runs: list[Run], console: Console) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench_vs_trl import MODEL_SIZES
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small", help="built locally if missing")
-    parser.add_argument(
-        "--learning-rates",
-        default=f"1e-6,1e-5,{TINY_MODEL_TRAINING['learning_rate']}",
-        help="comma-separated; the default ends with the demo's",
-    )
+    add_training_arguments(parser)
     parser.add_argument("--transports", default="shm,gloo", help=f"comma-separated, of {sorted(TRANSPORTS)}")
     parser.add_argument("--steps", type=int, default=10, help="pushes measured per run, one after each step")
-    parser.add_argument("--batch", type=int, default=8, help="sequences a step")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens a sequence")
     parser.add_argument("--served-dtype", default="bfloat16", help="the managed server's --dtype")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="results.json goes here")
     args = parser.parse_args(argv)
-    try:
-        args.learning_rates = [float(lr) for lr in args.learning_rates.split(",") if lr.strip()]
-    except ValueError:
-        parser.error(f"--learning-rates: {args.learning_rates!r} is not a comma-separated list of numbers")
+    read_training_arguments(parser, args)
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if unknown := set(args.transports) - set(TRANSPORTS):
         parser.error(f"--transports: unknown {sorted(unknown)}; use {sorted(TRANSPORTS)}")
     if not isinstance(getattr(torch, args.served_dtype, None), torch.dtype):
         parser.error(f"--served-dtype: {args.served_dtype!r} is not a torch dtype")
-    args.model = MODEL_SIZES[args.model_size]
     return args
 
 
