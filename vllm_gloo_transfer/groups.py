@@ -1,4 +1,5 @@
-"""The gloo group of a weight transfer: how its ranks meet, and the address each binds.
+"""The gloo group of a weight transfer: how its ranks meet, the address each binds, and the
+served dtype a join agrees on.
 
 The address, why: gloo's default device takes the address the host name resolves to, often 127.0.1.1 or
 127.0.0.1 (a container's or a Debian host's /etc/hosts). Each rank announces that address
@@ -15,6 +16,8 @@ import socket
 import time
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 from torch.distributed import Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
@@ -76,3 +79,23 @@ def await_every_rank(store: Store, world_size: int, timeout_s: float) -> None:
                 f"weight-transfer rendezvous within {timeout_s:g}s (weight_sync.join_timeout_s)"
             )
         time.sleep(ARRIVAL_POLL_S)
+
+
+SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The model dtypes a join can agree on, by position (a code is its index + 1)."""
+_NONE = len(SERVED_DTYPES) + 1
+"""The trainer's vote: no dtype, larger than every code."""
+
+
+def agree_on_served_dtype(group: ProcessGroupGloo, dtype: torch.dtype | None) -> torch.dtype | None:
+    """Every rank, right after a join: the dtype every worker's model runs in, or None where they
+    differ or one does not say (``dtype`` None, or another). The trainer (rank 0) votes nothing
+    and learns it, so that it pushes in that dtype, the cast vLLM's loaders would make. Two
+    all-reduces of one number."""
+    code = SERVED_DTYPES.index(dtype) + 1 if dtype in SERVED_DTYPES else 0
+    lowest = torch.tensor([_NONE if group.rank() == 0 else code], dtype=torch.int64)
+    highest = torch.tensor([code], dtype=torch.int64)
+    group.allreduce([lowest], dist.ReduceOp.MIN).wait()
+    group.allreduce([highest], dist.ReduceOp.MAX).wait()
+    low, high = int(lowest.item()), int(highest.item())
+    return SERVED_DTYPES[low - 1] if low == high and 0 < low < _NONE else None

@@ -49,7 +49,13 @@ from vllm.distributed.weight_transfer.base import (
 
 from vllm_gloo_transfer.apply import WeightApplier
 from vllm_gloo_transfer.delta import ENCODINGS, DeltaBase, Encoding, WireSpec, wire_specs
-from vllm_gloo_transfer.groups import arrive, await_every_rank, gloo_group, local_address_towards
+from vllm_gloo_transfer.groups import (
+    agree_on_served_dtype,
+    arrive,
+    await_every_rank,
+    gloo_group,
+    local_address_towards,
+)
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 from vllm_gloo_transfer.shared_memory import SharedWeightsMapping, accept_shared_memory
 
@@ -227,6 +233,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._group = gloo_group(prefix_store, rank, init_info.world_size, join_timeout, local)
         try:
             self._shared, why_not = accept_shared_memory(self._group)
+            agree_on_served_dtype(self._group, getattr(self.model_config, "dtype", None))  # the trainer pushes in it
         except Exception:
             self.shutdown()
             raise

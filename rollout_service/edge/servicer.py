@@ -289,7 +289,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             policy_version=ticket.policy_version,
             group_epoch=ticket.group_epoch,
             delta_allowed=ticket.delta_allowed,
-            served_dtype=ticket.served_dtype,
         )
 
     @_edge

@@ -21,7 +21,6 @@ class WeightControl(Protocol):
     base_url: str
 
     async def world_size(self, timeout_s: float) -> int: ...
-    async def served_dtype(self, timeout_s: float) -> str: ...
     async def pause(self, mode: PauseModeName, timeout_s: float) -> None: ...
     async def is_paused(self, timeout_s: float) -> bool: ...
     async def resume(self, timeout_s: float) -> None: ...
@@ -91,16 +90,6 @@ class VLLMControlClient:
 
     async def world_size(self, timeout_s: float) -> int:
         return int((await self._call("GET", "/get_world_size", timeout_s))["world_size"])
-
-    async def served_dtype(self, timeout_s: float) -> str:
-        """The dtype the server's model runs in ("bfloat16"), from its ``/server_info``."""
-        info = await self._call("GET", "/server_info", timeout_s, config_format="json")
-        try:
-            dtype = info["vllm_config"]["model_config"]["dtype"]
-        except (KeyError, TypeError):
-            missing = "the answer has no vllm_config.model_config.dtype"
-            raise WeightSyncError(self.base_url, "/server_info", missing) from None
-        return str(dtype).removeprefix("torch.")
 
     async def pause(self, mode: PauseModeName, timeout_s: float) -> None:
         await self._call("POST", "/pause", timeout_s, mode=mode)

@@ -60,8 +60,6 @@ class UpdateTicket:
     policy_version: int
     group_epoch: int
     delta_allowed: bool = False
-    served_dtype: str = ""
-    """The dtype every server runs in ("": unknown, or they differ)."""
 
 
 @dataclass(frozen=True)

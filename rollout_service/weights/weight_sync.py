@@ -92,8 +92,6 @@ class WeightSyncCoordinator:
         # reuses an epoch of its predecessor in a reconnecting trainer's long-lived store.
         self._epoch = time.time_ns() // 1_000_000 % 2**31
         self._world_sizes: list[int] | None = None
-        self._served_dtype: str | None = None
-        """The dtype every server runs in, asked at the first begin ("": unknown, or they differ)."""
         self._deltas_in_a_row = 0
         """Committed delta pushes since the last full push the servers kept as a base."""
         self._lock = asyncio.Lock()
@@ -130,7 +128,6 @@ class WeightSyncCoordinator:
                 if mode != "none":  # paused servers could not finish an evaluation: wait for it first
                     held_s = await self.holds.wait_released(self.settings.eval_hold_timeout_s)
                 world_sizes = await self._worker_world_sizes()
-                served_dtype = await self._pool_dtype()
             except BaseException:
                 self.pausing_update_pending = False
                 raise
@@ -180,22 +177,7 @@ class WeightSyncCoordinator:
             self.version,
             update.epoch,
             delta_allowed=self.settings.delta,
-            served_dtype=served_dtype,
         )
-
-    async def _pool_dtype(self) -> str:
-        """The dtype all servers run in, which the trainer pushes in ("": unknown, or they differ)."""
-        if self._served_dtype is None:
-            timeout = self.settings.control_timeout_s
-            try:
-                dtypes = set(await asyncio.gather(*(s.served_dtype(timeout) for s in self.servers)))
-            except WeightSyncError as exc:
-                logger.info("pushes travel in the trainer's dtype: cannot ask a vLLM server its own: %s", exc)
-                dtypes = set()
-            if len(dtypes) > 1:
-                logger.warning("the servers run in %s: pushes travel in the trainer's dtype", sorted(dtypes))
-            self._served_dtype = dtypes.pop() if len(dtypes) == 1 else ""
-        return self._served_dtype
 
     def _delta_refused(self, join: bool) -> FailedPrecondition | None:
         """Why a delta push cannot go now (the trainer then pushes in full), counted; None: it can."""
@@ -323,7 +305,6 @@ class WeightSyncCoordinator:
         world_size = await server.world_size(self.settings.control_timeout_s)
         async with self._between_updates():
             self.servers.append(server)
-            self._served_dtype = None  # asked again: it may run in another
             if self._world_sizes is not None:
                 self._world_sizes.append(world_size)
             self._group = None

@@ -104,10 +104,12 @@ async def test_a_chain_of_deltas_serves_the_trainers_logprobs(delta_service, vll
         assert counted(service, "rollout_weight_delta_refused_total", reason="due") == 2  # after 8 and after 16
         assert pusher.delta_repairs == 2  # each refusal pushed in full at once
         delta_bytes = counted(service, "rollout_weight_update_bytes_total", push="delta")
-        per_delta = delta_bytes / (deltas + 2)  # two of the begun deltas were refused
+        per_delta = delta_bytes / (deltas - 2)  # the two refused were pushed in full
         # float32: an int32 index and a float32 value per change, 1% changed: about 2% of a full push
         assert per_delta < 0.05 * (full_bytes / 2), (per_delta, full_bytes / 2)
         assert counted(service, "rollout_weight_delta_refused_total", reason="mismatch") == 0
+        # The trainer's count of what travelled is the service's of what was announced.
+        assert pusher.bytes_pushed == counted(service, "rollout_weight_update_bytes_total", push="full") + delta_bytes
     finally:
         await restore(pusher, vllm_server.url, base_model)
 

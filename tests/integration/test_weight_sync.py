@@ -361,9 +361,9 @@ async def test_a_join_the_service_gave_up_frees_the_waiting_trainer(sync_service
 async def test_a_bf16_server_samples_from_the_float32_push(tiny_model: Path, base_model, tmp_path: Path) -> None:
     """A managed server's default on a CPU with bf16 instructions (``ManagedServerSettings.dtype``):
     the trainer pushes float32 weights, vLLM's loaders cast them, and vLLM then samples from the
-    pushed policy, to bf16's precision. With delta pushes on, the service reads the server's
-    dtype from vLLM, and the trainer's deltas travel in bf16: only the elements whose bf16 value
-    a small step changed."""
+    pushed policy, to bf16's precision. The join tells the trainer the server's dtype, so its later
+    pushes travel in bf16; with delta pushes on, only the elements whose bf16 value a small step
+    changed."""
     server = second_vllm_server(tiny_model, tmp_path / "bf16.log", dtype="bfloat16")
     await asyncio.to_thread(server.start)
     try:
@@ -376,7 +376,7 @@ async def test_a_bf16_server_samples_from_the_float32_push(tiny_model: Path, bas
             assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 1
             gap_after = await vllm_matches(server.url, new_model)
             assert gap_after <= BF16_LOGPROB_TOLERANCE < gap_before
-            assert pusher._served_dtype == torch.bfloat16  # read from vLLM's /server_info
+            assert pusher.served_dtype == torch.bfloat16  # the workers said so at the join
             assert await asyncio.wait_for(pusher.push(list(new_model.named_parameters())), 60) == 2  # the base
             with torch.no_grad():
                 for param in new_model.parameters():

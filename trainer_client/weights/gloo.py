@@ -20,7 +20,7 @@ from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from trainer_client.weights.sender import WORKER_POLL_S, NamedTensors, UpdateAbandoned, WeightSender
-from vllm_gloo_transfer.groups import abandon_join, arrive, gloo_group
+from vllm_gloo_transfer.groups import abandon_join, agree_on_served_dtype, arrive, gloo_group
 from vllm_gloo_transfer.packing import broadcast_buckets, packing_trailer
 from vllm_gloo_transfer.shared_memory import SharedWeightsFile, offer_shared_memory
 
@@ -73,6 +73,7 @@ class GlooWeightSender(WeightSender):
             self._shared_file = SharedWeightsFile.create()  # None where the system has no memfd
         try:
             self._through_shared_memory = offer_shared_memory(self._group, self._shared_file)
+            self.served_dtype = agree_on_served_dtype(self._group, None)
         except BaseException:
             self.leave()
             raise
@@ -140,6 +141,7 @@ class GlooWeightSender(WeightSender):
         """Leave the group (the workers' receives fail at once) but keep hosting the store."""
         group, self._group = self._group, None
         self._through_shared_memory = False
+        self.served_dtype = None  # the next join says it again: the servers may have changed
         if group is not None:
             group.shutdown()
 

@@ -59,8 +59,6 @@ class WeightPusher:
         self.pause_mode = pause_mode
         self.shared_memory = shared_memory
         self._sender: WeightSender | None = None
-        self._served_dtype: torch.dtype | None = None
-        """The servers' dtype, as the last begin said: floating-point weights travel in it."""
         self._delta: DeltaEncoder | None = None
         """Set once the service keeps pushes as delta bases (``weight_sync.delta``)."""
         self.delta_repairs = 0
@@ -69,6 +67,12 @@ class WeightPusher:
         """Bytes of the committed pushes' tensors, as they travelled (a delta's indices and values)."""
         self._port_claim = GroupPortClaim(trainer_address, group_port)
         logger.info("weight push rendezvous at %s:%d (vLLM's workers connect to it)", trainer_address, self.port)
+
+    @property
+    def served_dtype(self) -> torch.dtype | None:
+        """The servers' dtype, as their workers told it at the last join: floating-point weights
+        travel in it from then on. None (unknown, or they differ): the trainer's own."""
+        return None if self._sender is None else self._sender.served_dtype
 
     @property
     def port(self) -> int:
@@ -85,7 +89,7 @@ class WeightPusher:
         Where the service keeps delta bases, only what changed since the last push travels; a
         delta refused or failed (a server missed one) is pushed again in full at once."""
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
-        if (dtype := self._served_dtype) is not None:  # as vLLM's loaders would cast them
+        if (dtype := self.served_dtype) is not None:  # as vLLM's loaders would cast them
             tensors = [(name, t.to(dtype) if t.is_floating_point() else t) for name, t in tensors]
         encoder = self._delta
         encoded = None if encoder is None else encoder.encode(tensors, full=not encoder.has_base)
@@ -153,9 +157,7 @@ class WeightPusher:
         return committed.policy_version
 
     def _committed(self, ticket: pb.BeginWeightUpdateResponse, encoded: EncodedPush | None) -> None:
-        """After a commit: the servers' dtype, and hold what they now serve if they keep delta bases."""
-        dtype = getattr(torch, ticket.served_dtype, None) if ticket.served_dtype else None
-        self._served_dtype = dtype if isinstance(dtype, torch.dtype) else None  # unknown to this torch: unknown
+        """After a commit: hold what the servers now serve if they keep delta bases, else stop encoding."""
         if not ticket.delta_allowed:
             self._delta = None
             return

@@ -45,6 +45,8 @@ class WeightSender(ABC):
     """Each join hosts a fresh rendezvous, so a re-join after a failure needs a fresh port."""
     RESIZES_IN_PLACE: ClassVar[bool]
     """A join may bring another world size to this sender; otherwise that is a new sender."""
+    served_dtype: torch.dtype | None = None
+    """The dtype every worker's model runs in, where the last join told it (gloo); None: unknown."""
 
     def __init__(
         self,

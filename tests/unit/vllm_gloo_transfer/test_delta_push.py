@@ -165,6 +165,25 @@ def test_only_the_elements_whose_served_value_changed_travel() -> None:
     assert push.meta[0].checksum == checksum(stepped.to(torch.bfloat16))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("dtypes", "agreed"),
+    [
+        ([torch.bfloat16, torch.bfloat16], torch.bfloat16),
+        ([torch.float32], torch.float32),
+        ([torch.bfloat16, torch.float32], None),  # servers that differ: the trainer's own dtype
+        ([torch.bfloat16, None], None),  # a worker that does not say
+    ],
+)
+def test_a_join_tells_the_trainer_the_dtype_every_worker_serves_in(
+    dtypes: list[torch.dtype | None], agreed: torch.dtype | None
+) -> None:
+    with joined(workers=len(dtypes), shared_memory=False, dtypes=dtypes) as (sender, _):
+        assert sender.served_dtype == agreed
+        sender.leave()
+        assert sender.served_dtype is None  # the next join says it again
+
+
 def test_sparse_pays_below_the_byte_break_even() -> None:
     # int32 index + float32 value = 8 bytes a change, against 4 an element: below half the elements
     assert sparse_pays(1000, 499, torch.float32) and not sparse_pays(1000, 500, torch.float32)

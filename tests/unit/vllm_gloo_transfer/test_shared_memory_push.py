@@ -35,10 +35,11 @@ HOST = "127.0.0.1"
 TIMEOUT_S = 20.0
 
 
-def worker_engine(rank: int) -> GlooWeightTransferEngine:
-    """The plugin's engine as one vLLM worker holds it; only its rank is read from the config."""
+def worker_engine(rank: int, dtype: torch.dtype | None = None) -> GlooWeightTransferEngine:
+    """The plugin's engine as one vLLM worker holds it; its rank and its model's dtype are read
+    from the config."""
     parallel = SimpleNamespace(data_parallel_index=0, world_size=1, rank=rank - 1)
-    config = SimpleNamespace(parallel_config=parallel, model_config=None)
+    config = SimpleNamespace(parallel_config=parallel, model_config=dtype and SimpleNamespace(dtype=dtype))
     return GlooWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())  # type: ignore[arg-type]
 
 
@@ -71,12 +72,15 @@ def together(trainer_side: Callable[[], Any], *worker_sides: tuple[str, Callable
 
 
 @contextmanager
-def joined(workers: int, shared_memory: bool) -> Iterator[tuple[GlooWeightSender, list[GlooWeightTransferEngine]]]:
-    """A sender joined to ``workers`` engines, as the first push of a run joins them."""
+def joined(
+    workers: int, shared_memory: bool, dtypes: list[torch.dtype | None] | None = None
+) -> Iterator[tuple[GlooWeightSender, list[GlooWeightTransferEngine]]]:
+    """A sender joined to ``workers`` engines, as the first push of a run joins them;
+    ``dtypes``: each worker's model dtype (default: none known)."""
     port = free_port(HOST)
     world_size = workers + 1
     sender = GlooWeightSender(HOST, port, world_size, timeout_s=TIMEOUT_S, shared_memory=shared_memory)
-    engines = [worker_engine(rank) for rank in range(1, world_size)]
+    engines = [worker_engine(rank, (dtypes or [None] * workers)[rank - 1]) for rank in range(1, world_size)]
     info = GlooWeightTransferInitInfo(HOST, port, rank_offset=1, world_size=world_size, timeout_s=TIMEOUT_S, epoch=1)
     try:
         joins = [(f"worker-{i}", lambda e=engine: e.init_transfer_engine(info)) for i, engine in enumerate(engines)]

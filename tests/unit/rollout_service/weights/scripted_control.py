@@ -38,8 +38,6 @@ class ScriptedControl:
         self.clock = clock
         self.fail = fail
         self.received = asyncio.Event()
-        self.dtype: str | None = "bfloat16"
-        """What ``served_dtype`` answers; None: it fails, as a server without /server_info."""
         self.update_infos: list[dict] = []
         """Each ``/update_weights`` body, in order."""
         self.resume_failures = resume_failures
@@ -65,11 +63,6 @@ class ScriptedControl:
 
     async def world_size(self, timeout_s: float) -> int:
         return 1
-
-    async def served_dtype(self, timeout_s: float) -> str:
-        if self.dtype is None:
-            raise WeightSyncError(self.base_url, "/server_info", "HTTP 404: Not Found", answered=True)
-        return self.dtype
 
     async def init_weight_transfer(self, info, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
         await self._step("init_weight_transfer")

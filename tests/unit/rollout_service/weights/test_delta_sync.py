@@ -59,25 +59,6 @@ async def test_a_delta_goes_to_the_servers_with_its_encodings_and_checksums() ->
     assert pushes.counted("rollout_weight_update_bytes_total", push="full") == 32 * 4 + 8 * 2
 
 
-@pytest.mark.parametrize("other_dtype", ["float32", None])
-async def test_the_ticket_names_the_dtype_every_server_runs_in(other_dtype: str | None) -> None:
-    """The trainer pushes in it, delta or not; servers in two dtypes, or one that does not say
-    (no /server_info), name none, and the pushes go on in the trainer's dtype."""
-    pushes = Pushes()
-    try:
-        ticket = await pushes.sync.begin("run", "127.0.0.1", pushes.port, PLAIN, "none")
-        assert ticket.served_dtype == "bfloat16"
-        await asyncio.wait_for(pushes.sync.commit(ticket.update_id), 5)
-        other = ScriptedControl(pushes.clock)
-        other.base_url, other.dtype = "http://other", other_dtype
-        await pushes.sync.add_server(other)
-        ticket = await pushes.sync.begin("run", "127.0.0.1", pushes.port, PLAIN, "none")
-        assert ticket.served_dtype == ""
-        assert (await asyncio.wait_for(pushes.sync.commit(ticket.update_id), 5))[0] == 2
-    finally:
-        await pushes.sync.close()
-
-
 async def test_a_delta_is_refused_when_the_servers_join_a_fresh_group() -> None:
     """The first push, and the first after a server restarted: a joined server holds no base."""
     pushes = Pushes(delta=True)

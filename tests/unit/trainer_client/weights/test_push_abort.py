@@ -24,7 +24,7 @@ import signal, sys
 from datetime import timedelta
 from torch.distributed import PrefixStore, TCPStore
 from trainer_client.weights.gloo import rendezvous_uri
-from vllm_gloo_transfer.groups import gloo_group
+from vllm_gloo_transfer.groups import agree_on_served_dtype, gloo_group
 from vllm_gloo_transfer.shared_memory import accept_shared_memory
 
 port = int(sys.argv[1])
@@ -32,6 +32,7 @@ store = TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(second
 prefix = PrefixStore(rendezvous_uri("127.0.0.1", port) + "/epoch-1", store)
 group = gloo_group(prefix, 1, 2, timedelta(seconds=60), "127.0.0.1")
 accept_shared_memory(group)
+agree_on_served_dtype(group, None)
 signal.pause()  # joined, then never receives, until killed: a vLLM stopped mid-push
 """
 

@@ -31,7 +31,7 @@ from trainer_client.weights.gloo import GlooWeightSender, rendezvous_uri
 from trainer_client.weights.nccl import NcclWeightSender, call_within
 from trainer_client.weights.push import WeightPusher
 from trainer_client.weights.sender import UpdateAbandoned, WeightSender
-from vllm_gloo_transfer.groups import arrive, await_every_rank
+from vllm_gloo_transfer.groups import agree_on_served_dtype, arrive, await_every_rank
 from vllm_gloo_transfer.packing import broadcast_buckets
 from vllm_gloo_transfer.plugin import GlooWeightTransferInitInfo
 from vllm_gloo_transfer.shared_memory import accept_shared_memory
@@ -245,7 +245,8 @@ def _gloo_worker(port: int, epoch: int, rank: int, world_size: int, out: dict[in
     await_every_rank(prefix, world_size, 20)
     group = ProcessGroupGloo(prefix, rank, world_size, timedelta(seconds=20))
     group._set_sequence_number_for_group()
-    shared, _ = accept_shared_memory(group)  # the join's last step, as the plugin takes it
+    shared, _ = accept_shared_memory(group)  # the join's last steps, as the plugin takes them
+    agree_on_served_dtype(group, None)
     if shared is not None:
         shared.close()
     received = torch.zeros(3)
