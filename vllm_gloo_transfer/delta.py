@@ -134,11 +134,10 @@ class DeltaBase:
         encoding: Encoding,
         wire: list[torch.Tensor],
         shape: list[int],
-        expected: int | None,
+        expected: int,
     ) -> torch.Tensor:
         """Apply one tensor of a push (``wire``: the tensor, or its indices and values) and return
-        the whole tensor it makes. ``expected``: the trainer's checksum of it, compared here;
-        None: keep the checksum for the next delta's comparison without checking."""
+        the whole tensor it makes, once its checksum is ``expected``, the trainer's."""
         if encoding == "full":
             (values,) = wire
             tensor = values.detach().reshape(-1).clone()  # the received buffer is reused
@@ -155,7 +154,7 @@ class DeltaBase:
             if indices.numel():  # an untouched tensor keeps its checksum
                 tensor[indices.long()] = values
                 self.checksums[name] = checksum(tensor)
-        if expected is not None and self.checksums[name] != expected:
+        if self.checksums[name] != expected:
             raise DeltaMismatch(
                 f"delta checksum mismatch at {name!r}: this server's weights after the delta are not the "
                 "trainer's (a delta was missed): the trainer must push in full"

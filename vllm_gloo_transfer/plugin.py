@@ -169,12 +169,6 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         encodings: list[Encoding] = self.encodings or ["full"] * len(self.names)
         return wire_specs(dtypes, self.shapes, encodings, self.counts or [0] * len(self.names))
 
-    def specs(self) -> list[tuple[str, torch.dtype, list[int]]]:
-        return [
-            (name, getattr(torch, dtype_name), shape)
-            for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes, strict=True)
-        ]
-
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Receives trainer weights over gloo into a buffer and applies them at finish."""
@@ -310,8 +304,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if not update_info.keeps_base:
             self._base.clear()  # the trainer pushes in full: nothing to keep
             return list(zip(update_info.names, arrived, strict=True))
-        encodings = update_info.encodings or ["full"] * len(update_info.names)
-        checksums: list[int | None] = list(update_info.checksums or [None] * len(update_info.names))
+        encodings, checksums = update_info.encodings or [], update_info.checksums or []  # given with keeps_base
         whole: list[tuple[str, torch.Tensor]] = []
         sparse = sum(encoding == "sparse" for encoding in encodings)
         indices, values = iter(arrived[:sparse]), iter(arrived[sparse:])  # ``delta.wire_specs``' order

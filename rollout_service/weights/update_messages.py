@@ -37,7 +37,8 @@ def is_delta(tensors: list[TensorSpec]) -> bool:
 
 
 def wire_bytes(tensors: list[TensorSpec]) -> int:
-    """The bytes a push sends: a sparse tensor's indices and values, any other whole."""
+    """The bytes a push sends: a sparse tensor's indices and values, any other whole. The index
+    width is ``vllm_gloo_transfer.delta.index_dtype``'s, restated: the service imports no torch."""
     total = 0
     for tensor in tensors:
         itemsize = DTYPE_BYTES[tensor.dtype]

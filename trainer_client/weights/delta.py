@@ -9,6 +9,7 @@ commits: after any failure the servers may hold either version, so the next push
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,10 @@ from vllm_gloo_transfer.delta import Encoding, as_words, checksum, index_dtype, 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 _ENCODING_TO_PB = {"full": pb.TENSOR_ENCODING_FULL, "sparse": pb.TENSOR_ENCODING_SPARSE}
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 @dataclass
@@ -40,11 +45,11 @@ class EncodedPush:
 
     @property
     def wire_bytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for _, tensor in self.wire)
+        return nbytes(tensor for _, tensor in self.wire)
 
     @property
     def full_bytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.weights.values())
+        return nbytes(self.weights.values())
 
 
 class DeltaEncoder:

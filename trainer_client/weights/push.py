@@ -19,7 +19,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient
 from trainer_client.step_timing import PhaseClock
 from trainer_client.weights.backends import sender_for
-from trainer_client.weights.delta import DeltaEncoder, EncodedPush
+from trainer_client.weights.delta import DeltaEncoder, EncodedPush, nbytes
 from trainer_client.weights.group_port import GroupPortClaim
 from trainer_client.weights.policy_weights import adapter_files, policy_weights
 from trainer_client.weights.sender import UpdateAbandoned, WeightSender, dtype_name
@@ -145,8 +145,9 @@ class WeightPusher:
                 raise refused from None  # the service's reason, not "given up"
             raise
         self._committed(ticket, encoded)
-        self.bytes_pushed += sum(tensor.numel() * tensor.element_size() for _, tensor in wire)
-        share = "" if encoded is None else f" ({encoded.wire_bytes / max(1, encoded.full_bytes):.1%} of their bytes)"
+        sent = nbytes(tensor for _, tensor in wire)
+        self.bytes_pushed += sent
+        share = "" if encoded is None else f" ({sent / max(1, encoded.full_bytes):.1%} of their bytes)"
         logger.info(
             "pushed %d tensors%s: policy version %d (%.2fs)",
             len(tensors),
