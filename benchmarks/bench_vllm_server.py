@@ -17,7 +17,7 @@ server's CPU time (every process of its group, ``/proc``); the table gives media
 Usage::
 
     python benchmarks/bench_vllm_server.py      # today's defaults against vLLM's AOT compile cache
-    python benchmarks/bench_vllm_server.py --model-size medium --rounds 6 \
+    python benchmarks/bench_vllm_server.py --model-size medium --rounds 6 \\
         --variant float32="--dtype float32" --variant bfloat16="--dtype bfloat16"
     python benchmarks/bench_vllm_server.py --variant default="" --variant eager="--enforce-eager"
 """
