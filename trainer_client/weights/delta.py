@@ -77,14 +77,15 @@ class DeltaEncoder:
     @torch.no_grad()
     def encode(self, named_tensors: NamedTensors, full: bool = False) -> EncodedPush:
         """The push of ``named_tensors``: a delta against the held weights where they allow it,
-        else (``full``, no base, another name, dtype or shape) whole."""
+        else (``full``, no base, another name, dtype or shape) whole. The tensors become the
+        servers' weights once committed: give copies no later step changes."""
         meta: list[pb.TensorMeta] = []
         indices_wire: NamedTensors = []
         values_wire: NamedTensors = []
         weights: dict[str, torch.Tensor] = {}
         checksums: dict[str, int] = {}
         for name, tensor in named_tensors:
-            new = tensor.detach().clone()  # the servers' weights must not follow later steps
+            new = tensor.detach()
             weights[name] = new
             held = None if full else self._held.get(name)
             encoding: Encoding = "full"

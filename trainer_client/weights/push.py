@@ -88,10 +88,12 @@ class WeightPusher:
         ``resend``: the current version's weights again, as the service asked; the version stays.
         Where the service keeps delta bases, only what changed since the last push travels; a
         delta refused or failed (a server missed one) is pushed again in full at once."""
-        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # the sender moves them
-        if (dtype := self.served_dtype) is not None:  # as vLLM's loaders would cast them
-            tensors = [(name, t.to(dtype) if t.is_floating_point() else t) for name, t in tensors]
         encoder = self._delta
+        # The encoder keeps them as the servers' weights, so it gets copies, never the parameters.
+        tensors = [
+            (name, served(tensor.detach(), self.served_dtype, copy=encoder is not None))
+            for name, tensor in named_tensors
+        ]
         encoded = None if encoder is None else encoder.encode(tensors, full=not encoder.has_base)
         try:
             return await self._push(tensors, encoded, resend)
@@ -242,3 +244,11 @@ class AdapterPusher:
 
     def close(self) -> None:
         """Nothing to release: adapters travel over the gRPC channel."""
+
+
+def served(tensor: torch.Tensor, dtype: torch.dtype | None, copy: bool) -> torch.Tensor:
+    """``tensor`` as it travels: floating point in the servers' ``dtype`` (None: its own), as
+    vLLM's loaders would cast it; ``copy``: never a view of ``tensor`` (one cast copy at most)."""
+    if dtype is not None and tensor.is_floating_point():
+        return tensor.to(dtype, copy=copy)
+    return tensor.clone() if copy else tensor
