@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,28 +71,23 @@ def parse_variant(text: str) -> tuple[str, str]:
     return name, spec
 
 
-@contextlib.contextmanager
-def environment(settings: dict[str, str]) -> Iterator[None]:
-    """``settings`` in this process's environment, which a managed server copies at its start."""
-    before = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+class VariantServer(ManagedVLLMServer):
+    """A managed server whose environment has the variant's settings over the service's own."""
+
+    def __init__(self, variant: Variant, model: Path, logs: Path) -> None:
+        log = logs / f"{variant.name}.log"
+        super().__init__(ManagedServerSettings(model=model, extra_args=variant.flags, log_file=log), "bench")
+        self.variant = variant
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), **self.variant.env}
 
 
 def start(variant: Variant, model: Path, logs: Path) -> tuple[ManagedVLLMServer, float]:
     """A server of ``variant``, healthy, and the seconds from its launch until it was."""
-    settings = ManagedServerSettings(model=model, extra_args=variant.flags, log_file=logs / f"{variant.name}.log")
-    server = ManagedVLLMServer(settings, served_model_name="bench")
-    with environment(variant.env):
-        began = time.perf_counter()
-        server.start()
+    server = VariantServer(variant, model, logs)
+    began = time.perf_counter()
+    server.start()
     return server, time.perf_counter() - began
 
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))  # as the benchmark scripts run
 
-from bench_vllm_server import Variant, environment, parse_variant
+from bench_vllm_server import Variant, VariantServer, parse_variant
 
 
 def test_a_variants_leading_settings_go_into_the_environment_and_the_rest_are_vllm_flags() -> None:
@@ -26,9 +26,11 @@ def test_a_variant_without_a_name_is_refused_with_the_shape_it_needs() -> None:
         parse_variant("--enforce-eager")
 
 
-def test_a_variants_environment_lasts_for_its_start_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BENCH_KEPT", "before")
-    monkeypatch.delenv("BENCH_NEW", raising=False)
-    with environment({"BENCH_KEPT": "during", "BENCH_NEW": "1"}):
-        assert (os.environ["BENCH_KEPT"], os.environ["BENCH_NEW"]) == ("during", "1")
-    assert os.environ["BENCH_KEPT"] == "before" and "BENCH_NEW" not in os.environ
+def test_a_variants_settings_win_over_the_services_and_the_rest_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
+    variant = Variant.parse("aot", "VLLM_USE_AOT_COMPILE=1 --enforce-eager")
+    server = VariantServer(variant, Path("models/tiny-qwen2"), Path("/tmp"))
+    env = server.environment()
+    assert env["VLLM_USE_AOT_COMPILE"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert server.command()[-1] == "--enforce-eager"  # after the service's flags: it wins
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"  # this process's own is left alone
