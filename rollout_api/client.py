@@ -125,12 +125,14 @@ async def books_now(client: RolloutClient, run_id: str) -> dict[str, float | str
 
 def audit_record(audit: pb.BiasAudit) -> dict[str, float | str]:
     """The bias audit as flat values for a metrics record: ``audit/<feature>/smd`` and ``/ks``,
-    ``audit/prompt_coverage``, ``audit/staleness_mean`` and ``audit/flagged`` (comma-separated)."""
+    ``audit/prompt_coverage``, ``audit/uniform_coverage``, ``audit/staleness_mean`` and ``audit/flagged``
+    (comma-separated)."""
     record: dict[str, float | str] = {}
     for drift in audit.features:
         record[f"audit/{drift.feature}/smd"] = drift.smd
         record[f"audit/{drift.feature}/ks"] = drift.ks
     record["audit/prompt_coverage"] = audit.prompt_coverage
+    record["audit/uniform_coverage"] = audit.uniform_coverage
     record["audit/staleness_mean"] = audit.staleness_mean
     record["audit/flagged"] = ",".join(audit.flagged)
     return record

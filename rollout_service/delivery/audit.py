@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rollout_service.types import PromptItem, ScoredGroup
 
@@ -32,9 +32,11 @@ CLEAR_FRACTION = 0.5
 threshold's, so a drift near the threshold warns once rather than at every report."""
 COVERAGE_MIN_REPEATS = 4.0
 """Coverage is judged only when both windows hold each started prompt this many times on average:
-with fewer, a uniformly dropped prompt is often missing from the trained window by chance (e^-4
-of them at 4), and with a prompt set much larger than the window coverage is just the share of
-groups trained."""
+with a prompt set much larger than the window, a prompt is missing from the trained window
+because it was started too recently to be trained yet, not because its groups were dropped."""
+COVERAGE_SIGMAS = 3.0
+"""Coverage is flagged when more prompts are missing from the trained window than uniform drops
+would leave by this many standard deviations, and by more than one prompt."""
 ADVICE = "drops are biased toward fast prompts: a larger max_staleness lets slow groups finish"
 
 
@@ -77,6 +79,9 @@ class AuditReport:
     prompt_coverage: float
     """Share of the distinct prompts started in the window that are in the trained window; 1.0 when
     none was started."""
+    uniform_coverage: float
+    """The coverage uniform drops would leave: the expected share of those prompts in a trained
+    window of its size drawn like the started window."""
     started_prompts: int
     """Distinct prompts started in the window: coverage means little unless they repeat."""
     unprofiled_started: int
@@ -98,6 +103,15 @@ def drift(started: Sequence[float], trained: Sequence[float]) -> tuple[float, fl
     pooled_sd = math.sqrt((_variance(started, started_mean) + _variance(trained, trained_mean)) / 2)
     smd = (trained_mean - started_mean) / pooled_sd if pooled_sd > 0 else 0.0
     return smd, _ks(sorted(started), sorted(trained))
+
+
+def missing_by_chance(started: Counter[PromptKey], trained_groups: int) -> tuple[float, float]:
+    """Mean and variance of the number of ``started`` prompts missing from a trained window of
+    ``trained_groups`` drawn like the started one: a prompt started k of S times is missing with
+    probability exp(-trained_groups k / S), its Poisson chance of no draw."""
+    total = sum(started.values())
+    chances = [math.exp(-trained_groups * count / total) for count in started.values()]
+    return sum(chances), sum(p * (1.0 - p) for p in chances)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -130,27 +144,27 @@ class BiasAudit:
         run_id: str,
         window_groups: int = 512,
         smd_threshold: float = 0.25,
-        coverage_threshold: float = 0.8,
         min_groups: int = 256,
         profiles_kept: int = 65536,
         report_every: int = 16,
     ) -> None:
-        """``coverage_threshold`` 0.8: where coverage is judged, a uniform drop leaves under 2% of the
-        prompts untrained (e^-4), so a fifth missing means some prompts are never trained, with a
-        margin for those trained rarely, whose bias the features show.
-        ``min_groups`` 256: with fewer, chance alone moves the SMD by its standard error, about
+        """``min_groups`` 256: with fewer, chance alone moves the SMD by its standard error, about
         sqrt(2/n), to near the 0.25 threshold."""
         self.run_id = run_id
         self.smd_threshold = smd_threshold
-        self.coverage_threshold = coverage_threshold
         self.min_groups = min_groups
         self.profiles_kept = profiles_kept
         self.report_every = report_every
+        self.window_groups = window_groups
         self._started: deque[PromptKey] = deque(maxlen=window_groups)
         self._trained: deque[tuple[PromptKey, int]] = deque(maxlen=window_groups)
         self._profiles: OrderedDict[PromptKey, PromptProfile] = OrderedDict()
         self._flagged: frozenset[str] = frozenset()
         """Flags as of the last periodic check: what was warned about and not cleared yet."""
+        self._quiet: dict[str, int] = {}
+        """Per flag held: trained groups since its drift was last over the clear level. A flag clears
+        after a whole window of them, so a count that dips to zero now and then (a prompt trained
+        rarely is in one window and not the next) does not warn again and again."""
         self._since_check = 0
 
     @property
@@ -183,24 +197,34 @@ class BiasAudit:
             self._check()
 
     def report(self) -> AuditReport:
+        """The windows now; a flag raised earlier holds until it clears at a check."""
+        report = self._judge()
+        held = tuple(name for name in sorted(self._flagged) if name not in report.flagged)
+        return replace(report, flagged=report.flagged + held) if held else report
+
+    def _judge(self) -> AuditReport:
         started = [self._profiles.get(key) for key in self._started]
         started_profiles = [profile for profile in started if profile is not None]
         trained_profiles = [profile for key, _ in self._trained if (profile := self._profiles.get(key)) is not None]
         features = tuple(_feature_drift(feature, started_profiles, trained_profiles) for feature in FEATURES)
-        started_prompts = set(self._started)  # unprofiled ones too: a prompt whose groups never finish is never trained
+        started_prompts = Counter(self._started)  # unprofiled ones too: a prompt whose groups never finish
         trained_prompts = {key for key, _ in self._trained}
-        coverage = len(started_prompts & trained_prompts) / len(started_prompts) if started_prompts else 1.0
+        missing = sum(1 for key in started_prompts if key not in trained_prompts)
+        expected, variance = missing_by_chance(started_prompts, len(self._trained))
+        prompts = max(len(started_prompts), 1)
+        coverage, uniform = 1.0 - missing / prompts, 1.0 - expected / prompts
         staleness = [staleness for _, staleness in self._trained]
         flagged: list[str] = []
         profiled = min(len(started_profiles), len(trained_profiles))
         if profiled >= max(self.min_groups, 1):
             flagged = [d.feature for d in features if self._drifts(d.feature, d.smd)]
             repeats = min(len(self._started), len(self._trained)) / len(started_prompts)
-            if repeats >= COVERAGE_MIN_REPEATS and self._undercovered(coverage):
+            if repeats >= COVERAGE_MIN_REPEATS and self._undercovered(missing - expected, variance):
                 flagged.append(COVERAGE)
         return AuditReport(
             features=features,
             prompt_coverage=coverage,
+            uniform_coverage=uniform,
             started_prompts=len(started_prompts),
             unprofiled_started=len(started) - len(started_profiles),
             staleness_mean=_mean(staleness) if staleness else 0.0,
@@ -212,9 +236,11 @@ class BiasAudit:
         """|smd| reaches the threshold, or keeps an earlier flag until it falls well below it."""
         return abs(smd) >= self.smd_threshold * (CLEAR_FRACTION if feature in self._flagged else 1.0)
 
-    def _undercovered(self, coverage: float) -> bool:
-        """Coverage is below the threshold, or keeps an earlier flag until it is well above it."""
-        return 1.0 - coverage > (1.0 - self.coverage_threshold) * (CLEAR_FRACTION if COVERAGE in self._flagged else 1.0)
+    def _undercovered(self, excess: float, variance: float) -> bool:
+        """More prompts are missing than chance explains (``excess`` over uniform drops' mean), or an
+        earlier flag holds until the excess is well below that margin."""
+        margin = COVERAGE_SIGMAS * math.sqrt(variance) + 1.0
+        return excess > margin * (CLEAR_FRACTION if COVERAGE in self._flagged else 1.0)
 
     def _learn(self, key: PromptKey, group: ScoredGroup) -> None:
         if not group.episodes:
@@ -229,14 +255,23 @@ class BiasAudit:
         profile.add(group)
 
     def _check(self) -> None:
-        report = self.report()
-        flagged = frozenset(report.flagged)
+        report = self._judge()
+        raised = frozenset(report.flagged)
+        for name in raised:
+            self._quiet.pop(name, None)
+        for name in self._flagged - raised:
+            self._quiet[name] = self._quiet.get(name, 0) + self.report_every
+        cleared = {name for name in self._flagged - raised if self._quiet[name] >= self.window_groups}
+        for name in cleared:
+            del self._quiet[name]
+        flagged = (self._flagged | raised) - cleared
         drifts = {d.feature: d for d in report.features}
         for name in sorted(flagged - self._flagged):
             if name == COVERAGE:
                 logger.warning(
-                    "run %s: only %.0f%% of the prompts started in the last window were trained: %s",
-                    self.run_id, 100 * report.prompt_coverage, ADVICE,
+                    "run %s: only %.0f%% of the prompts started in the last window were trained, where uniform "
+                    "drops would leave %.0f%%: %s",
+                    self.run_id, 100 * report.prompt_coverage, 100 * report.uniform_coverage, ADVICE,
                 )  # fmt: skip
             else:
                 d = drifts[name]

@@ -106,6 +106,7 @@ async def test_trainer_process_trains_on_fresh_samples_and_pushes(
         # The bias audit rides along: too few groups here for it to judge, so nothing is flagged.
         assert summary["audit"]["audit/flagged"] == "" == records[-1]["audit/flagged"]
         assert 0 < summary["audit"]["audit/prompt_coverage"] <= 1 and len(stats.audit.features) == 2
+        assert 0 < summary["audit"]["audit/uniform_coverage"] <= 1
         goodputs = [r["goodput"] for r in records]
         assert all(0 < g <= 1 for g in goodputs[1:]), goodputs  # the first step's acks may still be on their way
         await restore_base_weights(client, summary["run_id"], tiny_model)

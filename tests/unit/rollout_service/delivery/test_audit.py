@@ -139,7 +139,9 @@ def test_drops_planted_on_long_hard_prompts_are_flagged_once(caplog: pytest.LogC
     audit = BiasAudit("run-bias")
     Run(audit).go(40 * 80, biased)
     report = audit.report()
-    assert set(report.flagged) == {"completion_length", "reward"}
+    # trained a tenth as often, some long prompts miss the trained window, which uniform drops would not do
+    assert set(report.flagged) == {"completion_length", "reward", "prompt_coverage"}
+    assert report.prompt_coverage < 0.98 < report.uniform_coverage
     drifts = by_feature(report)
     assert drifts["completion_length"][0] < -1.0  # trained prompts are shorter
     assert drifts["reward"][0] > 1.0  # and easier
@@ -149,9 +151,10 @@ def test_drops_planted_on_long_hard_prompts_are_flagged_once(caplog: pytest.LogC
     assert length.started_count == 512 - report.unprofiled_started
     assert report.prompt_coverage > 0.8  # the long prompts still get trained now and then
     messages = warnings(caplog)
-    assert len(messages) == 2, messages
+    assert len(messages) == 3, messages
     assert sum("completion_length" in m for m in messages) == 1
     assert sum(" reward " in m for m in messages) == 1
+    assert sum("prompts started in the last window were trained, where uniform drops" in m for m in messages) == 1
     assert all("run-bias" in m and "a larger max_staleness" in m for m in messages)
     assert infos(caplog) == []
 
@@ -244,15 +247,16 @@ def test_a_flag_clears_once_the_bias_stops(caplog: pytest.LogCaptureFixture) -> 
     audit = BiasAudit("run-heal")
     run = Run(audit)
     run.go(40 * 60, biased)
-    assert set(audit.report().flagged) == {"completion_length", "reward"}
+    assert set(audit.report().flagged) == {"completion_length", "reward", "prompt_coverage"}
     run.go(40 * 60, no_drops)
     assert audit.report().flagged == ()
     cleared = infos(caplog)
-    assert len(cleared) == 2, cleared
+    assert len(cleared) == 3, cleared
     assert sum("completion_length" in m for m in cleared) == 1
     assert sum(m.endswith(" reward") for m in cleared) == 1
+    assert sum(m.endswith(" prompt_coverage") for m in cleared) == 1
     assert all("run-heal" in m for m in cleared)
-    assert len(warnings(caplog)) == 2  # no flapping on the way down
+    assert len(warnings(caplog)) == 3  # no flapping on the way down
 
 
 def test_prompts_never_trained_lower_coverage(caplog: pytest.LogCaptureFixture) -> None:
