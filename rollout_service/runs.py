@@ -19,7 +19,7 @@ from rollout_service.eval_tally import EvalSpec, EvalTally
 from rollout_service.generation.episode import MultiTurnConfig
 from rollout_service.generation.prompts import PromptSource, PromptSpec
 from rollout_service.scoring.advantages import AdvantageComputer
-from rollout_service.types import AdvantageScaling, EpisodeSpec, RunStall, SamplingParams
+from rollout_service.types import MAX_STOP_STRINGS, AdvantageScaling, EpisodeSpec, RunStall, SamplingParams
 
 # Bounds against a typo (group_size 100000) or a hostile client; raise them if a real workload needs it.
 MAX_GROUP_SIZE = 1024
@@ -27,7 +27,6 @@ MAX_BUFFERED_GROUPS = 10_000
 MAX_RUN_WEIGHT = 1000.0
 MAX_REWARD_WEIGHT = 1e6
 MAX_TOKENS = 1 << 20
-MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 MAX_DISPLAY_NAME_CHARS = 256
 MAX_TEMPERATURE = 2.0
@@ -221,6 +220,8 @@ class RunCounters:
     groups_started: int = 0
     groups_scored: int = 0
     groups_dropped: int = 0
+    groups_refused: int = 0
+    """Of those dropped: vLLM refused a member's request itself (HTTP 4xx)."""
     slots_busy: int = 0
     groups_partial: int = 0
     turns: int = 0

@@ -27,6 +27,11 @@ class AdvantageScaling(StrEnum):
     NONE = "none"
 
 
+MAX_STOP_STRINGS = 32
+"""Stop strings a run may give; a managed vLLM server is started to take as many (vLLM's
+``VLLM_MAX_STOP_STRINGS``, 4 by default)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What vLLM samples with; validated when a run is created."""

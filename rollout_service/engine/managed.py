@@ -30,6 +30,7 @@ from rollout_common.ports import free_port
 from rollout_service.config import DEFAULT_WEIGHT_TRANSFER_BACKEND, ManagedServerSettings
 from rollout_service.engine import vllm_guard
 from rollout_service.errors import StartupError
+from rollout_service.types import MAX_STOP_STRINGS
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ class ManagedVLLMServer:
         env = dict(os.environ)
         env["VLLM_LOGGING_LEVEL"] = self.log_level  # not inherited: importing trl sets ERROR
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # pause/resume and weight-update endpoints
+        env.setdefault("VLLM_MAX_STOP_STRINGS", str(MAX_STOP_STRINGS))  # what a run may give, not vLLM's 4
         if self.settings.max_loras:
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter
         if self.settings.device == "cpu":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import statistics
+import string
 import urllib.request
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from transformers import AutoTokenizer
 
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
+from rollout_service.types import MAX_STOP_STRINGS
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +83,18 @@ async def test_groups_carry_consistent_samples(client: RolloutClient, tiny_model
     stats = await client.get_run(run.run_id)
     assert stats.stats.groups_trained == 6
     assert stats.stats.tokens_generated >= sum(len(s.completion_token_ids) for g in groups for s in g.samples)
+
+
+async def test_a_run_may_give_all_the_stop_strings_the_api_allows(client: RolloutClient) -> None:
+    """vLLM takes 4 stop strings unless started to take more; the managed server takes what a run may give."""
+    spec = dataset_run_spec("letters", {"char_fraction": 1.0}, group_size=2, max_tokens=24)
+    spec.sampling.stop.extend((string.ascii_lowercase + string.digits)[:MAX_STOP_STRINGS])  # a to z, 0 to 5
+    run = await client.create_run(spec)
+    groups = await take_groups(client, run.run_id, 2)
+    samples = [sample for group in groups for sample in group.samples]
+    assert any(sample.finish_reason == pb.FINISH_REASON_STOP for sample in samples)
+    assert (await client.get_run(run.run_id)).stats.groups_refused == 0
+    await client.delete_run(run.run_id)
 
 
 def vllm_running_requests(url: str) -> float:

@@ -12,6 +12,7 @@ from rollout_common import cpu_features
 from rollout_common.cpu_budget import VLLM_BIND_ENV
 from rollout_service.config import ManagedServerSettings, ServiceSettings
 from rollout_service.engine.managed import ManagedVLLMServer
+from rollout_service.types import MAX_STOP_STRINGS
 
 
 def flag(command: list[str], name: str) -> str | None:
@@ -111,3 +112,14 @@ def test_a_cpu_server_skips_vllms_aot_compile_cache_unless_told_otherwise(monkey
     assert "VLLM_USE_AOT_COMPILE" not in ManagedVLLMServer(ManagedServerSettings(port=1, device="gpu")).environment()
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     assert ManagedVLLMServer(ManagedServerSettings(port=1)).environment()["VLLM_USE_AOT_COMPILE"] == "1"
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_a_server_takes_as_many_stop_strings_as_a_run_may_give(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """vLLM's OpenAI endpoints take 4 unless told more, and a run may give MAX_STOP_STRINGS."""
+    monkeypatch.delenv("VLLM_MAX_STOP_STRINGS", raising=False)
+    environment = ManagedVLLMServer(ManagedServerSettings(port=1, device=device)).environment()
+    assert environment["VLLM_MAX_STOP_STRINGS"] == str(MAX_STOP_STRINGS) == "32"
+    monkeypatch.setenv("VLLM_MAX_STOP_STRINGS", "64")  # the user's own setting wins
+    environment = ManagedVLLMServer(ManagedServerSettings(port=1, device=device)).environment()
+    assert environment["VLLM_MAX_STOP_STRINGS"] == "64"
