@@ -185,6 +185,13 @@ just ended: the call's own status (UNAVAILABLE when the service died) is overwri
 (grpc/grpc#36066). No answer of the service carries these details."""
 
 
+def rpc_reason(exc: BaseException) -> str:
+    """What a failed call says, in one line: the service's message and status for an RPC error."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.details()} ({exc.code().name})"
+    return str(exc) or type(exc).__name__
+
+
 def unavailable(exc: BaseException) -> bool:
     """The service could not be reached (it is down or restarting), as opposed to an answer.
 

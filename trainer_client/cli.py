@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trainer_client.advertised_address import AddressError
     from trainer_client.local_service import LocalServiceError
     from trainer_client.step_timing import format_split
-    from trainer_client.stream.feed import RunStalled
+    from trainer_client.stream.feed import RunStalled, StreamEnded
     from trainer_client.train.checkpoints import CheckpointError
     from trainer_client.train.run import ModelNotFound, train
 
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary = train(config, run, model)
     except (CheckpointError, AddressError, ModelNotFound) as exc:
         parser.error(str(exc))
-    except (RunStalled, ServiceNotServing, LocalServiceError) as exc:
+    except (RunStalled, StreamEnded, ServiceNotServing, LocalServiceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     if config.process_index == 0:

@@ -72,6 +72,8 @@ class ConsumerSession:
         self.stalls_sent = 0
 
     def check_limits(self) -> None:
+        if self.broker.closed:
+            raise self._ended()
         limits = self.service.settings
         if len(self.broker.leases) >= limits.max_consumers_per_run and self.consumer_id not in self.broker.leases:
             raise ResourceExhausted(
@@ -79,6 +81,17 @@ class ConsumerSession:
                 "(scheduler.max_consumers_per_run); close idle streams"
             )
         self._check_credits(self.credits)
+
+    def _ended(self) -> FailedPrecondition:
+        """Why the run's streams end, and new ones are refused: it failed, or it was stopped."""
+        run = self.run
+        if run.state == "failed":
+            return FailedPrecondition(f"run {run.run_id} failed: {run.error}")
+        why = f": {run.error}" if run.error else ""
+        return FailedPrecondition(
+            f"run {run.run_id} is {run.state}{why} (deleted, or the service is stopping); "
+            "its unacked groups are gone; create a new run"
+        )
 
     def _check_credits(self, credits: int) -> None:
         if credits > MAX_CREDITS:
@@ -122,12 +135,7 @@ class ConsumerSession:
             if (stall := self._stall()) is not None:
                 return stall
             if self.broker.closed:
-                run = self.run
-                why = f": {run.error}" if run.error else ""
-                raise FailedPrecondition(
-                    f"run {run.run_id} is {run.state}{why} (deleted, or the service is stopping); "
-                    "its unacked groups are gone; create a new run"
-                )
+                raise self._ended()
             if self.broker.exhausted:  # an evaluation run's every group is delivered and acked
                 return None
             self._changed.clear()

@@ -42,6 +42,11 @@ from rollout_service.types import EpisodeResult, PromptItem, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+REFUSED_BEFORE_FAILING = 16
+"""A run whose first this many groups vLLM refused, none scored, fails: what it asks for is what vLLM
+refuses (stop strings past a server's limit, prompts past its context), and dropping on would be a
+retry storm."""
+
 
 @dataclass
 class InflightGroup:
@@ -81,6 +86,8 @@ class Scheduler:
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
         self._fed: set[str] = set()
+        self._failing: set[asyncio.Task[None]] = set()
+        """``fail_run``'s stops in progress, held so they are not collected."""
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self.evaluations = evaluations
         metrics.slots_total.set(max_inflight)
@@ -112,6 +119,14 @@ class Scheduler:
         for task in self._tasks.get(run.run_id, set()):
             task.cancel()
         run.broker.finish()
+
+    def fail_run(self, run: Run, error: str) -> None:
+        """End a run that cannot go on: its groups stop, and its streams end with ``error``."""
+        run.state, run.error = "failed", error
+        logger.error("run %s failed: %s", run.run_id, error)
+        stopping = asyncio.ensure_future(self.stop_run(run))  # not awaited: it cancels the caller's own group
+        self._failing.add(stopping)
+        stopping.add_done_callback(self._failing.discard)
 
     def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -405,6 +420,16 @@ class Scheduler:
         run.counters.groups_dropped += 1
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()
         logger.warning("dropped group %s (%s): %s", group_id, reason, error)
+        if reason == "rejected":
+            run.counters.groups_refused += 1
+            refused = run.counters.groups_refused
+            if refused >= REFUSED_BEFORE_FAILING and not run.counters.groups_scored and run.state == "running":
+                self.fail_run(
+                    run,
+                    f"vLLM refused the requests of the run's first {refused} groups and none was scored; change "
+                    "what it refuses (the run's sampling or prompts, or the servers' limits) and create the run "
+                    f"again. The last refusal: {error}",
+                )
 
 
 def _failure_reason(error: BaseException | None) -> str:

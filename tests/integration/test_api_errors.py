@@ -11,9 +11,11 @@ from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec, health_status
 from rollout_service.app import RunningService
 from rollout_service.edge.server import SERVICE_NAME
+from tests.integration.conftest import service_settings, service_with_client
 from tests.integration.test_discovery import fetch_text
 from tests.integration.test_stream import take_groups
 from tests.support import wait_until, with_bad_utf8
+from trainer_client.stream.feed import GroupFeed, StreamEnded
 
 pytestmark = pytest.mark.integration
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -273,3 +275,38 @@ async def test_a_greedy_run_samples_its_groups(client: RolloutClient) -> None:
     assert list(first.completion_token_ids) == list(second.completion_token_ids) and first.completion_token_ids
     assert (await client.get_run(run.run_id)).stats.groups_dropped == 0
     await client.delete_run(run.run_id)
+
+
+async def test_a_run_whose_every_request_vllm_refuses_fails_and_tells_its_consumers(vllm_server, tiny_model) -> None:
+    """The service is told the servers take longer prompts than they do (the tests' take 1024
+    tokens): vLLM refuses every request of a run of 2000-token prompts, and the run fails with
+    vLLM's reason instead of dropping its groups for ever."""
+    settings = service_settings([vllm_server.url], tiny_model, engine={"max_model_len": 8192})
+    async with service_with_client(settings) as (service, client):
+        spec = pb.RunSpec(group_size=2, reward_functions=[pb.RewardFunctionSpec(name="char_fraction")])
+        spec.prompt_source.prompts.prompts.append(pb.Prompt(token_ids=pb.TokenIds(ids=[5] * 2000)))
+        spec.sampling.max_tokens = 8
+        run = await client.create_run(spec)
+        stream = client.stream(run.run_id, "c", credits=1)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async with asyncio.timeout(60):
+                await anext(aiter(stream))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"run {run.run_id} failed: vLLM refused" in info.value.details()
+        assert "maximum model length" in info.value.details()  # vLLM's own words
+        after = await client.get_run(run.run_id)
+        assert after.state == pb.RUN_STATE_FAILED and after.error in info.value.details()
+
+        def train() -> None:
+            with GroupFeed(service.grpc_target, run.run_id, "trainer", max_staleness=1) as feed:
+                feed.next_fresh_group(timeout_s=60)
+
+        with pytest.raises(StreamEnded) as ended:  # what the trainer's command line prints, without a traceback
+            await asyncio.wait_for(asyncio.to_thread(train), 90)
+        assert (
+            str(ended.value)
+            == f"the sample stream of run {run.run_id} ended: {info.value.details()} (FAILED_PRECONDITION)"
+        )
+        # 16 refusals fail it; groups that come back refused before the stop reaches them count too
+        assert 16 <= after.stats.groups_refused == after.stats.groups_dropped <= 16 + after.max_inflight
+        assert after.stats.groups_scored == 0

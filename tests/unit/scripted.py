@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from rollout_service.config import SchedulerSettings
-from rollout_service.errors import EngineError
+from rollout_service.errors import EngineError, RequestRejected
 from rollout_service.generation.prompts import PromptRenderer
 from rollout_service.metrics import ServiceMetrics
 from rollout_service.scoring.rewards import RewardRegistry
@@ -16,6 +16,8 @@ from rollout_service.types import Completion, SamplingParams
 FAIL_TOKEN = 999
 ABORT_TOKEN = 998
 """Prompts containing it finish as vLLM reports a request aborted by a pause (mode abort)."""
+REFUSE_TOKEN = 997
+"""Prompts containing it are refused as vLLM refuses a bad request (HTTP 400)."""
 
 
 class ScriptedTokenizer:
@@ -31,7 +33,7 @@ class ScriptedTokenizer:
 
 class ScriptedEngine:
     """Records concurrency; with ``hold`` every request waits until the test releases it.
-    Prompts containing FAIL_TOKEN fail with EngineError."""
+    Prompts containing FAIL_TOKEN fail with EngineError, those containing REFUSE_TOKEN with RequestRejected."""
 
     def __init__(self, hold: bool = False) -> None:
         self.hold = hold
@@ -56,6 +58,8 @@ class ScriptedEngine:
                 await asyncio.sleep(0)
             if FAIL_TOKEN in prompt_ids:
                 raise EngineError("scripted", "scripted failure")
+            if REFUSE_TOKEN in prompt_ids:
+                raise RequestRejected("scripted", "vLLM refused the request: HTTP 400: scripted refusal")
             n = params.max_tokens
             return Completion([7] * n, [-0.5] * n, "abort" if ABORT_TOKEN in prompt_ids else "length", "scripted")
         finally:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_api import rollout_pb2 as pb
-from rollout_api.client import GroupStream, RolloutClient, unavailable
+from rollout_api.client import GroupStream, RolloutClient, rpc_reason, unavailable
 from rollout_common.staleness import within_staleness
 from trainer_client.step_timing import PhaseClock
 
@@ -64,6 +64,11 @@ class FeedCounters:
 
 class RunStalled(RuntimeError):
     """The service reports that the run stopped generating (``RunStall``): training cannot go on."""
+
+
+class StreamEnded(RuntimeError):
+    """The service ended the run's sample stream with an answer (the run failed or was deleted, a
+    lease expired), or the stream broke for good: training cannot go on, and the message says why."""
 
 
 class GroupFeed:
@@ -252,7 +257,7 @@ class GroupFeed:
             if item is _WAKE:
                 continue
             if isinstance(item, BaseException):
-                raise RuntimeError(f"the sample stream of run {self.run_id} ended: {item}") from item
+                raise StreamEnded(f"the sample stream of run {self.run_id} ended: {rpc_reason(item)}") from item
             assert isinstance(item, pb.Group)
             if item.group_id in self._seen:
                 self._skip_duplicate(item.group_id)

@@ -17,6 +17,7 @@ from rollout_service.edge.convert import run_spec_from_pb
 from rollout_service.edge.server import SERVICE_NAME
 from rollout_service.errors import MAX_ECHO_CHARS, InvalidArgument, RequestRejected, echo
 from rollout_service.generation.prompts import PromptRenderer, PromptSpec
+from rollout_service.generation.scheduler import REFUSED_BEFORE_FAILING
 from rollout_service.runs import MAX_SECONDS
 from rollout_service.types import SamplingParams
 from tests.support import wait_until, with_bad_utf8
@@ -204,17 +205,20 @@ class RefusingEngine(ScriptedEngine):
         raise RequestRejected("scripted", "vLLM refused the request: HTTP 400: temperature must be in [0, 2]")
 
 
-async def test_a_refused_request_drops_its_group_as_rejected_counted_and_the_run_goes_on(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    service = make_service(RefusingEngine())
+async def test_refused_requests_drop_their_groups_counted_and_a_run_refused_from_the_start_fails() -> None:
+    engine = RefusingEngine()
+    service = make_service(engine, max_inflight=4)
     run = await service.create_run(spec())
-    await wait_until(lambda: run.counters.groups_dropped >= 3, 10, "three groups dropped")
+    await wait_until(lambda: run.broker.closed, 10, "the run to fail and stop")
     dropped = service.metrics.registry.get_sample_value(
         "rollout_groups_dropped_total", {"run": run.run_id, "reason": "rejected"}
     )
-    assert dropped is not None and dropped >= 3
-    assert service.scheduler.engine_failures >= 3 and service.stats().engine_request_failures >= 3
-    assert (run.state, run.error) == ("running", "")
-    assert "temperature must be in [0, 2]" in caplog.text
+    refused = run.counters.groups_refused
+    assert dropped == refused == run.counters.groups_dropped and run.counters.groups_scored == 0
+    assert REFUSED_BEFORE_FAILING <= refused <= REFUSED_BEFORE_FAILING + 4  # and those in flight at the 16th
+    assert service.scheduler.engine_failures == service.stats().engine_request_failures == refused
+    assert run.state == "failed" and f"first {REFUSED_BEFORE_FAILING} groups" in run.error
+    assert "temperature must be in [0, 2]" in run.error  # vLLM's own reason
+    # The broker closes last in the stop, once the run's feeder and groups are done: no storm goes on.
+    assert engine.calls <= run.spec.group_size * (refused + 4) and service.scheduler.slots_busy == 0
     await service.delete_run(run.run_id)

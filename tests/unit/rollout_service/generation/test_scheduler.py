@@ -11,11 +11,19 @@ from rollout_service.edge.convert import run_spec_from_pb, run_spec_to_pb, stats
 from rollout_service.edge.group_wire import group_to_pb
 from rollout_service.errors import InvalidArgument
 from rollout_service.generation.prompts import PromptSpec
+from rollout_service.generation.scheduler import REFUSED_BEFORE_FAILING
 from rollout_service.metrics import RecentRate
 from rollout_service.types import SamplingParams
 from tests.support import wait_until
 from tests.unit.rollout_service.builders import spec
-from tests.unit.scripted import ABORT_TOKEN, FAIL_TOKEN, ScriptedEngine, ScriptedGroupEngine, make_service
+from tests.unit.scripted import (
+    ABORT_TOKEN,
+    FAIL_TOKEN,
+    REFUSE_TOKEN,
+    ScriptedEngine,
+    ScriptedGroupEngine,
+    make_service,
+)
 
 
 async def test_slots_are_never_exceeded_and_refilled_at_once() -> None:
@@ -74,6 +82,15 @@ async def test_failed_request_drops_its_group_and_the_run_goes_on(caplog: pytest
     assert run.counters.groups_dropped >= 3
     assert any("dropped group" in r.message and "scripted failure" in r.message for r in caplog.records)
     assert service.scheduler.engine_failures == run.counters.groups_dropped
+
+
+async def test_a_run_with_some_requests_refused_goes_on() -> None:
+    engine = ScriptedEngine()
+    service = make_service(engine, max_inflight=4, max_buffered=1000)
+    run = await service.create_run(spec([[1, 2], [REFUSE_TOKEN]], group_size=2))
+    await wait_until(lambda: run.counters.groups_refused > 2 * REFUSED_BEFORE_FAILING, 5, "refusals")
+    assert run.state == "running" and run.counters.groups_scored > 0
+    await service.delete_run(run.run_id)
 
 
 async def test_failing_reward_drops_the_group_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
