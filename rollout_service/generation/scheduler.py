@@ -124,6 +124,8 @@ class Scheduler:
         """End a run that cannot go on: its groups stop, and its streams end with ``error``."""
         run.state, run.error = "failed", error
         logger.error("run %s failed: %s", run.run_id, error)
+        if run.eval is not None:
+            self.evaluations.forget(run)  # its hold on the policy version goes with it
         stopping = asyncio.ensure_future(self.stop_run(run))  # not awaited: it cancels the caller's own group
         self._failing.add(stopping)
         stopping.add_done_callback(self._failing.discard)

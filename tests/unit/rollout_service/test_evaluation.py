@@ -15,6 +15,7 @@ from rollout_service.edge.convert import run_spec_from_pb, run_spec_to_pb, run_t
 from rollout_service.errors import FailedPrecondition, InvalidArgument
 from rollout_service.eval_tally import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
+from rollout_service.generation.scheduler import REFUSED_BEFORE_FAILING
 from rollout_service.runs import RunSpec, RunTable
 from rollout_service.types import SamplingParams
 from rollout_service.versions import PolicyVersion
@@ -23,7 +24,7 @@ from rollout_service.weights.version_holds import VersionHolds
 from rollout_service.weights.weight_sync import WeightSyncCoordinator
 from tests.support import listening_port, wait_until
 from tests.unit.rollout_service.weights.scripted_control import TENSORS, Clock, ScriptedControl
-from tests.unit.scripted import ScriptedEngine, make_service
+from tests.unit.scripted import REFUSE_TOKEN, ScriptedEngine, make_service
 
 PROMPTS = ([1, 2], [3], [4, 5, 6])
 
@@ -177,6 +178,16 @@ async def test_deleting_an_evaluation_releases_its_version() -> None:
     await service.delete_run(run.run_id)
     assert service.holds.holders == {}
     assert service.stats().evals[0].run_id == run.run_id  # its result outlives it
+
+
+async def test_an_evaluation_vllm_refuses_fails_and_releases_its_version() -> None:
+    service = make_service(ScriptedEngine(), max_inflight=8)
+    refused = tuple(PromptSpec(token_ids=[REFUSE_TOKEN, i]) for i in range(2 * REFUSED_BEFORE_FAILING))
+    run = await service.create_run(dataclasses.replace(eval_spec(), prompts=refused))
+    await wait_until(lambda: run.broker.closed, 10, "the evaluation to fail and stop")
+    assert run.state == "failed" and "vLLM refused" in run.error
+    assert service.holds.holders == {}  # a weight update need not wait for it
+    await service.delete_run(run.run_id)
 
 
 async def test_an_evaluation_of_a_replaced_version_is_refused_with_the_current_one() -> None:
