@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shlex
 import statistics
@@ -41,6 +42,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 from bench_vs_trl import MODEL_SIZES
+from vs_trl.cpu_use import process_cpu_seconds
 from vs_trl.processes import leading_env_settings
 
 from rollout_common.tiny_model import TinyModelSpec, build_tiny_model
@@ -93,18 +95,10 @@ def start(variant: Variant, model: Path, logs: Path) -> tuple[ManagedVLLMServer,
 
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid``."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:  # ended while we looked
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, _, seconds in process_cpu_seconds():
+        with contextlib.suppress(OSError):  # ended while we looked
+            total += seconds if os.getpgid(pid) == pgid else 0.0
     return total
 
 

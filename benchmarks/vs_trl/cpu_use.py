@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import statistics
+from collections.abc import Iterator
 
 
 def busy_seconds_since_boot() -> dict[str, float]:
@@ -39,25 +40,34 @@ def busy_seconds_by_cpu() -> dict[str, float]:
     return {name: busy for name, busy in busy_seconds_since_boot().items() if name != "cpu"}
 
 
-def core_seconds_by_process(service_pid: int) -> dict[str, float]:
-    """CPU seconds each running process has used (``/proc/PID/stat``), summed by its part:
-    vLLM's worker, engine core and API server, the service, a project trainer, this consumer.
-    Says which part of generation's core-seconds is the model and which is serving overhead."""
+def process_cpu_seconds() -> Iterator[tuple[int, str, float]]:
+    """(pid, ``comm``, user + system CPU seconds) of each running process, from ``/proc/PID/stat``."""
     tick = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as stat:
                 text = stat.read()
-            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # ended while we looked
             continue
         comm, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-        part = process_part(int(entry.name), comm, command, service_pid)
-        totals[part] = totals.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        yield int(entry.name), comm, (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+
+def core_seconds_by_process(service_pid: int) -> dict[str, float]:
+    """CPU seconds each running process has used, summed by its part: vLLM's worker, engine
+    core and API server, the service, a project trainer, this consumer. Says which part of
+    generation's core-seconds is the model and which is serving overhead."""
+    totals: dict[str, float] = {}
+    for pid, comm, seconds in process_cpu_seconds():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended while we looked
+            continue
+        part = process_part(pid, comm, command, service_pid)
+        totals[part] = totals.get(part, 0.0) + seconds
     return totals
 
 
