@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from rollout_service.generation.drops import drop_outcome
 from rollout_service.types import ScoredGroup
 
 OUTCOMES = ("trained", "dropped_stale", "aborted", "failed", "filtered", "cancelled")
@@ -24,7 +25,6 @@ OUTCOMES = ("trained", "dropped_stale", "aborted", "failed", "filtered", "cancel
 abort). failed: a request, environment, reward or size failure. filtered: too few members by the
 deadline, or a partial group's cut stragglers. cancelled: the run stopped or was deleted."""
 
-_OUTCOME_OF_DROP = {"stale_inflight": "aborted", "aborted": "aborted", "deadline": "filtered", "cancelled": "cancelled"}
 CLOSED_KEPT = 4096
 """Settled groups remembered, so that a member ending after its group settles joins its outcome."""
 
@@ -89,11 +89,6 @@ class LedgerSnapshot:
     def goodput_seconds(self) -> float:
         incoming = self.incoming.seconds
         return self.settled["trained"].seconds / incoming if incoming else 0.0
-
-
-def drop_outcome(reason: str) -> str:
-    """The ledger outcome of a scheduler drop reason (``rollout_groups_dropped``'s label)."""
-    return _OUTCOME_OF_DROP.get(reason, "failed")
 
 
 def group_tokens(group: ScoredGroup) -> int:

@@ -30,6 +30,7 @@ from typing import Any, cast
 from rollout_service.engine.protocol import Engine, GroupEngine, episode_affinity, samples_groups_at_once
 from rollout_service.errors import EngineError, EnvironmentFailure, RequestRejected, RewardError
 from rollout_service.evaluation import Evaluations
+from rollout_service.generation.drops import drop_outcome
 from rollout_service.generation.episode import run_episode, run_single_turn, run_single_turn_group
 from rollout_service.generation.external import ExternalSource
 from rollout_service.generation.group_scoring import GroupScoring
@@ -42,10 +43,15 @@ from rollout_service.types import EpisodeResult, PromptItem, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-REFUSED_BEFORE_FAILING = 16
-"""A run whose first this many groups vLLM refused, none scored, fails: what it asks for is what vLLM
-refuses (stop strings past a server's limit, prompts past its context), and dropping on would be a
-retry storm."""
+BACKOFF_AFTER_FAILURES = 16
+"""Groups in a row a run may lose to failures at full speed; after them each next group starts
+after a pause that doubles from ``BACKOFF_FIRST_S`` to ``BACKOFF_MAX_S``, until a group is scored.
+A run whose every group fails at once (an environment that cannot reset) would otherwise start
+and drop groups as fast as the event loop turns."""
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 5.0
+REFUSED_BEFORE_FAILING = BACKOFF_AFTER_FAILURES
+"""A run whose first this many groups vLLM refused, none scored, fails (before any pause): what it
+asks for is what vLLM refuses (stop strings past a server's limit, prompts past its context)."""
 
 
 @dataclass
@@ -86,6 +92,8 @@ class Scheduler:
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
         self._fed: set[str] = set()
+        self._failed_in_a_row: dict[str, int] = {}
+        """Per run: groups lost to failures since its last scored group (``failure_backoff_s``)."""
         self._failing: set[asyncio.Task[None]] = set()
         """``fail_run``'s stops in progress, held so they are not collected."""
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
@@ -110,6 +118,7 @@ class Scheduler:
         await run.broker.close()
         self.slots.forget(run.run_id)
         self._inflight.pop(run.run_id, None)
+        self._failed_in_a_row.pop(run.run_id, None)
         self._fed.discard(run.run_id)
 
     def stop_generation(self, run: Run) -> None:
@@ -184,6 +193,8 @@ class Scheduler:
                 self._fed.add(run.run_id)
                 self._check_generation_done(run)
                 return
+            if (pause_s := self.failure_backoff_s(run)) > 0:
+                await asyncio.sleep(pause_s)  # a retry backoff, not synchronisation
             if not await run.broker.reserve():
                 return
             try:
@@ -192,6 +203,11 @@ class Scheduler:
                 await run.broker.unreserve()
                 raise
             await self._start_group(run, prompt)
+
+    def failure_backoff_s(self, run: Run) -> float:
+        """The pause before the run's next group: none until ``BACKOFF_AFTER_FAILURES`` failed in a row."""
+        excess = self._failed_in_a_row.get(run.run_id, 0) - BACKOFF_AFTER_FAILURES
+        return 0.0 if excess < 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2.0 ** min(excess, 32))
 
     def _check_generation_done(self, run: Run) -> None:
         """After the last group of a finite set: tell the evaluations, once."""
@@ -401,6 +417,7 @@ class Scheduler:
                 await self._drop(run, prompt, group_id, "too_large", message)
                 return
             run.counters.groups_scored += 1
+            self._failed_in_a_row.pop(run.run_id, None)
             self.metrics.groups_scored.labels(run.run_id).inc()
             if run.eval is not None:
                 self.evaluations.record(run, scored)
@@ -422,6 +439,8 @@ class Scheduler:
         run.counters.groups_dropped += 1
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()
         logger.warning("dropped group %s (%s): %s", group_id, reason, error)
+        if drop_outcome(reason) == "failed":
+            self._failed_in_a_row[run.run_id] = self._failed_in_a_row.get(run.run_id, 0) + 1
         if reason == "rejected":
             run.counters.groups_refused += 1
             refused = run.counters.groups_refused

@@ -19,6 +19,7 @@ from rollout_api import rollout_pb2 as pb
 from rollout_api.client import RolloutClient, dataset_run_spec
 from rollout_common.ports import free_port
 from rollout_service.edge.server import RUNS_HEALTH_NAME
+from rollout_service.generation.scheduler import BACKOFF_AFTER_FAILURES
 from tests.integration.conftest import service_settings, service_with_client, serving
 from tests.integration.tcp_proxy import KillableProxy
 from tests.integration.test_shared_capacity import consume
@@ -371,3 +372,27 @@ async def test_the_watchdog_reports_a_run_whose_only_server_died_and_its_trainer
             )
         assert runs_health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         await client.delete_run(run.run_id)
+
+
+async def test_a_run_whose_every_environment_fails_pauses_between_groups_and_is_reported(vllm_server, tiny_model):
+    """guess_number needs a 'secret' in each prompt's metadata and letters has none, so every
+    episode fails at its reset, before any request. After 16 such groups in a row the run pauses
+    between groups (doubling, up to 5 s) instead of starting and dropping them as fast as the loop
+    turns, and the watchdog reports it stalled, pointing at the drops."""
+    settings = service_settings([vllm_server.url], tiny_model, scheduler={"max_inflight": 8, "stall_timeout_s": 2})
+    async with service_with_client(settings) as (service, client):
+        spec = dataset_run_spec("letters", {"env_reward": 1.0}, group_size=2, max_tokens=8)
+        spec.episode.CopyFrom(pb.EpisodeSpec(environment="guess_number", max_turns=3))
+        run_id = (await client.create_run(spec)).run_id
+
+        async def stalled() -> bool:
+            return (await client.get_run(run_id)).HasField("stall")
+
+        await wait_until(stalled, 60, "the run to be reported stalled")
+        run = await client.get_run(run_id)
+        assert run.state == pb.RUN_STATE_RUNNING  # an environment may come back: the run goes on, paced
+        assert "groups were dropped since the last one scored" in run.stall.reason
+        assert BACKOFF_AFTER_FAILURES <= run.stats.groups_dropped < 100  # unpaced, thousands in these seconds
+        assert run.stats.groups_scored == run.stats.groups_refused == 0
+        assert service.service.scheduler.failure_backoff_s(service.service.runs[run_id]) > 0
+        await client.delete_run(run_id)

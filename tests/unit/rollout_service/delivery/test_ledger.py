@@ -9,8 +9,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from rollout_service.delivery.broker import ACK_DROPPED_STALE, ACK_TRAINED
-from rollout_service.delivery.ledger import GoodputLedger, LedgerSnapshot, drop_outcome
+from rollout_service.delivery.ledger import GoodputLedger, LedgerSnapshot
 from rollout_service.edge.convert import run_stats_to_pb
+from rollout_service.generation.drops import drop_outcome
 from tests.support import wait_until
 from tests.unit.rollout_service.builders import spec
 from tests.unit.rollout_service.delivery.broker_helpers import group
