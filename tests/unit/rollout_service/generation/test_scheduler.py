@@ -9,9 +9,14 @@ import pytest
 from rollout_api import rollout_pb2 as pb
 from rollout_service.edge.convert import run_spec_from_pb, run_spec_to_pb, stats_to_pb
 from rollout_service.edge.group_wire import group_to_pb
-from rollout_service.errors import InvalidArgument
+from rollout_service.errors import EngineError, InvalidArgument
 from rollout_service.generation.prompts import PromptSpec
-from rollout_service.generation.scheduler import REFUSED_BEFORE_FAILING
+from rollout_service.generation.scheduler import (
+    BACKOFF_AFTER_FAILURES,
+    BACKOFF_FIRST_S,
+    BACKOFF_MAX_S,
+    REFUSED_BEFORE_FAILING,
+)
 from rollout_service.metrics import RecentRate
 from rollout_service.types import SamplingParams
 from tests.support import wait_until
@@ -90,6 +95,32 @@ async def test_a_run_with_some_requests_refused_goes_on() -> None:
     run = await service.create_run(spec([[1, 2], [REFUSE_TOKEN]], group_size=2))
     await wait_until(lambda: run.counters.groups_refused > 2 * REFUSED_BEFORE_FAILING, 5, "refusals")
     assert run.state == "running" and run.counters.groups_scored > 0
+    await service.delete_run(run.run_id)
+
+
+class FlakyEngine(ScriptedEngine):
+    """Fails every request while ``failing``, as a server or environment that is down would."""
+
+    failing = True
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, affinity: str | None = None):
+        if self.failing:
+            raise EngineError("scripted", "scripted outage")
+        return await super().generate(prompt_ids, params, affinity=affinity)
+
+
+async def test_failures_in_a_row_pause_the_run_and_a_scored_group_ends_the_pause() -> None:
+    engine = FlakyEngine()
+    service = make_service(engine, max_inflight=4)
+    run = await service.create_run(spec([[1, 2]], group_size=2))
+    scheduler = service.scheduler
+    assert scheduler.failure_backoff_s(run) == 0.0
+    await wait_until(lambda: run.counters.groups_dropped > BACKOFF_AFTER_FAILURES, 5, "the failures")
+    paused = scheduler.failure_backoff_s(run)
+    assert any(paused == pytest.approx(BACKOFF_FIRST_S * 2**k) for k in range(7)) and paused <= BACKOFF_MAX_S
+    engine.failing = False
+    await wait_until(lambda: run.counters.groups_scored > 0, 10, "a group scored after the outage")
+    assert scheduler.failure_backoff_s(run) == 0.0 and run.state == "running"
     await service.delete_run(run.run_id)
 
 
