@@ -92,11 +92,11 @@ class Scheduler:
         self._tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
         self._fed: set[str] = set()
+        """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self._failed_in_a_row: dict[str, int] = {}
         """Per run: groups lost to failures since its last scored group (``failure_backoff_s``)."""
         self._failing: set[asyncio.Task[None]] = set()
         """``fail_run``'s stops in progress, held so they are not collected."""
-        """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self.evaluations = evaluations
         metrics.slots_total.set(max_inflight)
 
