@@ -81,7 +81,7 @@ async def health_status(target: str, timeout_s: float = 5.0, security: ClientSec
             stub = health_pb2_grpc.HealthStub(channel)
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
-        raise HealthCheckFailed(f"{exc.code().name}: {exc.details()}") from None
+        raise HealthCheckFailed(rpc_reason(exc)) from None
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
@@ -186,9 +186,9 @@ just ended: the call's own status (UNAVAILABLE when the service died) is overwri
 
 
 def rpc_reason(exc: BaseException) -> str:
-    """What a failed call says, in one line: the service's message and status for an RPC error."""
+    """What a failed call says, in one line: ``STATUS: message`` for an RPC error."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.details()} ({exc.code().name})"
+        return f"{exc.code().name}: {exc.details()}"
     return str(exc) or type(exc).__name__
 
 

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollout_api import rollout_pb2 as pb
-from rollout_api.client import RolloutClient
+from rollout_api.client import RolloutClient, rpc_reason
 
 RUN_COLUMNS = (
     "run",
@@ -150,6 +150,6 @@ def show(target: str, interval_s: float, once: bool, timeout_s: float) -> None:
             f"no rollout service answered at {target} within {timeout_s:g}s (check --target, TLS settings)"
         ) from None
     except grpc.aio.AioRpcError as exc:
-        raise ServiceUnreachable(f"{target}: {exc.code().name}: {exc.details()}") from None
+        raise ServiceUnreachable(f"{target}: {rpc_reason(exc)}") from None
     except KeyboardInterrupt:
         pass

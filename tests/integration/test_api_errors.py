@@ -305,7 +305,7 @@ async def test_a_run_whose_every_request_vllm_refuses_fails_and_tells_its_consum
             await asyncio.wait_for(asyncio.to_thread(train), 90)
         assert (
             str(ended.value)
-            == f"the sample stream of run {run.run_id} ended: {info.value.details()} (FAILED_PRECONDITION)"
+            == f"the sample stream of run {run.run_id} ended: FAILED_PRECONDITION: {info.value.details()}"
         )
         # 16 refusals fail it; groups that come back refused before the stop reaches them count too
         assert 16 <= after.stats.groups_refused == after.stats.groups_dropped <= 16 + after.max_inflight

@@ -191,7 +191,7 @@ class GroupFeed:
         logger.warning(
             "the service at %s is unreachable (%s); reconnecting for up to %gs",
             self.target,
-            lost.details() if hasattr(lost, "details") else lost,
+            rpc_reason(lost),
             RECONNECT_S,
         )
         while True:
