@@ -45,13 +45,22 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_AFTER_FAILURES = 16
 """Groups in a row a run may lose to failures at full speed; after them each next group starts
-after a pause that doubles from ``BACKOFF_FIRST_S`` to ``BACKOFF_MAX_S``, until a group is scored.
+after a pause that doubles with each pause from ``BACKOFF_FIRST_S`` to ``BACKOFF_MAX_S`` (not with
+each failure: the groups in flight fail together), until a group is scored.
 A run whose every group fails at once (an environment that cannot reset) would otherwise start
 and drop groups as fast as the event loop turns."""
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 5.0
 REFUSED_BEFORE_FAILING = BACKOFF_AFTER_FAILURES
 """A run whose first this many groups vLLM refused, none scored, fails (before any pause): what it
 asks for is what vLLM refuses (stop strings past a server's limit, prompts past its context)."""
+
+
+@dataclass
+class FailureStreak:
+    failed: int = 0
+    """Groups lost to failures since the run's last scored group."""
+    pauses: int = 0
+    """Pauses the run's feeder took since then (``Scheduler.failure_backoff_s``)."""
 
 
 @dataclass
@@ -93,8 +102,8 @@ class Scheduler:
         self._inflight: dict[str, dict[str, InflightGroup]] = {}
         self._fed: set[str] = set()
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
-        self._failed_in_a_row: dict[str, int] = {}
-        """Per run: groups lost to failures since its last scored group (``failure_backoff_s``)."""
+        self._failure_streaks: dict[str, FailureStreak] = {}
+        """Per run, since its last scored group (``failure_backoff_s``)."""
         self._failing: set[asyncio.Task[None]] = set()
         """``fail_run``'s stops in progress, held so they are not collected."""
         self.evaluations = evaluations
@@ -118,7 +127,7 @@ class Scheduler:
         await run.broker.close()
         self.slots.forget(run.run_id)
         self._inflight.pop(run.run_id, None)
-        self._failed_in_a_row.pop(run.run_id, None)
+        self._failure_streaks.pop(run.run_id, None)
         self._fed.discard(run.run_id)
 
     def stop_generation(self, run: Run) -> None:
@@ -194,6 +203,7 @@ class Scheduler:
                 self._check_generation_done(run)
                 return
             if (pause_s := self.failure_backoff_s(run)) > 0:
+                self._failure_streaks[run.run_id].pauses += 1
                 await asyncio.sleep(pause_s)  # a retry backoff, not synchronisation
             if not await run.broker.reserve():
                 return
@@ -206,8 +216,10 @@ class Scheduler:
 
     def failure_backoff_s(self, run: Run) -> float:
         """The pause before the run's next group: none until ``BACKOFF_AFTER_FAILURES`` failed in a row."""
-        excess = self._failed_in_a_row.get(run.run_id, 0) - BACKOFF_AFTER_FAILURES
-        return 0.0 if excess < 0 else min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2.0 ** min(excess, 32))
+        streak = self._failure_streaks.get(run.run_id)
+        if streak is None or streak.failed < BACKOFF_AFTER_FAILURES:
+            return 0.0
+        return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2.0 ** min(streak.pauses, 32))
 
     def _check_generation_done(self, run: Run) -> None:
         """After the last group of a finite set: tell the evaluations, once."""
@@ -417,7 +429,7 @@ class Scheduler:
                 await self._drop(run, prompt, group_id, "too_large", message)
                 return
             run.counters.groups_scored += 1
-            self._failed_in_a_row.pop(run.run_id, None)
+            self._failure_streaks.pop(run.run_id, None)
             self.metrics.groups_scored.labels(run.run_id).inc()
             if run.eval is not None:
                 self.evaluations.record(run, scored)
@@ -440,7 +452,7 @@ class Scheduler:
         self.metrics.groups_dropped.labels(run.run_id, reason).inc()
         logger.warning("dropped group %s (%s): %s", group_id, reason, error)
         if drop_outcome(reason) == "failed":
-            self._failed_in_a_row[run.run_id] = self._failed_in_a_row.get(run.run_id, 0) + 1
+            self._failure_streaks.setdefault(run.run_id, FailureStreak()).failed += 1
         if reason == "rejected":
             run.counters.groups_refused += 1
             refused = run.counters.groups_refused

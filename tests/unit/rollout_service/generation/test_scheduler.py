@@ -14,7 +14,6 @@ from rollout_service.generation.prompts import PromptSpec
 from rollout_service.generation.scheduler import (
     BACKOFF_AFTER_FAILURES,
     BACKOFF_FIRST_S,
-    BACKOFF_MAX_S,
     REFUSED_BEFORE_FAILING,
 )
 from rollout_service.metrics import RecentRate
@@ -109,18 +108,28 @@ class FlakyEngine(ScriptedEngine):
         return await super().generate(prompt_ids, params, affinity=affinity)
 
 
-async def test_failures_in_a_row_pause_the_run_and_a_scored_group_ends_the_pause() -> None:
+async def test_failures_in_a_row_pause_the_run_doubling_per_pause_and_a_scored_group_ends_the_pause() -> None:
+    """The groups in flight at the 16th failure fail too: the pause doubles with each pause taken,
+    not with each failure, so that the first is the shortest however many were in flight."""
     engine = FlakyEngine()
     service = make_service(engine, max_inflight=4)
-    run = await service.create_run(spec([[1, 2]], group_size=2))
     scheduler = service.scheduler
-    assert scheduler.failure_backoff_s(run) == 0.0
-    await wait_until(lambda: run.counters.groups_dropped > BACKOFF_AFTER_FAILURES, 5, "the failures")
-    paused = scheduler.failure_backoff_s(run)
-    assert any(paused == pytest.approx(BACKOFF_FIRST_S * 2**k) for k in range(7)) and paused <= BACKOFF_MAX_S
+    pauses: list[float] = []
+    backoff_s = scheduler.failure_backoff_s
+
+    def recorded(run):  # type: ignore[no-untyped-def]
+        if (pause_s := backoff_s(run)) > 0:
+            pauses.append(pause_s)
+        return pause_s
+
+    scheduler.failure_backoff_s = recorded  # type: ignore[method-assign]
+    run = await service.create_run(spec([[1, 2]], group_size=2))
+    await wait_until(lambda: len(pauses) >= 3, 5, "three pauses")
+    assert pauses[:3] == [BACKOFF_FIRST_S, 2 * BACKOFF_FIRST_S, 4 * BACKOFF_FIRST_S]
+    assert run.counters.groups_dropped >= BACKOFF_AFTER_FAILURES
     engine.failing = False
     await wait_until(lambda: run.counters.groups_scored > 0, 10, "a group scored after the outage")
-    assert scheduler.failure_backoff_s(run) == 0.0 and run.state == "running"
+    assert backoff_s(run) == 0.0 and run.state == "running"
     await service.delete_run(run.run_id)
 
 
