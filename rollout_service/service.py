@@ -129,6 +129,7 @@ class RolloutService:
             max_group_bytes=settings.max_group_bytes,
             route=lambda run: self.weights.engine_for(run, engine),
             evaluations=self.evaluations,
+            run_failed=self._save_run_state,
         )
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.versions.watch(self._base_version_changed)
@@ -203,6 +204,9 @@ class RolloutService:
             run.broker.restore(saved.groups, saved.acked)
             if isinstance(run.source, SubmittedPromptSource):
                 run.source.restore(saved.prompts, saved.prompts_submitted)
+            if state.get("state") == "failed":  # stays failed: its streams hand out its groups, then say why
+                run.state, run.error = "failed", state.get("error", "")
+                run.broker.finish(wait_for_acks=False)
             self._start_run(run)
             logger.info(
                 "restored run %s: %d unacked groups, %d acked ids, %d submitted prompts, policy version %d",
@@ -260,12 +264,16 @@ class RolloutService:
 
     def _start_run(self, run: Run) -> None:
         self.runs[run.run_id] = run
-        self.scheduler.start_run(run)
+        if run.state == "running":
+            self.scheduler.start_run(run)
         self.weights.run_started(run)
-        if run.spec.eval is None:  # the store keeps what admission learned, as versions move
-            run.admission.on_change(lambda: self.store.save_run_state(run.run_id, run.stored_state()))
+        run.admission.on_change(lambda: self._save_run_state(run))  # what admission learned, as versions move
         spec = run.spec
         logger.info("created run %s (%s, G=%d)", run.run_id, spec.display_name or spec.source_kind, spec.group_size)
+
+    def _save_run_state(self, run: Run) -> None:
+        if run.spec.eval is None:  # an evaluation is not resumed after a restart
+            self.store.save_run_state(run.run_id, run.stored_state())
 
     def _broker(self, run_id: str, spec: RunSpec, max_buffered: int) -> RunBroker:
         trains = spec.eval is None  # an evaluation's groups are never trained: staleness does not apply

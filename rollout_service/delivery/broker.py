@@ -82,6 +82,9 @@ class RunBroker:
         """Set at shutdown: no group is started or handed out any more."""
         self.closed_event = asyncio.Event()
         self.finished_event = asyncio.Event()
+        self.waits_for_acks = True
+        """Once finished, whether streams end only when every group is acked (``exhausted``) or as
+        soon as none is left to hand out (``handed_out``: a failed run, whose trainers stop)."""
         self._changed = asyncio.Condition()
 
     def has_room(self) -> bool:
@@ -123,14 +126,20 @@ class RunBroker:
         self._wakeups.add(task)
         task.add_done_callback(self._wakeups.discard)
 
-    def finish(self) -> None:
-        """No group will be added: streams end once the rest are acked (``exhausted``)."""
+    def finish(self, *, wait_for_acks: bool = True) -> None:
+        """No group will be added: streams end once the rest are acked (``exhausted``), or, without
+        ``wait_for_acks``, once the rest are handed out (``handed_out``)."""
+        self.waits_for_acks = self.waits_for_acks and wait_for_acks
         self.finished_event.set()
         self._wake_soon()
 
     @property
     def exhausted(self) -> bool:
         return self.finished_event.is_set() and not self.buffered and not self.num_leased
+
+    @property
+    def handed_out(self) -> bool:
+        return self.finished_event.is_set() and not self.waits_for_acks and not self.buffered
 
     async def unreserve(self) -> None:
         async with self._changed:
@@ -175,6 +184,7 @@ class RunBroker:
                         or self.closed
                         or consumer_id not in self.leases
                         or self.exhausted
+                        or self.handed_out
                     ):
                         break
                     if lookahead is not None and not starving:
@@ -190,6 +200,8 @@ class RunBroker:
                 return None
             group = self.buffered[index]
             del self.buffered[index]
+            if self.handed_out:
+                self._changed.notify_all()  # the other streams end: none is left for them
             if (buffered_at := self.buffered_at.pop(group.group_id, None)) is not None and lookahead is not None:
                 lookahead.group_taken(self.clock() - buffered_at)
             self.expired_holder.pop(group.group_id, None)
@@ -277,8 +289,8 @@ class RunBroker:
             self.store.ack(self.run_id, [group_id], status)
             newly += 1
         self._update_gauges()
-        if newly and (self._reservers_waiting or self.draining):
-            self._wake_soon()  # consumption frees admission room; nobody to wake is the common case
+        if newly and (self._reservers_waiting or self.draining or self.finished_event.is_set()):
+            self._wake_soon()  # admission room, or the streams' end; nobody to wake is the common case
         return newly
 
     async def release(self, consumer_id: str) -> int:

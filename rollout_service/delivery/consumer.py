@@ -72,7 +72,7 @@ class ConsumerSession:
         self.stalls_sent = 0
 
     def check_limits(self) -> None:
-        if self.broker.closed:
+        if self.broker.closed or self.broker.handed_out:
             raise self._ended()
         limits = self.service.settings
         if len(self.broker.leases) >= limits.max_consumers_per_run and self.consumer_id not in self.broker.leases:
@@ -134,34 +134,28 @@ class ConsumerSession:
                 return wanted
             if (stall := self._stall()) is not None:
                 return stall
-            if self.broker.closed:
+            if self.broker.closed or self.broker.handed_out:
                 raise self._ended()
             if self.broker.exhausted:  # an evaluation run's every group is delivered and acked
                 return None
             self._changed.clear()
-            if self.credits <= 0:  # wait for a credit, or for the run to end (or to finish its set)
-                ends = [end for end in (self.broker.closed_event, self.broker.finished_event) if not end.is_set()]
-                waits = {asyncio.ensure_future(self._changed.wait()), *(asyncio.ensure_future(e.wait()) for e in ends)}
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for wait in waits:
-                        wait.cancel()
-                continue
-            take = asyncio.ensure_future(self.broker.take(self.consumer_id))
-            changed = asyncio.ensure_future(self._changed.wait())
+            # Wait for a group (with a credit), a request, or the run's end (or the end of its set).
+            ends = [end for end in (self.broker.closed_event, self.broker.finished_event) if not end.is_set()]
+            waits = {asyncio.ensure_future(self._changed.wait()), *(asyncio.ensure_future(e.wait()) for e in ends)}
+            take = asyncio.ensure_future(self.broker.take(self.consumer_id)) if self.credits > 0 else None
             try:
-                await asyncio.wait({take, changed}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({*waits, *([take] if take else [])}, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                for wait in waits:
+                    wait.cancel()
                 # Also on cancellation: no take may outlive the stream (its release returns a leased group).
-                changed.cancel()
-                if not take.done():
+                if take is not None and not take.done():
                     take.cancel()
                     await asyncio.gather(take, return_exceptions=True)
-            if take.cancelled():
+            if take is None or take.cancelled():
                 continue
             if (group := take.result()) is None:
-                if self.broker.closed or self.broker.exhausted:
+                if self.broker.closed or self.broker.exhausted or self.broker.handed_out:
                     continue  # said at the top of the loop
                 raise FailedPrecondition(
                     f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"

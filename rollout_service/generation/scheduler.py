@@ -13,8 +13,8 @@ Invariants:
 - a group the trainer moved more than ``max_staleness`` past is cancelled in flight and
   dropped (``stale_inflight``): it could only be dropped as stale later.
 
-Every task is owned: the scheduler keeps it until it ends, and a feeder that dies marks
-its run failed with the error instead of vanishing.
+Every task is owned: the scheduler keeps it until it ends, and a feeder that dies fails its
+run with the error instead of vanishing.
 """
 
 from __future__ import annotations
@@ -83,9 +83,11 @@ class Scheduler:
         max_group_bytes: int,
         route: Callable[[Run], Engine],
         evaluations: Evaluations,
+        run_failed: Callable[[Run], None] = lambda run: None,
     ) -> None:
         """``route``: the engine a run's requests go to (its adapter, its partition's servers);
-        ``evaluations``: told of evaluation runs' scored groups and of their end."""
+        ``evaluations``: told of evaluation runs' scored groups and of their end; ``run_failed``:
+        told when a run fails, so that a restart keeps it failed."""
         self.engine = engine
         self.route = route
         self.max_group_bytes = max_group_bytes
@@ -104,9 +106,8 @@ class Scheduler:
         """Runs whose finite prompt set is all started (evaluation runs): done once none is in flight."""
         self._failure_streaks: dict[str, FailureStreak] = {}
         """Per run, since its last scored group (``failure_backoff_s``)."""
-        self._failing: set[asyncio.Task[None]] = set()
-        """``fail_run``'s stops in progress, held so they are not collected."""
         self.evaluations = evaluations
+        self.run_failed = run_failed
         metrics.slots_total.set(max_inflight)
 
     def start_run(self, run: Run) -> None:
@@ -130,23 +131,25 @@ class Scheduler:
         self._failure_streaks.pop(run.run_id, None)
         self._fed.discard(run.run_id)
 
-    def stop_generation(self, run: Run) -> None:
+    def stop_generation(self, run: Run, *, wait_for_acks: bool = True) -> None:
         """Cancel the run's feeder and groups now, and end its streams after its scored groups: an
         evaluation a weight update stops may run no request on the next weights."""
         self._fed.discard(run.run_id)  # its set is not done: it never completes
         for task in self._tasks.get(run.run_id, set()):
             task.cancel()
-        run.broker.finish()
+        run.broker.finish(wait_for_acks=wait_for_acks)
 
     def fail_run(self, run: Run, error: str) -> None:
-        """End a run that cannot go on: its groups stop, and its streams end with ``error``."""
+        """End a run that cannot go on: its generation stops, and its streams hand out the groups
+        it scored and then end with ``error``."""
         run.state, run.error = "failed", error
         logger.error("run %s failed: %s", run.run_id, error)
         if run.eval is not None:
             self.evaluations.forget(run)  # its hold on the policy version goes with it
-        stopping = asyncio.ensure_future(self.stop_run(run))  # not awaited: it cancels the caller's own group
-        self._failing.add(stopping)
-        stopping.add_done_callback(self._failing.discard)
+        self.run_failed(run)
+        # Its caller's own group included, cancelled at its next await; trainers waiting for a
+        # step's worth of groups would otherwise hold their last ones for ever.
+        self.stop_generation(run, wait_for_acks=False)
 
     def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -157,8 +160,8 @@ class Scheduler:
 
     def _feeder_ended(self, run: Run, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
-            run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
-            logger.error("run %s stopped generating: %s", run.run_id, run.error, exc_info=exc)
+            logger.error("run %s stopped generating", run.run_id, exc_info=exc)
+            self.fail_run(run, f"its prompts could not be fed ({type(exc).__name__}: {exc})")
 
     async def _acquire_slots(self, run: Run, count: int = 1) -> None:
         """``count`` slots (a group request's G): the run's own first, then the service's, granted

@@ -277,11 +277,15 @@ async def test_a_greedy_run_samples_its_groups(client: RolloutClient) -> None:
     await client.delete_run(run.run_id)
 
 
-async def test_a_run_whose_every_request_vllm_refuses_fails_and_tells_its_consumers(vllm_server, tiny_model) -> None:
+async def test_a_run_whose_every_request_vllm_refuses_fails_and_tells_its_consumers(
+    vllm_server, tiny_model, tmp_path
+) -> None:
     """The service is told the servers take longer prompts than they do (the tests' take 1024
     tokens): vLLM refuses every request of a run of 2000-token prompts, and the run fails with
-    vLLM's reason instead of dropping its groups for ever."""
-    settings = service_settings([vllm_server.url], tiny_model, engine={"max_model_len": 8192})
+    vLLM's reason instead of dropping its groups for ever. A restart on its state store keeps it
+    failed, rather than starting the storm again."""
+    store = tmp_path / "state.db"
+    settings = service_settings([vllm_server.url], tiny_model, engine={"max_model_len": 8192}, state_store=str(store))
     async with service_with_client(settings) as (service, client):
         spec = pb.RunSpec(group_size=2, reward_functions=[pb.RewardFunctionSpec(name="char_fraction")])
         spec.prompt_source.prompts.prompts.append(pb.Prompt(token_ids=pb.TokenIds(ids=[5] * 2000)))
@@ -310,3 +314,12 @@ async def test_a_run_whose_every_request_vllm_refuses_fails_and_tells_its_consum
         # 16 refusals fail it; groups that come back refused before the stop reaches them count too
         assert 16 <= after.stats.groups_refused == after.stats.groups_dropped <= 16 + after.max_inflight
         assert after.stats.groups_scored == 0
+
+    async with service_with_client(settings) as (_, client):
+        restored = await client.get_run(run.run_id)
+        assert restored.state == pb.RUN_STATE_FAILED and restored.error == after.error
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            async with asyncio.timeout(60):
+                await anext(aiter(client.stream(run.run_id, "c", credits=1)))
+        assert (again.value.code(), again.value.details()) == (info.value.code(), info.value.details())
+        assert (await client.get_run(run.run_id)).stats.groups_started == 0  # no group was started again

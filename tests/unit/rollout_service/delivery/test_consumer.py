@@ -1,5 +1,6 @@
 """The consumer session without gRPC: credits bound what it sends, acks reach the broker,
-an invalid request ends it with its error. The engine behind it is scripted."""
+an invalid request ends it with its error, a failed run's streams end with its reason. The
+engine behind it is scripted."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from rollout_api import rollout_pb2 as pb
 from rollout_service.delivery.broker import ACK_TRAINED
 from rollout_service.delivery.consumer import Ack, ConsumerRequest, ConsumerSession, Credit, Delivery
 from rollout_service.edge.convert import consumer_message_to_wire
-from rollout_service.errors import InvalidArgument
+from rollout_service.errors import FailedPrecondition, InvalidArgument
+from rollout_service.generation.prompts import CyclingPromptSource
+from rollout_service.types import PromptItem
+from tests.support import wait_until
 from tests.unit.rollout_service.builders import one_prompt_spec as spec
 from tests.unit.scripted import ScriptedEngine, make_service
 
@@ -82,4 +86,62 @@ async def test_a_group_handed_out_again_says_it_is_a_redelivery() -> None:
     assert pb.StreamSamplesResponse.FromString(consumer_message_to_wire(redelivered)).group.delivery_attempt == 2
     run.broker.ack("d", [first.group.group_id], ACK_TRAINED)
     assert first.group.group_id not in run.broker.deliveries  # acked: forgotten
+    await service.delete_run(run.run_id)
+
+
+async def take_until_it_ends(session: ConsumerSession) -> tuple[list[str], FailedPrecondition]:
+    """The group ids a stream hands out (none acked) before it ends, and how it ends."""
+    taken: list[str] = []
+    while True:
+        try:
+            message = await asyncio.wait_for(session.next_message(), 10)
+        except FailedPrecondition as ended:
+            return taken, ended
+        assert isinstance(message, Delivery)
+        taken.append(message.group.group_id)
+
+
+async def test_a_failed_runs_streams_hand_out_its_groups_then_end_with_why_though_they_hold_leases() -> None:
+    """A trainer waiting for a step's worth of groups holds its last ones unacked: the streams
+    of a failed run end once nothing is left to hand out, not once everything is acked."""
+    service = make_service(ScriptedEngine(), max_buffered=4)
+    run = await service.create_run(spec())
+    await wait_until(lambda: len(run.broker.buffered) == 4, 10, "a full buffer")
+    sessions = []
+    for consumer in ("c", "d"):
+        run.broker.subscribe(consumer, 8)
+        sessions.append(ConsumerSession(service, run.run_id, consumer, 8))
+    first = await asyncio.wait_for(sessions[0].next_message(), 10)  # leased before the failure
+    service.scheduler.fail_run(run, "the servers refuse it")
+    buffered = {group.group_id for group in run.broker.buffered}
+    (c_took, c_ended), (d_took, d_ended) = await asyncio.gather(*(take_until_it_ends(s) for s in sessions))
+    assert sorted(c_took + d_took) == sorted(buffered) and len(buffered) >= 3  # each once, then the end
+    assert str(c_ended) == str(d_ended) == f"run {run.run_id} failed: the servers refuse it"
+    assert isinstance(first, Delivery) and first.group.group_id in run.broker.leases["c"]  # still leased
+    with pytest.raises(FailedPrecondition, match="failed: the servers refuse it"):
+        ConsumerSession(service, run.run_id, "e", 1).check_limits()  # a new stream is refused at once
+    await service.delete_run(run.run_id)
+
+
+async def test_a_feeder_that_dies_fails_its_run_and_its_streams_end_after_its_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = 0
+    real_next = CyclingPromptSource.next
+
+    async def next_until_the_source_breaks(source: CyclingPromptSource) -> PromptItem:
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise OSError("the dataset's shard is gone")
+        return await real_next(source)
+
+    monkeypatch.setattr(CyclingPromptSource, "next", next_until_the_source_breaks)
+    service = make_service(ScriptedEngine(), max_buffered=3)
+    run = await service.create_run(spec())
+    await wait_until(lambda: len(run.broker.buffered) == 3, 10, "a full buffer")
+    run.broker.subscribe("c", 8)
+    took, ended = await take_until_it_ends(ConsumerSession(service, run.run_id, "c", 8))
+    assert len(took) == 3 and run.state == "failed"  # the first take made room: the feeder asked for more
+    assert str(ended) == f"run {run.run_id} failed: its prompts could not be fed (OSError: the dataset's shard is gone)"
     await service.delete_run(run.run_id)

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from rollout_service.delivery import state_store
+from rollout_service.delivery.consumer import ConsumerSession
 from rollout_service.delivery.state_store import MemoryStore, SqliteStore, open_store
 from rollout_service.edge.group_wire import WireCodec
+from rollout_service.errors import FailedPrecondition
 from rollout_service.eval_tally import EvalSpec
 from rollout_service.generation.prompts import PromptSpec
 from rollout_service.runs import RunSpec, RunTable
@@ -102,6 +104,30 @@ async def test_a_restarted_service_keeps_a_paced_runs_lookahead(tmp_path: Path) 
     assert await second.restore() == 1
     restored = second.runs[run.run_id]
     assert restored.admission.lookahead_versions == 0.75  # not relearned from max_staleness
+    await second.delete_run(run.run_id)
+    second.store.close()
+
+
+async def test_a_failed_run_stays_failed_after_a_restart_and_its_groups_are_still_handed_out(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = durable_service(path, max_buffered=2)
+    run = await first.create_run(spec())
+    await wait_until(lambda: len(run.broker.buffered) == 2, 5, "a full buffer")
+    first.scheduler.fail_run(run, "vLLM refused its requests")
+    held = {group.group_id for group in run.broker.buffered}
+    first.store.close()
+
+    second = durable_service(path)
+    assert await second.restore() == 1
+    restored = second.runs[run.run_id]
+    assert (restored.state, restored.error) == ("failed", "vLLM refused its requests")
+    restored.broker.subscribe("trainer", 8)
+    session = ConsumerSession(second, run.run_id, "trainer", 8)
+    handed = [await asyncio.wait_for(session.next_message(), 5) for _ in held]
+    assert {message.group.group_id for message in handed} == held
+    with pytest.raises(FailedPrecondition, match=f"run {run.run_id} failed: vLLM refused its requests"):
+        await asyncio.wait_for(session.next_message(), 5)
+    assert restored.counters.groups_started == 0  # it generates nothing more
     await second.delete_run(run.run_id)
     second.store.close()
 

@@ -209,7 +209,11 @@ async def test_refused_requests_drop_their_groups_counted_and_a_run_refused_from
     engine = RefusingEngine()
     service = make_service(engine, max_inflight=4)
     run = await service.create_run(spec())
-    await wait_until(lambda: run.broker.closed, 10, "the run to fail and stop")
+    await wait_until(
+        lambda: run.broker.handed_out and service.scheduler.slots_busy == 0,
+        10,
+        "the run to fail and its requests to stop",
+    )
     dropped = service.metrics.registry.get_sample_value(
         "rollout_groups_dropped_total", {"run": run.run_id, "reason": "rejected"}
     )
@@ -219,6 +223,6 @@ async def test_refused_requests_drop_their_groups_counted_and_a_run_refused_from
     assert service.scheduler.engine_failures == service.stats().engine_request_failures == refused
     assert run.state == "failed" and f"first {REFUSED_BEFORE_FAILING} groups" in run.error
     assert "temperature must be in [0, 2]" in run.error  # vLLM's own reason
-    # The broker closes last in the stop, once the run's feeder and groups are done: no storm goes on.
+    # Its feeder and groups are cancelled with the failure: no storm goes on.
     assert engine.calls <= run.spec.group_size * (refused + 4) and service.scheduler.slots_busy == 0
     await service.delete_run(run.run_id)
