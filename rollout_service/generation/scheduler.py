@@ -160,8 +160,8 @@ class Scheduler:
 
     def _feeder_ended(self, run: Run, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
-            logger.error("run %s stopped generating", run.run_id, exc_info=exc)
-            self.fail_run(run, f"its prompts could not be fed ({type(exc).__name__}: {exc})")
+            logger.error("run %s: starting its groups failed", run.run_id, exc_info=exc)
+            self.fail_run(run, f"starting its groups failed: {type(exc).__name__}: {exc} (the service's log has more)")
 
     async def _acquire_slots(self, run: Run, count: int = 1) -> None:
         """``count`` slots (a group request's G): the run's own first, then the service's, granted
