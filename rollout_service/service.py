@@ -129,7 +129,7 @@ class RolloutService:
             max_group_bytes=settings.max_group_bytes,
             route=lambda run: self.weights.engine_for(run, engine),
             evaluations=self.evaluations,
-            run_failed=self._save_run_state,
+            run_failed=self._run_failed,
         )
         metrics.slots_busy_time_average.set_function(self.scheduler.slots.busy_time_average)
         self.versions.watch(self._base_version_changed)
@@ -264,12 +264,16 @@ class RolloutService:
 
     def _start_run(self, run: Run) -> None:
         self.runs[run.run_id] = run
-        if run.state == "running":
+        if run.state == "running":  # a restored failed run generates nothing
             self.scheduler.start_run(run)
-        self.weights.run_started(run)
+            self.weights.run_started(run)
         run.admission.on_change(lambda: self._save_run_state(run))  # what admission learned, as versions move
         spec = run.spec
         logger.info("created run %s (%s, G=%d)", run.run_id, spec.display_name or spec.source_kind, spec.group_size)
+
+    def _run_failed(self, run: Run) -> None:
+        self._save_run_state(run)
+        self.weights.run_failed(run)
 
     def _save_run_state(self, run: Run) -> None:
         if run.spec.eval is None:  # an evaluation is not resumed after a restart

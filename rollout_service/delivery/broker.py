@@ -84,7 +84,7 @@ class RunBroker:
         self.finished_event = asyncio.Event()
         self.waits_for_acks = True
         """Once finished, whether streams end only when every group is acked (``exhausted``) or as
-        soon as none is left to hand out (``handed_out``: a failed run, whose trainers stop)."""
+        soon as none is left for them (``handed_out_to``: a failed run, whose trainers stop)."""
         self._changed = asyncio.Condition()
 
     def has_room(self) -> bool:
@@ -128,7 +128,7 @@ class RunBroker:
 
     def finish(self, *, wait_for_acks: bool = True) -> None:
         """No group will be added: streams end once the rest are acked (``exhausted``), or, without
-        ``wait_for_acks``, once the rest are handed out (``handed_out``)."""
+        ``wait_for_acks``, each once none is left for it (``handed_out_to``)."""
         self.waits_for_acks = self.waits_for_acks and wait_for_acks
         self.finished_event.set()
         self._wake_soon()
@@ -137,9 +137,14 @@ class RunBroker:
     def exhausted(self) -> bool:
         return self.finished_event.is_set() and not self.buffered and not self.num_leased
 
-    @property
-    def handed_out(self) -> bool:
-        return self.finished_event.is_set() and not self.waits_for_acks and not self.buffered
+    def handed_out_to(self, consumer_id: str) -> bool:
+        """Whether a stream of a run finished without ``wait_for_acks`` ends: none of the buffered
+        groups is left for it (one whose lease expired on it is another's)."""
+        return self.finished_event.is_set() and not self.waits_for_acks and self._first_for(consumer_id) is None
+
+    async def wait_handed_out_to(self, consumer_id: str) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.closed or self.handed_out_to(consumer_id))
 
     async def unreserve(self) -> None:
         async with self._changed:
@@ -184,7 +189,7 @@ class RunBroker:
                         or self.closed
                         or consumer_id not in self.leases
                         or self.exhausted
-                        or self.handed_out
+                        or self.handed_out_to(consumer_id)
                     ):
                         break
                     if lookahead is not None and not starving:
@@ -200,8 +205,8 @@ class RunBroker:
                 return None
             group = self.buffered[index]
             del self.buffered[index]
-            if self.handed_out:
-                self._changed.notify_all()  # the other streams end: none is left for them
+            if self.finished_event.is_set() and not self.waits_for_acks:
+                self._changed.notify_all()  # the other streams may have none left: they end
             if (buffered_at := self.buffered_at.pop(group.group_id, None)) is not None and lookahead is not None:
                 lookahead.group_taken(self.clock() - buffered_at)
             self.expired_holder.pop(group.group_id, None)

@@ -72,7 +72,7 @@ class ConsumerSession:
         self.stalls_sent = 0
 
     def check_limits(self) -> None:
-        if self.broker.closed or self.broker.handed_out:
+        if self.broker.closed or self.broker.handed_out_to(self.consumer_id):
             raise self._ended()
         limits = self.service.settings
         if len(self.broker.leases) >= limits.max_consumers_per_run and self.consumer_id not in self.broker.leases:
@@ -134,14 +134,17 @@ class ConsumerSession:
                 return wanted
             if (stall := self._stall()) is not None:
                 return stall
-            if self.broker.closed or self.broker.handed_out:
+            if self.broker.closed or self.broker.handed_out_to(self.consumer_id):
                 raise self._ended()
             if self.broker.exhausted:  # an evaluation run's every group is delivered and acked
                 return None
             self._changed.clear()
             # Wait for a group (with a credit), a request, or the run's end (or the end of its set).
-            ends = [end for end in (self.broker.closed_event, self.broker.finished_event) if not end.is_set()]
-            waits = {asyncio.ensure_future(self._changed.wait()), *(asyncio.ensure_future(e.wait()) for e in ends)}
+            broker = self.broker
+            ends = [end.wait() for end in (broker.closed_event, broker.finished_event) if not end.is_set()]
+            if broker.finished_event.is_set() and not broker.waits_for_acks:  # also while it has no credit
+                ends.append(broker.wait_handed_out_to(self.consumer_id))
+            waits = {asyncio.ensure_future(self._changed.wait()), *(asyncio.ensure_future(end) for end in ends)}
             take = asyncio.ensure_future(self.broker.take(self.consumer_id)) if self.credits > 0 else None
             try:
                 await asyncio.wait({*waits, *([take] if take else [])}, return_when=asyncio.FIRST_COMPLETED)
@@ -155,7 +158,7 @@ class ConsumerSession:
             if take is None or take.cancelled():
                 continue
             if (group := take.result()) is None:
-                if self.broker.closed or self.broker.exhausted or self.broker.handed_out:
+                if self.broker.closed or self.broker.exhausted or self.broker.handed_out_to(self.consumer_id):
                     continue  # said at the top of the loop
                 raise FailedPrecondition(
                     f"consumer {self.consumer_id!r} is no longer subscribed to run {self.run.run_id}; subscribe again"

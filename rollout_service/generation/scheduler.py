@@ -87,7 +87,7 @@ class Scheduler:
     ) -> None:
         """``route``: the engine a run's requests go to (its adapter, its partition's servers);
         ``evaluations``: told of evaluation runs' scored groups and of their end; ``run_failed``:
-        told when a run fails, so that a restart keeps it failed."""
+        told when a run fails (a restart keeps it failed; its servers go to other runs)."""
         self.engine = engine
         self.route = route
         self.max_group_bytes = max_group_bytes
@@ -146,10 +146,10 @@ class Scheduler:
         logger.error("run %s failed: %s", run.run_id, error)
         if run.eval is not None:
             self.evaluations.forget(run)  # its hold on the policy version goes with it
-        self.run_failed(run)
         # Its caller's own group included, cancelled at its next await; trainers waiting for a
         # step's worth of groups would otherwise hold their last ones for ever.
         self.stop_generation(run, wait_for_acks=False)
+        self.run_failed(run)
 
     def _spawn(self, run: Run, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)

@@ -114,6 +114,11 @@ class PushRoutes:
         if self.partitions is not None and _partitioned(run):
             self.partitions.add_run(run.run_id, run.spec.weight, run.admission.versions)
 
+    def run_failed(self, run: Run) -> None:
+        """It generates no more: its servers go to the runs that do."""
+        if self.partitions is not None:
+            self.partitions.remove_run(run.run_id)
+
     async def run_deleted(self, run_id: str) -> None:
         if self.adapters is not None:
             await self.adapters.forget(run_id)

@@ -184,7 +184,7 @@ async def test_an_evaluation_vllm_refuses_fails_and_releases_its_version() -> No
     service = make_service(ScriptedEngine(), max_inflight=8)
     refused = tuple(PromptSpec(token_ids=[REFUSE_TOKEN, i]) for i in range(2 * REFUSED_BEFORE_FAILING))
     run = await service.create_run(dataclasses.replace(eval_spec(), prompts=refused))
-    await wait_until(lambda: run.broker.handed_out, 10, "the evaluation to fail and stop")
+    await wait_until(lambda: run.state == "failed", 10, "the evaluation to fail")
     assert run.state == "failed" and "vLLM refused" in run.error
     assert service.holds.holders == {}  # a weight update need not wait for it
     await service.delete_run(run.run_id)

@@ -123,6 +123,41 @@ async def test_a_failed_runs_streams_hand_out_its_groups_then_end_with_why_thoug
     await service.delete_run(run.run_id)
 
 
+async def test_a_failed_runs_stream_without_credits_ends_when_another_takes_the_last_group() -> None:
+    """A trainer holding its step (no credit left) is told, though it asks for nothing."""
+    service = make_service(ScriptedEngine(), max_buffered=2)
+    run = await service.create_run(spec())
+    await wait_until(lambda: len(run.broker.buffered) == 2, 10, "a full buffer")
+    run.broker.subscribe("c", 8)
+    run.broker.subscribe("d", 0)
+    taker, holder = ConsumerSession(service, run.run_id, "c", 8), ConsumerSession(service, run.run_id, "d", 0)
+    holding = asyncio.ensure_future(holder.next_message())
+    service.scheduler.fail_run(run, "the servers refuse it")
+    took, _ = await take_until_it_ends(taker)
+    assert len(took) == 2
+    with pytest.raises(FailedPrecondition, match="failed: the servers refuse it"):
+        await asyncio.wait_for(holding, 10)
+    await service.delete_run(run.run_id)
+
+
+async def test_a_failed_runs_stream_ends_when_only_a_group_whose_lease_expired_on_it_is_left() -> None:
+    """A group whose lease expired on a consumer goes to another one, never back to it: with none
+    left but such a group, that consumer's stream ends rather than waits."""
+    service = make_service(ScriptedEngine(), max_buffered=2)
+    run = await service.create_run(spec())
+    await wait_until(lambda: len(run.broker.buffered) == 2, 10, "a full buffer")
+    service.scheduler.fail_run(run, "the servers refuse it")
+    run.broker.subscribe("c", 8)
+    expired, kept = run.broker.buffered
+    run.broker.expired_holder[expired.group_id] = "c"  # as _expire_leases leaves it
+    took, ended = await take_until_it_ends(ConsumerSession(service, run.run_id, "c", 8))
+    assert took == [kept.group_id] and "failed: the servers refuse it" in str(ended)
+    run.broker.subscribe("d", 8)
+    took, _ = await take_until_it_ends(ConsumerSession(service, run.run_id, "d", 8))
+    assert took == [expired.group_id]  # another consumer still gets it
+    await service.delete_run(run.run_id)
+
+
 async def test_a_feeder_that_dies_fails_its_run_and_its_streams_end_after_its_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -191,6 +191,24 @@ async def test_a_partitioned_service_gives_each_full_weight_run_its_own_weight_s
         await partitions.close()
 
 
+@pytest.mark.timeout(30)
+async def test_a_failed_run_gives_its_servers_to_the_runs_that_generate() -> None:
+    runs = RunTable()
+    partitions, _ = partitions_over([A, B], runs)
+    service = make_service(ScriptedEngine(), runs=runs, weights=PushRoutes(runs, partitions=partitions))
+    try:
+        failed, going = await service.create_run(run_spec()), await service.create_run(run_spec())
+        await partitions.settled()
+        assert sorted(partitions.assignment().values()) == sorted([failed.run_id, going.run_id])
+        service.scheduler.fail_run(failed, "vLLM refused its requests")
+        await partitions.settled()
+        assert set(partitions.assignment().values()) == {going.run_id}
+        await service.delete_run(failed.run_id)  # its partition is gone already
+    finally:
+        await service.delete_run(going.run_id)
+        await partitions.close()
+
+
 async def test_a_runs_requests_go_to_its_servers_with_a_cache_salt_naming_it() -> None:
     class Pool:
         async def generate_many(self, prompt_ids, params, n, *, affinity=None, allowed=None):  # type: ignore[no-untyped-def]
