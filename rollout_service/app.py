@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import gc
 import logging
+import os
+import socket
 import ssl
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -104,6 +107,26 @@ def served_signature(checkpoint: str) -> str:
         return ""
 
 
+PORT_SETTINGS = (("port", "host"), ("metrics_port", "metrics_host"), ("openai_port", "host"))
+"""Each port setting, and the setting of the address it is bound on."""
+
+
+def check_ports_free(settings: ServiceSettings) -> None:
+    """A port that is taken fails the start now, naming its setting, not after vLLM's start-up."""
+    for port_setting, host_setting in PORT_SETTINGS:
+        port, host = getattr(settings, port_setting), getattr(settings, host_setting)
+        if not port:
+            continue  # off, or any free port
+        try:
+            socket.create_server((host, port)).close()
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):  # other errors (the host) are said where it is bound
+                raise StartupError(
+                    f"{port_setting} {port} cannot be bound on {host} ({os.strerror(exc.errno)}); pick another port "
+                    "(0: any free one)"
+                ) from None
+
+
 def load_tokenizer(name_or_path: str):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
@@ -118,7 +141,10 @@ async def running_service(
     default: ``engine.urls``, else a server of its own. One exit stack stops everything in reverse."""
     engine_settings = settings.engine
     rewards, tools, environments = _user_registries(settings)  # first: a typo fails before vLLM starts
+    check_ports_free(settings)  # likewise
     async with contextlib.AsyncExitStack() as stack:
+        store = open_store(settings.state_store, WireCodec())  # likewise
+        stack.callback(store.close)  # last, after the service stopped: the last acks are written
         urls, tokenizer_path = list(engine_settings.urls), engine_settings.tokenizer
         discovery = None
         if managed is None and not urls and engine_settings.discover:
@@ -133,7 +159,14 @@ async def running_service(
             tokenizer_path = tokenizer_path or str(managed.settings.model)
         model, max_model_len = await resolve_model(urls, engine_settings)
         checkpoint = tokenizer_path or engine_settings.model or model
-        tokenizer = await asyncio.to_thread(load_tokenizer, checkpoint)
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, checkpoint)
+        except (OSError, ValueError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StartupError(
+                f"cannot load the tokenizer of {checkpoint} ({reason}); set engine.tokenizer to a folder with the "
+                "tokenizer's files, or to a Hub model id in the local cache or reachable"
+            ) from None
         signature = await asyncio.to_thread(served_signature, checkpoint)
 
         metrics = ServiceMetrics()
@@ -156,8 +189,6 @@ async def running_service(
             await control.start()
             stack.push_async_callback(control.close)
 
-        store = open_store(settings.state_store, WireCodec())
-        stack.callback(store.close)  # after the service stopped: the last acks are written
         info = ServiceInfo(model=model, engine_urls=urls, max_inflight=max_inflight, model_signature=signature)
         runs, versions, holds = RunTable(), PolicyVersion(), VersionHolds()
         weights = _weight_plane(settings, controls, pool, runs, versions, holds, store, metrics)

@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -20,6 +21,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from rollout_common.settings_file import read_settings_file
 from rollout_service.types import PauseModeName
 
 DEFAULT_MODEL_DIR = Path("models/tiny-qwen2")
@@ -126,12 +128,31 @@ class ManagedServerSettings(Section):
     """Where the server's output goes; None: a temporary file named in the logs."""
 
 
+def check_http_url(url: str) -> None:
+    """A ValueError, saying what to write, unless ``url`` is ``http(s)://host[:port]``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not a server's base URL; write http://host:port")
+    try:
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError:
+        raise ValueError(f"{url!r} has an invalid port; write http://host:port") from None
+
+
 class EngineSettings(Section):
     """How the service talks to vLLM's OpenAI-compatible HTTP API."""
 
     urls: list[str] = Field(default_factory=list)
     """Base URLs of running vLLM servers (e.g. http://localhost:8000). Empty: use `discover`,
     else `managed`."""
+
+    @field_validator("urls")
+    @classmethod
+    def _base_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            check_http_url(url)
+        return urls
+
     discover: str | None = None
     """``host:port`` of a DNS name that resolves to every vLLM server (a Kubernetes headless
     Service, e.g. ``vllm.rl.svc.cluster.local:8000``). Re-resolved every 10 s: servers that
@@ -381,14 +402,14 @@ class ServiceSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     """gRPC bind address; 0.0.0.0 in containers."""
-    port: int = 50051
+    port: int = Field(default=50051, ge=0, le=65535)
     """gRPC port; 0 picks a free one."""
-    metrics_port: int | None = 9400
+    metrics_port: int | None = Field(default=9400, ge=0, le=65535)
     """Prometheus /metrics port; None disables, 0 picks a free one."""
     state_store: str = "memory"
     """Where runs, their unacked groups and acked ids survive a restart: the path of an SQLite
     file (WAL; created if missing), or "memory" to keep nothing (``delivery.state_store``)."""
-    openai_port: int | None = None
+    openai_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the OpenAI-compatible endpoint that drives runs with prompt_source.external
     (``edge.openai_api``), on ``host`` with the gRPC port's TLS and tokens; None disables,
     0 picks a free one."""
@@ -461,6 +482,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> ServiceS
     if config_file is not None:
         if not Path(config_file).is_file():
             raise FileNotFoundError(f"config file {config_file} does not exist")
+        read_settings_file(Path(config_file))  # a SettingsFileError says what is wrong with it
 
         class _FromFile(ServiceSettings):
             model_config = SettingsConfigDict(**{**ServiceSettings.model_config, "yaml_file": config_file})

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rollout_service.errors import StartupError
 from rollout_service.types import PromptItem, ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -309,4 +310,10 @@ def open_store(setting: str, codec: GroupCodec) -> StateStore:
     """``memory`` or the path of the SQLite file (created if missing)."""
     if setting == "memory":
         return MemoryStore()
-    return SqliteStore(Path(setting), codec)
+    try:
+        return SqliteStore(Path(setting), codec)
+    except (OSError, sqlite3.Error) as exc:
+        raise StartupError(
+            f"state_store {setting} cannot be opened ({exc}); give the path of an SQLite file in a writable "
+            "folder, or memory to keep nothing"
+        ) from None

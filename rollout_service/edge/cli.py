@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.logging import RichHandler
 
-from rollout_service.config import ServiceSettings, load_settings
+from rollout_common.settings_file import SettingsFileError
+from rollout_service.config import ServiceSettings, check_http_url, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -57,7 +58,7 @@ def apply_managed_flags(settings: ServiceSettings, options: dict[str, Any], vllm
 def settings_from_cli(config: Path | None, overrides: dict[str, Any]) -> ServiceSettings:
     try:
         return load_settings(config, **overrides)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, SettingsFileError) as exc:
         _fail(str(exc))
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
@@ -141,6 +142,11 @@ def serve(
     }
     settings = settings_from_cli(config, overrides)
     if vllm_url:
+        for url in vllm_url:
+            try:
+                check_http_url(url)
+            except ValueError as exc:
+                _fail(f"--vllm-url: {exc}")
         settings.engine.urls = vllm_url
         settings.engine.managed = None
     managed_options = {
@@ -184,7 +190,10 @@ def build_tiny_model_command(
     from rollout_common.tiny_model import build_tiny_model
 
     setup_logging("INFO")
-    typer.echo(build_tiny_model(output_dir))
+    try:
+        typer.echo(build_tiny_model(output_dir))
+    except OSError as exc:
+        _fail(f"cannot write {output_dir}: {exc.strerror or exc}; give a folder this user can write")
 
 
 @app.command("dev-credentials")

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from rollout_service.config import check_http_url
 from rollout_service.engine.control import VLLMControlClient, WeightSyncError
 from rollout_service.engine.pool import EnginePool
 from rollout_service.engine.vllm_client import VLLMServerClient, served_models
@@ -35,12 +36,13 @@ DEFAULT_DRAIN_TIMEOUT_S = 120.0
 def check_engine_url(url: str) -> str:
     """``http(s)://host:port`` without a path; the normalized URL."""
     parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise InvalidArgument(f"engine url {echo(url)} is not http(s)://host:port; give the vLLM server's base URL")
     try:
-        parts.port  # noqa: B018 - raises on a malformed port
+        check_http_url(url.strip())
+        base = parts.path in ("", "/")
     except ValueError:
-        raise InvalidArgument(f"engine url {echo(url)} has an invalid port") from None
+        base = False
+    if not base:
+        raise InvalidArgument(f"engine url {echo(url)} is not http(s)://host:port; give the vLLM server's base URL")
     return f"{parts.scheme}://{parts.netloc}"
 
 

@@ -196,7 +196,7 @@ async def test_a_busy_server_that_stops_answering_health_is_given_up_and_probed_
 def pool_of(loads: list[int], failures: list[int] | None = None) -> EnginePool:
     clients = []
     for i, load in enumerate(loads):
-        client = VLLMServerClient(f"http://s{i}", "m", EngineSettings(urls=["x"]), ServiceMetrics(), 4)
+        client = VLLMServerClient(f"http://s{i}", "m", EngineSettings(urls=["http://x"]), ServiceMetrics(), 4)
         client.inflight = load
         client.consecutive_failures = (failures or [0] * len(loads))[i]
         clients.append(client)

@@ -90,7 +90,7 @@ async def test_the_monitor_exports_each_servers_scripted_metrics() -> None:
 
 async def test_a_server_that_does_not_answer_keeps_its_last_reading() -> None:
     metrics = ServiceMetrics()
-    client = VLLMServerClient("http://127.0.0.1:9", "m", EngineSettings(urls=["x"]), metrics, 8)
+    client = VLLMServerClient("http://127.0.0.1:9", "m", EngineSettings(urls=["http://x"]), metrics, 8)
     await client.start()
     try:
         monitor = LoadMonitor([client], metrics)
