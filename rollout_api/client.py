@@ -185,6 +185,11 @@ just ended: the call's own status (UNAVAILABLE when the service died) is overwri
 (grpc/grpc#36066). No answer of the service carries these details."""
 
 
+RpcError = grpc.aio.AioRpcError
+"""A call that failed with a status (the service's answer, or no connection), for callers that
+import no grpc; ``rpc_reason`` says it in one line."""
+
+
 def rpc_reason(exc: BaseException) -> str:
     """What a failed call says, in one line: ``STATUS: message`` for an RPC error."""
     if isinstance(exc, grpc.aio.AioRpcError):

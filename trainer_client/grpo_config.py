@@ -82,6 +82,8 @@ class AsyncGRPOConfig(TrainingArguments):
         super().__post_init__()
         if self.num_generations < 2:
             raise ValueError(f"num_generations is {self.num_generations}; it must be >= 2")
+        if self.per_device_train_batch_size <= 0:
+            raise ValueError(f"per_device_train_batch_size is {self.per_device_train_batch_size}; it must be > 0")
         if self.per_device_train_batch_size % self.num_generations:
             raise ValueError(
                 f"per_device_train_batch_size {self.per_device_train_batch_size} must be a multiple of "

@@ -110,6 +110,10 @@ class RunOptions:
     """``prompts`` loaded; the Python API may set rows (a ``datasets.Dataset``, dicts) or ``pb.Prompt``s."""
 
     def __post_init__(self) -> None:
+        if self.target is not None and self.target.startswith(("http://", "https://")):
+            raise ValueError(f"target is {self.target!r}; give the service's gRPC host:port, without http(s)://")
+        if self.wait_for_service < 0:
+            raise ValueError(f"wait_for_service is {self.wait_for_service:g}; give seconds >= 0 (0: do not wait)")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission is {self.admission!r}; choose one of {', '.join(ADMISSION_MODES)}")
         if not (math.isfinite(self.max_mismatch_kl) and self.max_mismatch_kl >= 0):

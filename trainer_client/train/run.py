@@ -26,11 +26,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from rollout_api import rollout_pb2 as pb
 from rollout_api.client import (
     RolloutClient,
+    RpcError,
+    ServiceNotServing,
     audit_record,
     dataset_run_spec,
     final_run,
     ledger_record,
     paced_lookahead,
+    rpc_reason,
     wait_until_serving,
 )
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
@@ -98,7 +101,10 @@ async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions,
     elif options.prompt_rows is not None:
         spec.prompt_source.prompts.prompts.extend(options.prompt_rows)  # type: ignore[arg-type]
     async with RolloutClient(target) as client:
-        return (await client.create_run(spec)).run_id
+        try:
+            return (await client.create_run(spec)).run_id
+        except RpcError as exc:
+            raise RunRefused(f"the service refused the run: {rpc_reason(exc)}") from None
 
 
 def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
@@ -116,8 +122,14 @@ def default_output_dir(run_id: str | None, pushes: bool) -> str:
 
 
 async def _served_model(target: str) -> pb.GetServerInfoResponse:
-    async with RolloutClient(target) as client:
-        return await client.server_info()
+    try:
+        async with RolloutClient(target) as client:
+            return await client.server_info()
+    except (RpcError, TimeoutError) as exc:
+        reason = rpc_reason(exc) if isinstance(exc, RpcError) else "no answer in time"
+        raise ServiceNotServing(
+            f"the rollout service at {target} does not answer ({reason}); is --target right?"
+        ) from None
 
 
 def policy_checkpoint(options: ModelOptions, served: pb.GetServerInfoResponse) -> str:
@@ -301,6 +313,10 @@ def load_policy(model_path: str, options: ModelOptions, bf16: bool, device_type:
 
 class ModelNotFound(ValueError):
     """The policy cannot be loaded, or is not the served model; the message says what to give instead."""
+
+
+class RunRefused(ValueError):
+    """CreateRun was refused (a dataset, reward or sampling value the service does not take); says why."""
 
 
 def save_policy(trainer: StreamGRPOTrainer, model_path: str, directory: Path) -> None:

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from rollout_api import rollout_pb2 as pb
+from tests.unit.rollout_service.edge.grpc_served import served
 from trainer_client.cli import TrainerArgumentParser, main
 from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.options import SCALE_REWARDS, ModelOptions, RunOptions
 from trainer_client.train import precision
 from trainer_client.train import run as train_module
-from trainer_client.train.run import buffered_groups
+from trainer_client.train.run import RunRefused, buffered_groups
 
 TRL_YAML = """
 model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct
@@ -175,6 +176,9 @@ def test_bf16_follows_the_flag_or_the_hardware(
         (["--reward_funcs", "a", "b", "--reward_weights", "1"], "give one weight per reward function"),
         (["--num_generation", "4"], "unknown option '--num_generation'; did you mean --num_generations?"),
         (["--scale_rewards", "std"], "scale_rewards is 'std'; choose one of group, batch, none"),
+        (["--per_device_train_batch_size", "0"], "per_device_train_batch_size is 0; it must be > 0"),
+        (["--target", "http://127.0.0.1:50051"], "give the service's gRPC host:port, without http(s)://"),
+        (["--wait_for_service", "-1"], "wait_for_service is -1; give seconds >= 0 (0: do not wait)"),
     ],
 )
 def test_a_bad_option_is_one_line_that_says_what_to_change(
@@ -187,7 +191,7 @@ def test_a_bad_option_is_one_line_that_says_what_to_change(
     ("text", "message"),
     [
         ("num_generation: 4\n", "unknown setting 'num_generation'; did you mean 'num_generations'?"),
-        ("- a\n- b\n", "must be a mapping of settings (key: value), not list"),
+        ("- a\n- b\n", "must be a mapping of settings (key: value), not a list"),
         ("num_generations: [\n", "is not YAML"),
         ("num_generations: many\n", "num_generations: 'many' is not a valid int"),
     ],
@@ -197,6 +201,31 @@ def test_a_bad_file_is_refused_with_what_to_change(
 ) -> None:
     (tmp_path / "bad.yaml").write_text(text)
     assert message in refused(capsys, "--config", str(tmp_path / "bad.yaml"))
+
+
+def test_a_config_that_is_not_text_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "model.bin").write_bytes(b"\x80\xff\x00\x01")
+    assert "model.bin is not a text file; give a YAML file of settings" in refused(
+        capsys, "--config", str(tmp_path / "model.bin")
+    )
+
+
+def test_an_output_dir_that_cannot_be_made_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(train_module, "train", lambda *args: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--max_steps", "1", "--output_dir", str(tmp_path / "afile" / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "afile/out: Not a directory; give a folder this user can write" in err
+
+
+async def test_a_run_the_service_refuses_is_one_line_with_its_reason() -> None:
+    run, config, _ = parse("--dataset", "no_such_dataset")
+    async with served() as (_, client):
+        with pytest.raises(RunRefused, match=r"the service refused the run: INVALID_ARGUMENT: unknown dataset"):
+            await train_module._create_run(client.target, config, run, False)
 
 
 def test_a_bad_prompts_file_is_refused_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,7 +242,7 @@ def test_trl_flags_that_mean_nothing_here_are_a_warning(caplog: pytest.LogCaptur
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--eval_every", "2", "--no_push"], "drop it with --no_push or --lora_serving adapter"),
+        (["--eval_every", "2", "--no_push"], "with --no_push or --lora_serving adapter it pushes none; drop --eval"),
         (["--eval_every", "2", "--use_peft", "--lora_serving", "adapter"], "evaluations pin the base weights"),
     ],
 )
