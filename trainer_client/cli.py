@@ -120,12 +120,12 @@ class TrainerArgumentParser(HfArgumentParser):
         config_path = pre.parse_known_args(argv)[0].config
         if config_path is not None:
             self.set_defaults(**self._file_settings(config_path))
+        self._ignore_trl_flags(self.parse_known_args(argv)[1])  # an unknown flag first: it may be the bad value's
         try:
-            # The three dataclasses, a namespace of --config, and what nothing took.
-            run, config, model, _, rest = self.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+            # The three dataclasses, a namespace of --config, and what nothing took (said above).
+            run, config, model, _, _ = self.parse_args_into_dataclasses(argv, return_remaining_strings=True)
         except (ValueError, TypeError) as exc:  # a dataclass refused a value; its message says which
             self.error(str(exc))
-        self._ignore_trl_flags(rest)
         return run, config, model
 
     def _file_settings(self, path: Path) -> dict[str, Any]:

@@ -82,6 +82,12 @@ class AsyncGRPOConfig(TrainingArguments):
         super().__post_init__()
         if self.num_generations < 2:
             raise ValueError(f"num_generations is {self.num_generations}; it must be >= 2")
+        if self.max_completion_length <= 0:
+            raise ValueError(f"max_completion_length is {self.max_completion_length}; it must be > 0")
+        if not self.temperature > 0:  # NaN too
+            raise ValueError(
+                f"temperature is {self.temperature:g}; it must be > 0 (log-probs are of logits / temperature)"
+            )
         if self.per_device_train_batch_size <= 0:
             raise ValueError(f"per_device_train_batch_size is {self.per_device_train_batch_size}; it must be > 0")
         if self.per_device_train_batch_size % self.num_generations:
