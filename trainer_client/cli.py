@@ -138,10 +138,12 @@ class TrainerArgumentParser(HfArgumentParser):
         ignored = []
         for key, value in data.items():
             if key in actions:
-                convert = actions[key].type
-                if isinstance(value, str) and callable(convert) and convert is not str:
-                    try:  # YAML left it a string: the flag's own type decides, as on the command line
-                        value = convert(value)
+                action, convert = actions[key], actions[key].type
+                if value is not None and callable(convert) and convert is not str and action.nargs is None:
+                    try:  # the flag's own type decides, as on the command line (YAML's 3.7 is no int)
+                        if isinstance(value, list | dict):
+                            raise TypeError
+                        value = convert(value if isinstance(value, str) else str(value))
                     except (TypeError, ValueError):
                         self.error(
                             f"--config: {path}: {key}: {value!r} is not a valid {getattr(convert, '__name__', 'value')}"

@@ -140,7 +140,7 @@ def policy_checkpoint(options: ModelOptions, served: pb.GetServerInfoResponse) -
         try:
             mine = signature_of(options.model_name_or_path, options.model_revision)
         except (OSError, ValueError) as exc:
-            raise ModelNotFound(f"cannot load model {options.model_name_or_path!r}: {exc}") from None
+            raise cannot_load(options.model_name_or_path, exc) from None
         if mine != served.model_signature:
             raise ModelNotFound(
                 f"--model_name_or_path {options.model_name_or_path} ({mine}) is not the model the service serves, "
@@ -294,10 +294,7 @@ def load_policy(model_path: str, options: ModelOptions, bf16: bool, device_type:
             model_path, revision=options.model_revision, **precision.loading_kwargs(bf16, device_type)
         )
     except OSError as exc:
-        raise ModelNotFound(
-            f"cannot load model {model_path!r}: {exc}; give --model_name_or_path a Hub model id or a local "
-            "folder with config.json (offline, a model already in the Hugging Face cache)"
-        ) from None
+        raise cannot_load(model_path, exc) from None
     if not options.use_peft:
         return model
     from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
@@ -313,6 +310,15 @@ def load_policy(model_path: str, options: ModelOptions, bf16: bool, device_type:
 
 class ModelNotFound(ValueError):
     """The policy cannot be loaded, or is not the served model; the message says what to give instead."""
+
+
+def cannot_load(name: str, exc: Exception) -> ModelNotFound:
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():  # a path, not a Hub id
+        return ModelNotFound(f"--model_name_or_path {name} does not exist; give a local model folder or a Hub model id")
+    return ModelNotFound(
+        f"cannot load model {name!r}: {exc}; give --model_name_or_path a Hub model id or a local folder with "
+        "config.json (offline, a model already in the Hugging Face cache)"
+    )
 
 
 class RunRefused(ValueError):

@@ -19,7 +19,7 @@ from trainer_client.grpo_config import AsyncGRPOConfig
 from trainer_client.options import SCALE_REWARDS, ModelOptions, RunOptions
 from trainer_client.train import precision
 from trainer_client.train import run as train_module
-from trainer_client.train.run import RunRefused, buffered_groups
+from trainer_client.train.run import ModelNotFound, RunRefused, buffered_groups
 
 TRL_YAML = """
 model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct
@@ -197,6 +197,8 @@ def test_a_bad_option_is_one_line_that_says_what_to_change(
         ("- a\n- b\n", "must be a mapping of settings (key: value), not a list"),
         ("num_generations: [\n", "is not YAML"),
         ("num_generations: many\n", "num_generations: 'many' is not a valid int"),
+        ("max_steps: 3.7\n", "max_steps: 3.7 is not a valid int"),
+        ("per_device_train_batch_size: [1, 2]\n", "per_device_train_batch_size: [1, 2] is not a valid int"),
     ],
 )
 def test_a_bad_file_is_refused_with_what_to_change(
@@ -293,3 +295,12 @@ def test_the_correction_bounds_take_trls_names_and_its_deprecated_cap(caplog: py
     _, config, _ = parse("--vllm_importance_sampling_cap", "4")
     assert config.loss_config().vllm_importance_sampling_clip_max == 4.0
     assert "vllm_importance_sampling_cap is deprecated in TRL" in caplog.text
+
+
+def test_a_model_path_that_does_not_exist_is_named_as_a_path(tmp_path: Path) -> None:
+    served = pb.GetServerInfoResponse(model="tiny", model_signature="qwen2 d64 L2")
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(
+        ModelNotFound, match=f"--model_name_or_path {missing} does not exist; give a local model folder"
+    ):
+        train_module.policy_checkpoint(ModelOptions(model_name_or_path=missing), served)
