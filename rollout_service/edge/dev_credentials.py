@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,10 +69,15 @@ def _write(directory: Path, stem: str, cert: x509.Certificate, key: ec.EllipticC
     return Pem(cert_path, key_path)
 
 
+HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
 def _subject_alternative_name(host: str) -> x509.GeneralName:
     try:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
+        if not HOST_NAME.fullmatch(host):
+            raise ValueError(f"--host {host!r} is neither a host name nor an IP address") from None
         return x509.DNSName(host)
 
 
@@ -146,6 +152,11 @@ def write_dev_credentials(
 ) -> DevCredentials:
     """Write the CA, a server certificate for ``hosts``, per principal a token and a client
     certificate, and ``tokens.yaml``; a directory that has ``tokens.yaml`` is kept as it is."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file; give a folder for the credentials")
+    hosts = list(hosts)
+    for host in hosts:
+        _subject_alternative_name(host)  # a bad host fails before anything is written
     directory.mkdir(parents=True, exist_ok=True)
     credentials = DevCredentials(directory, created=False)
     if credentials.tokens_file.exists():

@@ -88,8 +88,26 @@ def test_the_server_certificate_names_the_given_hosts(tmp_path: Path) -> None:
     ],
 )
 def test_a_bad_principal_is_refused_with_one_line(tmp_path: Path, flag: str, message: str) -> None:
-    result = CliRunner().invoke(app, ["dev-credentials", str(tmp_path / "out"), "--principal", flag])
+    assert_refused(tmp_path, ["--principal", flag], message)
+
+
+@pytest.mark.parametrize(
+    ("host", "message"), [("", "--host '' is neither a host name nor an IP address"), ("not a host!", "neither")]
+)
+def test_a_bad_host_is_refused_before_anything_is_written(tmp_path: Path, host: str, message: str) -> None:
+    assert_refused(tmp_path, ["--host", host], message)
+    assert not (tmp_path / "out").exists()
+
+
+def assert_refused(tmp_path: Path, flags: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["dev-credentials", str(tmp_path / "out"), *flags])
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
     assert "Traceback" not in result.output
     assert not (tmp_path / "out" / "tokens.yaml").exists()
+
+
+def test_a_file_given_as_the_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "out").write_text("")
+    result = CliRunner().invoke(app, ["dev-credentials", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "out is a file; give a folder for the credentials" in result.output
