@@ -138,17 +138,7 @@ class TrainerArgumentParser(HfArgumentParser):
         ignored = []
         for key, value in data.items():
             if key in actions:
-                action, convert = actions[key], actions[key].type
-                if value is not None and callable(convert) and convert is not str and action.nargs is None:
-                    try:  # the flag's own type decides, as on the command line (YAML's 3.7 is no int)
-                        if isinstance(value, list | dict):
-                            raise TypeError
-                        value = convert(value if isinstance(value, str) else str(value))
-                    except (TypeError, ValueError):
-                        self.error(
-                            f"--config: {path}: {key}: {value!r} is not a valid {getattr(convert, '__name__', 'value')}"
-                        )
-                settings[key] = [value] if key == "reward_funcs" and isinstance(value, str) else value
+                settings[key] = self._file_value(path, key, value, actions[key])
             elif key in IGNORED_TRL_SETTINGS:
                 ignored.append(key)
             else:
@@ -158,6 +148,32 @@ class TrainerArgumentParser(HfArgumentParser):
                 )
         _warn_ignored(ignored, str(path))
         return settings
+
+    def _file_value(self, path: Path, key: str, value: Any, action: argparse.Action) -> Any:
+        """A file's value is checked by its flag's own type, as on the command line (YAML's 3.7 is no
+        int); a mapping or list goes through as it is (``liger_kernel_config``), but not to a number
+        or a choice."""
+        convert = action.type
+        if value is None or not callable(convert) or convert is str or action.nargs is not None:
+            return [value] if key == "reward_funcs" and isinstance(value, str) else value
+        if convert is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        structured = isinstance(value, list | dict)
+        if structured and convert not in (int, float) and not action.choices:
+            return value
+        try:
+            if structured:
+                raise TypeError
+            return convert(value if isinstance(value, str) else str(value))
+        except (TypeError, ValueError):
+            name = getattr(convert, "__name__", "<lambda>")
+            if name != "<lambda>":
+                expected = f"a valid {name}"
+            elif action.choices:
+                expected = f"one of {', '.join(map(str, action.choices))}"
+            else:
+                expected = "a valid value"
+            self.error(f"--config: {path}: {key}: {value!r} is not {expected}")
 
     def _ignore_trl_flags(self, rest: list[str]) -> None:
         """Flags left over: TRL's that mean nothing here are warned about, others refused."""

@@ -82,11 +82,11 @@ class AsyncGRPOConfig(TrainingArguments):
         super().__post_init__()
         if self.num_generations < 2:
             raise ValueError(f"num_generations is {self.num_generations}; it must be >= 2")
-        if self.max_completion_length <= 0:
+        if not (isinstance(self.max_completion_length, int) and self.max_completion_length > 0):  # None too
             raise ValueError(f"max_completion_length is {self.max_completion_length}; it must be > 0")
-        if not self.temperature > 0:  # NaN too
+        if not (isinstance(self.temperature, int | float) and self.temperature > 0):  # None and NaN too
             raise ValueError(
-                f"temperature is {self.temperature:g}; it must be > 0 (log-probs are of logits / temperature)"
+                f"temperature is {self.temperature}; it must be > 0 (log-probs are of logits / temperature)"
             )
         if self.per_device_train_batch_size <= 0:
             raise ValueError(f"per_device_train_batch_size is {self.per_device_train_batch_size}; it must be > 0")

@@ -69,7 +69,9 @@ def _write(directory: Path, stem: str, cert: x509.Certificate, key: ec.EllipticC
     return Pem(cert_path, key_path)
 
 
-HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+HOST_NAME = re.compile(r"(\*\.)?[A-Za-z0-9_-]{1,63}(\.[A-Za-z0-9_-]{1,63})*\.?")
+"""ASCII labels (an international name in its xn-- form), a leading wildcard, and underscores:
+Compose service names have them, and gRPC's TLS name check takes them."""
 
 
 def _subject_alternative_name(host: str) -> x509.GeneralName:
@@ -77,7 +79,9 @@ def _subject_alternative_name(host: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
         if not HOST_NAME.fullmatch(host):
-            raise ValueError(f"--host {host!r} is neither a host name nor an IP address") from None
+            raise ValueError(
+                f"--host {host!r} is neither a host name nor an IP address (an international name in its xn-- form)"
+            ) from None
         return x509.DNSName(host)
 
 

@@ -34,6 +34,7 @@ from rollout_api.client import (
     ledger_record,
     paced_lookahead,
     rpc_reason,
+    unavailable,
     wait_until_serving,
 )
 from rollout_common.cpu_budget import pin_local_trainer, trainer_threads
@@ -104,7 +105,7 @@ async def _create_run(target: str, config: AsyncGRPOConfig, options: RunOptions,
         try:
             return (await client.create_run(spec)).run_id
         except RpcError as exc:
-            raise RunRefused(f"the service refused the run: {rpc_reason(exc)}") from None
+            raise RunRefused(f"the service did not create the run: {rpc_reason(exc)}") from None
 
 
 def eval_run_spec(config: AsyncGRPOConfig, options: RunOptions) -> pb.RunSpec:
@@ -126,6 +127,10 @@ async def _served_model(target: str) -> pb.GetServerInfoResponse:
         async with RolloutClient(target) as client:
             return await client.server_info()
     except (RpcError, TimeoutError) as exc:
+        if isinstance(exc, RpcError) and not unavailable(exc):  # it answered: a token, say, was refused
+            raise ServiceNotServing(
+                f"the rollout service at {target} refused GetServerInfo: {rpc_reason(exc)}"
+            ) from None
         reason = rpc_reason(exc) if isinstance(exc, RpcError) else "no answer in time"
         raise ServiceNotServing(
             f"the rollout service at {target} does not answer ({reason}); is --target right?"

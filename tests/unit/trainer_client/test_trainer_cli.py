@@ -178,7 +178,7 @@ def test_bf16_follows_the_flag_or_the_hardware(
         (["--scale_rewards", "std"], "scale_rewards is 'std'; choose one of group, batch, none"),
         (["--per_device_train_batch_size", "0"], "per_device_train_batch_size is 0; it must be > 0"),
         (["--max_completion_length", "0"], "max_completion_length is 0; it must be > 0"),
-        (["--temperature", "0"], "temperature is 0; it must be > 0 (log-probs are of logits / temperature)"),
+        (["--temperature", "0"], "temperature is 0.0; it must be > 0 (log-probs are of logits / temperature)"),
         (["--max_step", "5", "--temperature", "0"], "unknown option '--max_step'; did you mean --max_steps?"),
         (["--target", "http://127.0.0.1:50051"], "give the service's gRPC host:port, without http(s)://"),
         (["--wait_for_service", "-1"], "wait_for_service is -1; give seconds >= 0 (0: do not wait)"),
@@ -198,6 +198,8 @@ def test_a_bad_option_is_one_line_that_says_what_to_change(
         ("num_generations: [\n", "is not YAML"),
         ("num_generations: many\n", "num_generations: 'many' is not a valid int"),
         ("max_steps: 3.7\n", "max_steps: 3.7 is not a valid int"),
+        ("admission: [paced]\n", "admission: ['paced'] is not one of paced, staleness"),
+        ("temperature: null\n", "temperature is None; it must be > 0"),
         ("per_device_train_batch_size: [1, 2]\n", "per_device_train_batch_size: [1, 2] is not a valid int"),
     ],
 )
@@ -206,6 +208,12 @@ def test_a_bad_file_is_refused_with_what_to_change(
 ) -> None:
     (tmp_path / "bad.yaml").write_text(text)
     assert message in refused(capsys, "--config", str(tmp_path / "bad.yaml"))
+
+
+def test_a_file_may_give_mappings_and_whole_floats_as_trl_s_yaml_does(tmp_path: Path) -> None:
+    (tmp_path / "trl.yaml").write_text("liger_kernel_config: {rope: true}\nmax_steps: 1000.0\n")
+    _, config, _ = TrainerArgumentParser().parse(["--config", str(tmp_path / "trl.yaml")])
+    assert (config.liger_kernel_config, config.max_steps) == ({"rope": True}, 1000)
 
 
 def test_a_config_that_is_not_text_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,7 +237,7 @@ def test_an_output_dir_that_cannot_be_made_is_refused_before_anything_starts(
 async def test_a_run_the_service_refuses_is_one_line_with_its_reason() -> None:
     run, config, _ = parse("--dataset", "no_such_dataset")
     async with served() as (_, client):
-        with pytest.raises(RunRefused, match=r"the service refused the run: INVALID_ARGUMENT: unknown dataset"):
+        with pytest.raises(RunRefused, match=r"the service did not create the run: INVALID_ARGUMENT: unknown dataset"):
             await train_module._create_run(client.target, config, run, False)
 
 

@@ -73,10 +73,10 @@ def test_keys_and_tokens_are_private_and_a_second_call_keeps_them(tmp_path: Path
 def test_the_server_certificate_names_the_given_hosts(tmp_path: Path) -> None:
     from cryptography import x509
 
-    write(tmp_path, "--host", "rollout", "--host", "10.0.0.7")
+    write(tmp_path, "--host", "rollout", "--host", "10.0.0.7", "--host", "rollout_service", "--host", "*.rl.svc")
     certificate = x509.load_pem_x509_certificate((tmp_path / "server.crt").read_bytes())
     names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert names.get_values_for_type(x509.DNSName) == ["rollout"]
+    assert names.get_values_for_type(x509.DNSName) == ["rollout", "rollout_service", "*.rl.svc"]  # Compose, wildcard
     assert [str(address) for address in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
 
 
